@@ -1,0 +1,253 @@
+"""The public functions: argument checks, flattening to rows, autograd, and backend dispatch.
+
+Every op reduces to "normalize each row of an [M, N] matrix": the trailing normalized_shape dims
+are the row, all leading dims are rows. Rows are passed to the kernels as a strided view when the
+layout allows (unit stride inside a row, one stride between rows); otherwise x is copied once.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import backends
+from .reference import default_rms_eps
+
+__all__ = [
+    "layer_norm",
+    "rms_norm",
+    "layer_norm_fwd",
+    "layer_norm_bwd",
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+]
+
+ShapeLike = Union[int, Sequence[int], torch.Size]
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+def _check_tensor(t, arg: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{arg}: expected a floating-point tensor (float16, bfloat16, float32 or float64), "
+                        f"got dtype {t.dtype}")
+
+
+def _normalized_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        shape = (int(normalized_shape),)
+    else:
+        try:
+            shape = tuple(normalized_shape)
+        except TypeError:
+            raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}") from None
+        if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in shape):
+            raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
+        shape = tuple(int(s) for s in shape)
+    if len(shape) == 0:
+        raise ValueError("normalized_shape: expected at least one dimension, got ()")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"normalized_shape: expected non-negative sizes, got {shape}")
+    return shape
+
+
+def _check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps: expected a real number, got {eps!r}")
+    eps = float(eps)
+    if not eps >= 0.0 or math.isinf(eps):  # also rejects NaN
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps}")
+    return eps
+
+
+def _check_param(p, arg: str, shape: tuple[int, ...], x: torch.Tensor) -> None:
+    if p is None:
+        return
+    _check_tensor(p, arg)
+    if tuple(p.shape) != shape:
+        raise ValueError(f"{arg}: expected shape {shape} (normalized_shape), got {tuple(p.shape)}")
+    if p.device != x.device:
+        raise ValueError(f"{arg}: expected a tensor on x's device {x.device}, got one on {p.device}")
+
+
+def _check_inputs(x, normalized_shape, weight, bias, eps):
+    _check_tensor(x, "x")
+    shape = _normalized_shape(normalized_shape)
+    if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
+        raise ValueError(f"normalized_shape: expected the trailing dims of x, whose shape is {tuple(x.shape)}, "
+                         f"got {shape}")
+    _check_param(weight, "weight", shape, x)
+    _check_param(bias, "bias", shape, x)
+    return shape, _check_eps(eps)
+
+
+# ----------------------------------------------------------------------------- rows
+
+def _as_rows(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """[M, N] view of t (N = prod(shape) of its trailing dims) with unit column stride,
+    copying only when no such view exists."""
+    m, n = math.prod(t.shape[: t.dim() - len(shape)]), math.prod(shape)
+    try:
+        rows = t.view(m, n)
+    except RuntimeError:  # leading dims cannot merge into one row stride
+        rows = t.reshape(m, n)
+    if n > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def _flat_param(p):
+    return None if p is None else p.reshape(-1).contiguous()
+
+
+def _param_grad_dtype(p, wanted: bool):
+    return p.dtype if (p is not None and wanted) else None
+
+
+# ----------------------------------------------------------------------------- autograd
+
+class _RowNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps, rms, backend):
+        x2d = _as_rows(x, shape)
+        w, b = _flat_param(weight), _flat_param(bias)
+        y, mean, rstd = backend.row_norm_fwd(x2d, w, b, eps, rms)
+        ctx.save_for_backward(x2d, w, mean, rstd)
+        ctx.meta = (x.shape, shape, rms, backend, _spec(weight), _spec(bias))
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, w, mean, rstd = ctx.saved_tensors
+        x_shape, shape, rms, backend, w_spec, b_spec = ctx.meta
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx, dw, db = backend.row_norm_bwd(
+            _as_rows(dy, shape), x2d, w, mean, rstd, rms,
+            w_spec[1] if need_dw else None, b_spec[1] if need_db else None,
+        )
+        dx = dx.view(x_shape) if need_dx else None
+        dw = dw.view(w_spec[0]) if dw is not None else None
+        db = db.view(b_spec[0]) if db is not None else None
+        return dx, dw, db, None, None, None, None
+
+
+def _spec(p):
+    return None if p is None else (p.shape, p.dtype)
+
+
+def _needs_autograd(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _row_norm(x, shape, weight, bias, eps, rms, backend_name, op):
+    backend = backends.resolve(backend_name, x, op)
+    if _needs_autograd(x, weight, bias):
+        return _RowNormFunction.apply(x, weight, bias, shape, eps, rms, backend)
+    y, _, _ = backend.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), _flat_param(bias), eps, rms)
+    return y.view(x.shape)
+
+
+# ----------------------------------------------------------------------------- public API
+
+def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *, backend: Optional[str] = None) -> torch.Tensor:
+    """LayerNorm over the trailing `normalized_shape` dims, as torch.nn.functional.layer_norm.
+
+    backend: None picks Triton for CUDA tensors and torch otherwise; "triton" or "torch" forces one.
+    """
+    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps)
+    return _row_norm(x, shape, weight, bias, eps, False, backend, "layer_norm")
+
+
+def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torch.Tensor] = None,
+             eps: Optional[float] = None, *, backend: Optional[str] = None) -> torch.Tensor:
+    """RMSNorm over the trailing `normalized_shape` dims, as torch.nn.functional.rms_norm.
+
+    eps=None means torch's default: the machine epsilon of the compute type (float32, or float64).
+    """
+    _check_tensor(x, "x")
+    shape, eps = _check_inputs(x, normalized_shape, weight, None, default_rms_eps(x.dtype) if eps is None else eps)
+    return _row_norm(x, shape, weight, None, eps, True, backend, "rms_norm")
+
+
+# ----------------------------------------------------------------------------- kernel-level API
+
+def _stats_shape(x: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x.shape[: x.dim() - len(shape)])
+
+
+def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, backend=None):
+    """LayerNorm forward with its statistics: (y, mean, rstd).
+
+    mean and rstd are float32 (float64 for float64 input) with x's leading shape. No autograd.
+    """
+    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps)
+    be = backends.resolve(backend, x, "layer_norm_fwd")
+    y, mean, rstd = be.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), _flat_param(bias), eps, False)
+    lead = _stats_shape(x, shape)
+    return y.view(x.shape), mean.view(lead), rstd.view(lead)
+
+
+def rms_norm_fwd(x, normalized_shape, weight=None, eps=None, *, backend=None):
+    """RMSNorm forward with its statistic: (y, rstd). rstd is float32 with x's leading shape."""
+    _check_tensor(x, "x")
+    shape, eps = _check_inputs(x, normalized_shape, weight, None, default_rms_eps(x.dtype) if eps is None else eps)
+    be = backends.resolve(backend, x, "rms_norm_fwd")
+    y, _, rstd = be.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), None, eps, True)
+    return y.view(x.shape), rstd.view(_stats_shape(x, shape))
+
+
+def _check_bwd(dy, x, weight, stats: dict):
+    _check_tensor(x, "x")
+    _check_tensor(dy, "dy")
+    if dy.shape != x.shape:
+        raise ValueError(f"dy: expected x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    if dy.device != x.device:
+        raise ValueError(f"dy: expected a tensor on x's device {x.device}, got one on {dy.device}")
+    lead = None
+    for arg, s in stats.items():
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{arg}: expected the tensor returned by the forward, got {type(s).__name__}")
+        if s.device != x.device:
+            raise ValueError(f"{arg}: expected a tensor on x's device {x.device}, got one on {s.device}")
+        if s.dim() > x.dim() or tuple(x.shape[: s.dim()]) != tuple(s.shape):
+            raise ValueError(f"{arg}: expected x's leading dims (the forward's statistics shape), got {tuple(s.shape)}")
+        if lead is not None and s.shape != lead:
+            raise ValueError(f"{arg}: expected the same shape as the other statistic {tuple(lead)}, got {tuple(s.shape)}")
+        lead = s.shape
+    shape = tuple(x.shape[len(lead):])
+    if not shape:
+        raise ValueError(f"{', '.join(stats)}: expected one value per row of x, got x's full shape {tuple(x.shape)}")
+    _check_param(weight, "weight", shape, x)
+    return shape
+
+
+def _stat_rows(s: torch.Tensor) -> torch.Tensor:
+    return s.reshape(-1).to(torch.float64 if s.dtype == torch.float64 else torch.float32).contiguous()
+
+
+def layer_norm_bwd(dy, x, weight, mean, rstd, *, backend=None):
+    """LayerNorm backward from saved statistics: (dx, dweight, dbias).
+
+    dweight is None when weight is None; dbias (the column sums of dy) is always returned, in
+    weight's dtype (x's dtype without a weight). The dweight/dbias sums are deterministic.
+    """
+    shape = _check_bwd(dy, x, weight, {"mean": mean, "rstd": rstd})
+    be = backends.resolve(backend, x, "layer_norm_bwd")
+    dx, dw, db = be.row_norm_bwd(_as_rows(dy, shape), _as_rows(x, shape), _flat_param(weight), _stat_rows(mean), _stat_rows(rstd), False,
+                                 _param_grad_dtype(weight, True), weight.dtype if weight is not None else x.dtype)
+    return dx.view(x.shape), (dw.view(shape) if dw is not None else None), db.view(shape)
+
+
+def rms_norm_bwd(dy, x, weight, rstd, *, backend=None):
+    """RMSNorm backward from the saved statistic: (dx, dweight); dweight is None without weight."""
+    shape = _check_bwd(dy, x, weight, {"rstd": rstd})
+    be = backends.resolve(backend, x, "rms_norm_bwd")
+    dx, dw, _ = be.row_norm_bwd(_as_rows(dy, shape), _as_rows(x, shape), _flat_param(weight), None, _stat_rows(rstd), True,
+                                _param_grad_dtype(weight, True), None)
+    return dx.view(x.shape), (dw.view(shape) if dw is not None else None)

@@ -1,0 +1,157 @@
+"""The float64 oracle: every test and every benchmark compares against these functions.
+
+They are written for clarity, not speed: upcast to float64, apply the textbook formula with
+torch ops, and let float64 autograd produce the reference gradients.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "layer_norm",
+    "rms_norm",
+    "group_norm",
+    "layer_norm_backward",
+    "rms_norm_backward",
+    "group_norm_backward",
+    "activation",
+    "rel_err",
+    "default_rms_eps",
+]
+
+_f64 = torch.float64
+
+
+def default_rms_eps(dtype: torch.dtype) -> float:
+    """The eps torch's F.rms_norm uses when eps=None: machine epsilon of the compute (opmath) type."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
+def activation(y: torch.Tensor, name: Optional[str]) -> torch.Tensor:
+    """The fused-epilogue activations, applied after the affine transform."""
+    if name is None:
+        return y
+    if name == "relu":
+        return torch.relu(y)
+    if name == "silu":
+        return y * torch.sigmoid(y)
+    if name == "mish":
+        return y * torch.tanh(torch.nn.functional.softplus(y))
+    if name == "gelu":
+        return 0.5 * y * (1.0 + torch.erf(y / math.sqrt(2.0)))
+    if name == "gelu_tanh":
+        return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y**3)))
+    raise ValueError(f"activation: unknown name {name!r}")
+
+
+def _dims(x: torch.Tensor, normalized_shape: Sequence[int]) -> tuple[int, ...]:
+    k = len(tuple(normalized_shape))
+    return tuple(range(x.dim() - k, x.dim()))
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None):
+    """float64 LayerNorm. Returns (y, mean, rstd); mean/rstd have x's leading shape."""
+    x = x.to(_f64)
+    dims = _dims(x, normalized_shape)
+    mean = x.mean(dim=dims, keepdim=True)
+    var = ((x - mean) ** 2).mean(dim=dims, keepdim=True)  # two-pass: exact in float64
+    rstd = torch.rsqrt(var + eps)
+    y = (x - mean) * rstd
+    if weight is not None:
+        y = y * weight.to(_f64)
+    if bias is not None:
+        y = y + bias.to(_f64)
+    y = activation(y, activation_name)
+    lead = x.shape[: x.dim() - len(dims)]
+    return y, mean.reshape(lead), rstd.reshape(lead)
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None, activation_name=None):
+    """float64 RMSNorm. Returns (y, rstd); rstd has x's leading shape."""
+    if eps is None:
+        eps = default_rms_eps(x.dtype)
+    x = x.to(_f64)
+    dims = _dims(x, normalized_shape)
+    rstd = torch.rsqrt((x * x).mean(dim=dims, keepdim=True) + eps)
+    y = x * rstd
+    if weight is not None:
+        y = y * weight.to(_f64)
+    y = activation(y, activation_name)
+    lead = x.shape[: x.dim() - len(dims)]
+    return y, rstd.reshape(lead)
+
+
+def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation_name=None):
+    """float64 GroupNorm over (C/G, *spatial) per group. Returns (y, mean, rstd) of shape (B, G)."""
+    x = x.to(_f64)
+    B, C = x.shape[0], x.shape[1]
+    xg = x.reshape(B, num_groups, -1)
+    mean = xg.mean(dim=-1, keepdim=True)
+    var = ((xg - mean) ** 2).mean(dim=-1, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    y = ((xg - mean) * rstd).reshape(x.shape)
+    affine_shape = (1, C) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.to(_f64).reshape(affine_shape)
+    if bias is not None:
+        y = y + bias.to(_f64).reshape(affine_shape)
+    y = activation(y, activation_name)
+    return y, mean.reshape(B, num_groups), rstd.reshape(B, num_groups)
+
+
+def _grads(f, dy, x, params):
+    """float64 autograd of y = f(x, *params); returns (dx, *dparams), None for absent params."""
+    x64 = x.detach().to(_f64).requires_grad_(True)
+    p64 = [None if p is None else p.detach().to(_f64).requires_grad_(True) for p in params]
+    y = f(x64, *p64)
+    live = [x64] + [p for p in p64 if p is not None]
+    grads = iter(torch.autograd.grad(y, live, dy.to(_f64)))
+    dx = next(grads)
+    return (dx,) + tuple(None if p is None else next(grads) for p in p64)
+
+
+def layer_norm_backward(dy, x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None):
+    """float64 (dx, dweight, dbias) of layer_norm; None where weight/bias is None."""
+    f = lambda x_, w_, b_: layer_norm(x_, normalized_shape, w_, b_, eps, activation_name)[0]
+    return _grads(f, dy, x, [weight, bias])
+
+
+def rms_norm_backward(dy, x, normalized_shape, weight=None, eps=None, activation_name=None):
+    """float64 (dx, dweight) of rms_norm; dweight is None where weight is None."""
+    eps = default_rms_eps(x.dtype) if eps is None else eps
+    f = lambda x_, w_: rms_norm(x_, normalized_shape, w_, eps, activation_name)[0]
+    return _grads(f, dy, x, [weight])
+
+
+def group_norm_backward(dy, x, num_groups, weight=None, bias=None, eps=1e-5, activation_name=None):
+    """float64 (dx, dweight, dbias) of group_norm; None where weight/bias is None."""
+    f = lambda x_, w_, b_: group_norm(x_, num_groups, w_, b_, eps, activation_name)[0]
+    return _grads(f, dy, x, [weight, bias])
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 over finite reference entries.
+
+    A NaN/inf in `out` where the reference is finite makes the error inf, so it can never pass.
+    Entries where the reference itself is non-finite must match it exactly in kind (NaN for NaN).
+    """
+    out = out.detach().to("cpu", _f64)
+    ref = ref.detach().to("cpu", _f64)
+    if out.shape != ref.shape:
+        raise ValueError(f"rel_err: shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isnan(out[~finite]), torch.isnan(ref[~finite])):
+        return math.inf
+    if not torch.equal(out[~finite & ~torch.isnan(ref)], ref[~finite & ~torch.isnan(ref)]):
+        return math.inf
+    o, r = out[finite], ref[finite]
+    if not torch.isfinite(o).all():
+        return math.inf
+    denom = torch.linalg.vector_norm(r).item()
+    num = torch.linalg.vector_norm(o - r).item()
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / denom

@@ -1,0 +1,215 @@
+"""LayerNorm and RMSNorm, forward and backward, against the float64 oracle.
+
+On a machine without a GPU the Triton kernels run under the Triton interpreter on CPU tensors;
+with a GPU the same cases run compiled on CUDA tensors. Every test draws fresh random data.
+"""
+import math
+
+import pytest
+import torch
+
+import normkit
+from normkit import reference as ref
+from normkit.backends.triton import configs
+
+from conftest import DEVICE
+from helpers import DTYPES, TOL, assert_close, dx_scale_err, param_tol, randn
+
+WIDTHS = [1, 7, 64, 100, 1000, 4099, 8192]
+OPS = ["layer_norm", "rms_norm"]
+BACKENDS = ["triton", "torch"]
+
+
+def run(op, x, shape, w=None, b=None, eps=1e-5, backend="triton"):
+    if op == "layer_norm":
+        return normkit.layer_norm(x, shape, w, b, eps, backend=backend)
+    return normkit.rms_norm(x, shape, w, eps, backend=backend)
+
+
+def oracle(op, x, shape, w=None, b=None, eps=1e-5):
+    if op == "layer_norm":
+        return ref.layer_norm(x, shape, w, b, eps)[0]
+    return ref.rms_norm(x, shape, w, eps)[0]
+
+
+def oracle_grads(op, dy, x, shape, w=None, b=None, eps=1e-5):
+    """(dx, dw, db) in float64; db is None for RMSNorm."""
+    if op == "layer_norm":
+        return ref.layer_norm_backward(dy, x, shape, w, b, eps)
+    return ref.rms_norm_backward(dy, x, shape, w, eps) + (None,)
+
+
+def check_fwd_bwd(op, x, shape, w=None, b=None, eps=1e-5, backend="triton", what=""):
+    """Run forward + autograd backward on fresh dy and compare everything with the oracle."""
+    b = b if op == "layer_norm" else None
+    dtype = x.dtype
+    leaves = {k: t.requires_grad_(True) for k, t in (("x", x), ("w", w), ("b", b)) if t is not None}
+    y = run(op, x, shape, w, b, eps, backend)
+    assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+    assert_close(y, oracle(op, x, shape, w, b, eps), TOL[dtype], f"{what} y")
+    if x.numel() == 0:
+        return
+    dy = randn(*x.shape, dtype=dtype, device=x.device)
+    grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
+    dx_ref, dw_ref, db_ref = oracle_grads(op, dy, x, shape, w, b, eps)
+    n = math.prod(shape)
+    if op == "rms_norm" and n == 1:
+        # dx = rstd*w*dy*(1 - xhat^2) cancels to ~eps: judge it against the size of its terms
+        rstd = ref.rms_norm(x, shape, None, eps)[1]
+        assert dx_scale_err(grads["x"], dx_ref, dy, w, rstd) <= TOL[dtype], f"{what} dx"
+    else:
+        assert_close(grads["x"], dx_ref, TOL[dtype], f"{what} dx")
+    assert grads["x"].dtype == dtype
+    if w is not None:
+        assert grads["w"].dtype == w.dtype
+        assert_close(grads["w"], dw_ref, param_tol(w.dtype, dtype), f"{what} dweight")
+    if b is not None:
+        assert grads["b"].dtype == b.dtype
+        assert_close(grads["b"], db_ref, param_tol(b.dtype, dtype), f"{what} dbias")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize("op", OPS)
+def test_matches_oracle(op, n, dtype, backend, poison):
+    # bf16 activations with fp32 parameters (mixed precision), fp16 with fp16 parameters
+    p_dtype = torch.float32 if dtype != torch.float16 else torch.float16
+    x = randn(5, n, dtype=dtype, device=DEVICE)
+    w, b = randn(n, dtype=p_dtype, device=DEVICE), randn(n, dtype=p_dtype, device=DEVICE)
+    check_fwd_bwd(op, x, (n,), w, b, backend=backend, what=f"{op} N={n} {dtype}")
+
+
+@pytest.mark.parametrize("affine", ["none", "weight", "bias", "both"])
+@pytest.mark.parametrize("p_dtype", ["same", "fp32"])
+@pytest.mark.parametrize("op", OPS)
+def test_optional_and_mixed_dtype_params(op, affine, p_dtype):
+    if op == "rms_norm" and affine in ("bias", "both"):
+        pytest.skip("RMSNorm has no bias")
+    x = randn(4, 3, 100, dtype=torch.bfloat16, device=DEVICE)
+    pd = torch.bfloat16 if p_dtype == "same" else torch.float32
+    w = randn(100, dtype=pd, device=DEVICE) if affine in ("weight", "both") else None
+    b = randn(100, dtype=pd, device=DEVICE) if affine in ("bias", "both") else None
+    check_fwd_bwd(op, x, (100,), w, b, what=f"{op} {affine} {p_dtype}")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_many_rows_per_program_and_persistent_loop(op, poison):
+    # N=7 puts hundreds of rows in one tile; 3000 rows make more tiles than persistent programs
+    x = randn(3000, 7, device=DEVICE)
+    check_fwd_bwd(op, x, (7,), randn(7, device=DEVICE), randn(7, device=DEVICE), what=f"{op} M=3000 N=7")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_multi_dim_normalized_shape(op):
+    x = randn(2, 3, 4, 5, device=DEVICE)
+    check_fwd_bwd(op, x, (4, 5), randn(4, 5, device=DEVICE), randn(4, 5, device=DEVICE), what=f"{op} (4, 5)")
+    check_fwd_bwd(op, randn(2, 3, 4, 5, device=DEVICE), (3, 4, 5), what=f"{op} (3, 4, 5)")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_strided_rows_are_read_in_place(op):
+    from normkit.functional import _as_rows
+
+    wide = randn(6, 1000 + 37, device=DEVICE)
+    for x in (wide[:, :1000], wide[1:5, :1000], wide[::2, :1000]):
+        rows = _as_rows(x, (1000,))
+        assert rows.data_ptr() == x.data_ptr() and rows.stride() == x.stride(), "strided rows were copied"
+        w = randn(1000, device=DEVICE)
+        check_fwd_bwd(op, x.detach(), (1000,), w, randn(1000, device=DEVICE), what=f"{op} strided {x.stride()}")
+    x3 = randn(2, 3, 1000 + 5, device=DEVICE)[:, :, :1000]  # leading dims merge into one row stride
+    assert _as_rows(x3, (1000,)).data_ptr() == x3.data_ptr()
+    check_fwd_bwd(op, x3, (1000,), what=f"{op} 3-D strided")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_layouts_that_need_one_copy(op):
+    # batch slice of a 3-D tensor (leading dims cannot merge), and a transposed (column-major) x
+    for x in (randn(6, 3, 64, device=DEVICE)[::2], randn(64, 9, device=DEVICE).t()):
+        check_fwd_bwd(op, x.detach(), (x.shape[-1],), randn(x.shape[-1], device=DEVICE), what=f"{op} {x.stride()}")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_empty_batch(op):
+    for shape in ((0, 64), (2, 0, 64)):
+        x = randn(*shape, device=DEVICE).requires_grad_(True)
+        w = randn(64, device=DEVICE).requires_grad_(True)
+        y = run(op, x, (64,), w)
+        assert y.shape == x.shape
+        dx, dw = torch.autograd.grad(y, [x, w], torch.ones_like(y))
+        assert dx.shape == x.shape and torch.equal(dw, torch.zeros_like(dw))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_nan_stays_in_its_row(op):
+    x = randn(6, 100, device=DEVICE)
+    x[2, 17] = float("nan")
+    w = randn(100, device=DEVICE).requires_grad_(True)
+    xg = x.clone().requires_grad_(True)
+    y = run(op, xg, (100,), w)
+    ok = torch.tensor([i != 2 for i in range(6)], device=DEVICE)
+    assert torch.isnan(y[2]).all()
+    assert_close(y[ok], oracle(op, x[ok], (100,), w), TOL[torch.float32], "rows without NaN")
+    dy = randn(6, 100, device=DEVICE)
+    dx, = torch.autograd.grad(y, [xg], dy)
+    assert torch.isnan(dx[2]).all()
+    assert_close(dx[ok], oracle_grads(op, dy[ok], x[ok], (100,), w)[0], TOL[torch.float32], "dx without NaN")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_offset_rows_keep_their_precision(backend):
+    # E[x^2] - E[x]^2 would lose everything here; Welford / two-pass must not
+    x = 1e4 + randn(4, 4096, device=DEVICE)
+    w, b = randn(4096, device=DEVICE), randn(4096, device=DEVICE)
+    y = normkit.layer_norm(x, (4096,), w, b, backend=backend)
+    err = assert_close(y, oracle("layer_norm", x, (4096,), w, b), 1e-3, "offset rows")
+    assert err < 1e-5, f"offset rows: {err:.3g} (shifted statistics should keep ~1e-7)"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_weight_gradients_are_bitwise_reproducible(op):
+    x = randn(257, 1000, device=DEVICE).requires_grad_(True)
+    w = randn(1000, device=DEVICE).requires_grad_(True)
+    b = randn(1000, device=DEVICE).requires_grad_(True) if op == "layer_norm" else None
+    dy = randn(257, 1000, device=DEVICE)
+    leaves = [t for t in (x, w, b) if t is not None]
+    first = torch.autograd.grad(run(op, x, (1000,), w, b), leaves, dy)
+    second = torch.autograd.grad(run(op, x, (1000,), w, b), leaves, dy)
+    for g1, g2 in zip(first, second):
+        assert torch.equal(g1, g2)
+
+
+@pytest.fixture
+def looped(monkeypatch):
+    """Force the looped (row too wide for registers) kernels at small widths."""
+    monkeypatch.setitem(configs.MAX_SINGLE_TILE, "fwd", {2: 64, 4: 64})
+    monkeypatch.setitem(configs.MAX_SINGLE_TILE, "bwd", {2: 64, 4: 64})
+    monkeypatch.setitem(configs.LOOPED, "fwd", (128, 4))
+    monkeypatch.setitem(configs.LOOPED, "bwd", (128, 4))
+    configs.row_config.cache_clear()
+    yield
+    configs.row_config.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [100, 1000, 4099])
+@pytest.mark.parametrize("op", OPS)
+def test_looped_kernels(op, n, dtype, looped, poison):
+    assert not configs.row_config("fwd", n, 4).single_tile
+    x = randn(3, n, dtype=dtype, device=DEVICE)
+    check_fwd_bwd(op, x, (n,), randn(n, device=DEVICE), randn(n, device=DEVICE), what=f"looped {op} N={n}")
+
+
+def test_looped_kernels_offset_rows(looped):
+    x = 1e4 + randn(3, 4099, device=DEVICE)
+    y = normkit.layer_norm(x, (4099,), backend="triton")
+    assert_close(y, oracle("layer_norm", x, (4099,)), 1e-5, "looped offset rows")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_inputs_are_not_modified(op):
+    x, w, b = randn(5, 100, device=DEVICE), randn(100, device=DEVICE), randn(100, device=DEVICE)
+    copies = [t.clone() for t in (x, w, b)]
+    check_fwd_bwd(op, x, (100,), w, b)
+    for t, c in zip((x, w, b), copies):
+        assert torch.equal(t, c)
