@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 __all__ = [
+    "ACTIVATIONS",
     "layer_norm",
     "rms_norm",
     "group_norm",
@@ -28,6 +29,9 @@ _f64 = torch.float64
 def default_rms_eps(dtype: torch.dtype) -> float:
     """The eps torch's F.rms_norm uses when eps=None: machine epsilon of the compute (opmath) type."""
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
+ACTIVATIONS = ("silu", "mish", "gelu", "gelu_tanh", "relu")
 
 
 def activation(y: torch.Tensor, name: Optional[str]) -> torch.Tensor:

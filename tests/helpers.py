@@ -3,6 +3,7 @@ import math
 
 import torch
 
+import normkit
 from normkit import reference as ref
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,3 +38,53 @@ def dx_scale_err(dx, dx_ref, dy, w, rstd):
     if w is not None:
         scale = scale * w.double()
     return (dx.double().cpu() - dx_ref.cpu()).norm().item() / max(scale.norm().item(), 1e-300)
+
+
+# ----------------------------------------------------------------------------- LN / RMS checks
+
+def run(op, x, shape, w=None, b=None, eps=1e-5, backend="triton"):
+    if op == "layer_norm":
+        return normkit.layer_norm(x, shape, w, b, eps, backend=backend)
+    return normkit.rms_norm(x, shape, w, eps, backend=backend)
+
+
+def oracle(op, x, shape, w=None, b=None, eps=1e-5):
+    if op == "layer_norm":
+        return ref.layer_norm(x, shape, w, b, eps)[0]
+    return ref.rms_norm(x, shape, w, eps)[0]
+
+
+def oracle_grads(op, dy, x, shape, w=None, b=None, eps=1e-5):
+    """(dx, dw, db) in float64; db is None for RMSNorm."""
+    if op == "layer_norm":
+        return ref.layer_norm_backward(dy, x, shape, w, b, eps)
+    return ref.rms_norm_backward(dy, x, shape, w, eps) + (None,)
+
+
+def check_fwd_bwd(op, x, shape, w=None, b=None, eps=1e-5, backend="triton", what=""):
+    """Run forward + autograd backward on fresh dy and compare everything with the oracle."""
+    b = b if op == "layer_norm" else None
+    dtype = x.dtype
+    leaves = {k: t.requires_grad_(True) for k, t in (("x", x), ("w", w), ("b", b)) if t is not None}
+    y = run(op, x, shape, w, b, eps, backend)
+    assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+    assert_close(y, oracle(op, x, shape, w, b, eps), TOL[dtype], f"{what} y")
+    if x.numel() == 0:
+        return
+    dy = randn(*x.shape, dtype=dtype, device=x.device)
+    grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
+    dx_ref, dw_ref, db_ref = oracle_grads(op, dy, x, shape, w, b, eps)
+    n = math.prod(shape)
+    if op == "rms_norm" and n == 1:
+        # dx = rstd*w*dy*(1 - xhat^2) cancels to ~eps: judge it against the size of its terms
+        rstd = ref.rms_norm(x, shape, None, eps)[1]
+        assert dx_scale_err(grads["x"], dx_ref, dy, w, rstd) <= TOL[dtype], f"{what} dx"
+    else:
+        assert_close(grads["x"], dx_ref, TOL[dtype], f"{what} dx")
+    assert grads["x"].dtype == dtype
+    if w is not None:
+        assert grads["w"].dtype == w.dtype
+        assert_close(grads["w"], dw_ref, param_tol(w.dtype, dtype), f"{what} dweight")
+    if b is not None:
+        assert grads["b"].dtype == b.dtype
+        assert_close(grads["b"], db_ref, param_tol(b.dtype, dtype), f"{what} dbias")

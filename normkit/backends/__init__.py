@@ -1,8 +1,25 @@
 """Backend registry and selection.
 
-A backend is a module with NAME, why_unavailable(x) -> str | None, and the kernels it provides
-(row_norm_fwd / row_norm_bwd, ...). Modules are imported on first use, so `import normkit` does
-not pull in triton, cuda-python or wgpu.
+A backend is a module with NAME, why_unavailable(x) -> str | None, and the entry points it
+provides. Modules are imported on first use, so `import normkit` does not pull in triton,
+cuda-python or wgpu. The entry points (arguments arrive checked by normkit.functional):
+
+row_norm_fwd(x, weight, bias, eps, rms, activation=None) -> (y, mean | None, rstd)
+    x: [M, N], unit column stride, rows may be strided. weight/bias: contiguous [N] or None.
+    rms=True: RMSNorm (no centering; bias is None, mean is returned as None).
+    activation: None or a name in normkit.reference.ACTIVATIONS, applied after the affine.
+    y: contiguous [M, N] in x.dtype; mean/rstd: contiguous [M] float32 (float64 for float64 x).
+row_norm_bwd(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, *, bias=None, activation=None)
+    -> (dx, dweight | None, dbias | None)
+    dy: [M, N] like x. dweight is computed when dweight_dtype is given, dbias when dbias_dtype is,
+    each returned in that dtype; the sums over rows are deterministic (no float atomics).
+    bias is passed when an activation needs the pre-activation value recomputed.
+group_norm_fwd(x, num_groups, weight, bias, eps, activation=None) -> (y, mean, rstd)
+    x: [B, C, S] (S = product of the spatial dims, 1 if none) in either layout: NCHW
+    (stride(2) == 1) or channels_last (stride(1) == 1). y: same shape and strides as x.
+    weight/bias: contiguous [C] or None. mean/rstd: contiguous [B, num_groups] float32.
+group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype)
+    -> (dx, dweight | None, dbias | None); dy and dx have x's strides.
 """
 from __future__ import annotations
 
@@ -14,6 +31,8 @@ import torch
 _MODULES = {
     "torch": "normkit.backends.torch_backend",
     "triton": "normkit.backends.triton",
+    "cuda": "normkit.backends.cuda",
+    "webgpu": "normkit.backends.webgpu",
 }
 NAMES = tuple(_MODULES)
 
@@ -30,7 +49,11 @@ def get(name: str):
     if mod is None:
         if name not in _MODULES:
             raise ValueError(f"backend: expected None or one of {', '.join(map(repr, NAMES))}, got {name!r}")
-        mod = _loaded[name] = importlib.import_module(_MODULES[name])
+        try:
+            mod = importlib.import_module(_MODULES[name])
+        except ImportError as e:
+            raise BackendUnavailableError(f"backend={name!r} could not be loaded: {e}") from e
+        _loaded[name] = mod
     return mod
 
 
