@@ -12,12 +12,13 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import backends
-from .reference import default_rms_eps
+from . import _library, backends
+from .reference import ACTIVATIONS, default_rms_eps
 
 __all__ = [
     "layer_norm",
     "rms_norm",
+    "group_norm",
     "layer_norm_fwd",
     "layer_norm_bwd",
     "rms_norm_fwd",
@@ -39,7 +40,11 @@ def _check_tensor(t, arg: str) -> None:
 
 
 def _normalized_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+    if type(normalized_shape) is int:  # the common cases first: they run on every call
+        shape = (normalized_shape,)
+    elif type(normalized_shape) in (tuple, torch.Size, list) and all(type(s) is int for s in normalized_shape):
+        shape = tuple(normalized_shape)
+    elif isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape = (int(normalized_shape),)
     else:
         try:
@@ -51,12 +56,14 @@ def _normalized_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
         shape = tuple(int(s) for s in shape)
     if len(shape) == 0:
         raise ValueError("normalized_shape: expected at least one dimension, got ()")
-    if any(s < 0 for s in shape):
+    if min(shape) < 0:
         raise ValueError(f"normalized_shape: expected non-negative sizes, got {shape}")
     return shape
 
 
 def _check_eps(eps) -> float:
+    if type(eps) is float and 0.0 <= eps < math.inf:
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps: expected a real number, got {eps!r}")
     eps = float(eps)
@@ -65,24 +72,31 @@ def _check_eps(eps) -> float:
     return eps
 
 
-def _check_param(p, arg: str, shape: tuple[int, ...], x: torch.Tensor) -> None:
+def _check_activation(activation) -> None:
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected None or one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+
+
+def _check_param(p, arg: str, shape, x: torch.Tensor, device) -> None:
     if p is None:
         return
     _check_tensor(p, arg)
-    if tuple(p.shape) != shape:
-        raise ValueError(f"{arg}: expected shape {shape} (normalized_shape), got {tuple(p.shape)}")
-    if p.device != x.device:
-        raise ValueError(f"{arg}: expected a tensor on x's device {x.device}, got one on {p.device}")
+    if p.shape != shape:
+        raise ValueError(f"{arg}: expected shape {tuple(shape)}, got {tuple(p.shape)}")
+    if p.device != device:
+        raise ValueError(f"{arg}: expected a tensor on x's device {device}, got one on {p.device}")
 
 
 def _check_inputs(x, normalized_shape, weight, bias, eps):
     _check_tensor(x, "x")
     shape = _normalized_shape(normalized_shape)
-    if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
+    if x.shape[x.dim() - len(shape):] != shape or x.dim() < len(shape):
         raise ValueError(f"normalized_shape: expected the trailing dims of x, whose shape is {tuple(x.shape)}, "
                          f"got {shape}")
-    _check_param(weight, "weight", shape, x)
-    _check_param(bias, "bias", shape, x)
+    if weight is not None or bias is not None:
+        device = x.device
+        _check_param(weight, "weight", shape, x, device)
+        _check_param(bias, "bias", shape, x, device)
     return shape, _check_eps(eps)
 
 
@@ -91,6 +105,8 @@ def _check_inputs(x, normalized_shape, weight, bias, eps):
 def _as_rows(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """[M, N] view of t (N = prod(shape) of its trailing dims) with unit column stride,
     copying only when no such view exists."""
+    if len(shape) == 1 and t.dim() == 2 and (t.stride(1) == 1 or shape[0] <= 1):
+        return t
     m, n = math.prod(t.shape[: t.dim() - len(shape)]), math.prod(shape)
     try:
         rows = t.view(m, n)
@@ -102,7 +118,9 @@ def _as_rows(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _flat_param(p):
-    return None if p is None else p.reshape(-1).contiguous()
+    if p is None or (p.dim() == 1 and p.is_contiguous()):
+        return p
+    return p.reshape(-1).contiguous()
 
 
 def _param_grad_dtype(p, wanted: bool):
@@ -113,27 +131,29 @@ def _param_grad_dtype(p, wanted: bool):
 
 class _RowNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, shape, eps, rms, backend):
+    def forward(ctx, x, weight, bias, shape, eps, rms, activation, backend):
         x2d = _as_rows(x, shape)
         w, b = _flat_param(weight), _flat_param(bias)
-        y, mean, rstd = backend.row_norm_fwd(x2d, w, b, eps, rms)
-        ctx.save_for_backward(x2d, w, mean, rstd)
-        ctx.meta = (x.shape, shape, rms, backend, _spec(weight), _spec(bias))
+        y, mean, rstd = backend.row_norm_fwd(x2d, w, b, eps, rms, activation)
+        # the bias is needed again only to recompute the pre-activation value
+        ctx.save_for_backward(x2d, w, b if activation is not None else None, mean, rstd)
+        ctx.meta = (x.shape, shape, rms, activation, backend, _spec(weight), _spec(bias))
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, w, mean, rstd = ctx.saved_tensors
-        x_shape, shape, rms, backend, w_spec, b_spec = ctx.meta
+        x2d, w, b, mean, rstd = ctx.saved_tensors
+        x_shape, shape, rms, activation, backend, w_spec, b_spec = ctx.meta
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        extra = {} if activation is None else {"bias": b, "activation": activation}
         dx, dw, db = backend.row_norm_bwd(
             _as_rows(dy, shape), x2d, w, mean, rstd, rms,
-            w_spec[1] if need_dw else None, b_spec[1] if need_db else None,
+            w_spec[1] if need_dw else None, b_spec[1] if need_db else None, **extra,
         )
         dx = dx.view(x_shape) if need_dx else None
         dw = dw.view(w_spec[0]) if dw is not None else None
         db = db.view(b_spec[0]) if db is not None else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _spec(p):
@@ -144,35 +164,135 @@ def _needs_autograd(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _row_norm(x, shape, weight, bias, eps, rms, backend_name, op):
+def _forward_only_check(backend, op, *tensors) -> None:
+    if not getattr(backend, "HAS_BACKWARD", True) and _needs_autograd(*tensors):
+        raise backends.BackendUnavailableError(
+            f"backend={backend.NAME!r} cannot run {op} with autograd: it has no backward, and x, weight or "
+            "bias requires grad; call it under torch.no_grad() or on detached tensors, or use backend='torch'")
+
+
+def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op):
+    if _library.needed(x, weight, bias):  # torch.compile, DTensor, dispatch modes: the custom op
+        return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
     backend = backends.resolve(backend_name, x, op)
+    _forward_only_check(backend, op, x, weight, bias)
     if _needs_autograd(x, weight, bias):
-        return _RowNormFunction.apply(x, weight, bias, shape, eps, rms, backend)
-    y, _, _ = backend.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), _flat_param(bias), eps, rms)
-    return y.view(x.shape)
+        return _RowNormFunction.apply(x, weight, bias, shape, eps, rms, activation, backend)
+    # inference: no statistics to keep, so the kernel need not write them
+    y, _, _ = backend.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), _flat_param(bias), eps, rms,
+                                   activation, store_stats=False)
+    return y if x.dim() == 2 and len(shape) == 1 else y.view(x.shape)
 
 
 # ----------------------------------------------------------------------------- public API
 
 def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torch.Tensor] = None,
-               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *, backend: Optional[str] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *, activation: Optional[str] = None,
+               backend: Optional[str] = None) -> torch.Tensor:
     """LayerNorm over the trailing `normalized_shape` dims, as torch.nn.functional.layer_norm.
 
-    backend: None picks Triton for CUDA tensors and torch otherwise; "triton" or "torch" forces one.
+    activation: None, "silu", "mish", "gelu", "gelu_tanh" or "relu", applied after the affine
+    transform in the same kernel (forward and backward).
+    backend: None picks Triton for CUDA tensors and torch otherwise; a name forces that backend.
     """
     shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps)
-    return _row_norm(x, shape, weight, bias, eps, False, backend, "layer_norm")
+    _check_activation(activation)
+    return _row_norm(x, shape, weight, bias, eps, False, activation, backend, "layer_norm")
 
 
 def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torch.Tensor] = None,
-             eps: Optional[float] = None, *, backend: Optional[str] = None) -> torch.Tensor:
+             eps: Optional[float] = None, *, activation: Optional[str] = None,
+             backend: Optional[str] = None) -> torch.Tensor:
     """RMSNorm over the trailing `normalized_shape` dims, as torch.nn.functional.rms_norm.
 
     eps=None means torch's default: the machine epsilon of the compute type (float32, or float64).
+    activation and backend are as in layer_norm.
     """
     _check_tensor(x, "x")
     shape, eps = _check_inputs(x, normalized_shape, weight, None, default_rms_eps(x.dtype) if eps is None else eps)
-    return _row_norm(x, shape, weight, None, eps, True, backend, "rms_norm")
+    _check_activation(activation)
+    return _row_norm(x, shape, weight, None, eps, True, activation, backend, "rms_norm")
+
+
+# ----------------------------------------------------------------------------- group norm
+
+def _bcs(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """[B, C, S] view of a [B, C, *spatial] tensor in the given layout, copying only if t is in
+    neither: NCHW ([B, C, S] contiguous) or channels_last (channels innermost)."""
+    B, C = t.shape[0], t.shape[1]
+    if not channels_last:
+        return t.contiguous().view(B, C, -1)
+    perm = (0,) + tuple(range(2, t.dim())) + (1,)
+    return t.permute(perm).contiguous().view(B, -1, C).transpose(1, 2)
+
+
+def _is_channels_last(x: torch.Tensor) -> bool:
+    """Channels innermost in memory (torch's channels_last for 4-D, its analogue for any rank)."""
+    if x.dim() < 3 or x.is_contiguous() or x.shape[1] == 1:
+        return False
+    return x.permute((0,) + tuple(range(2, x.dim())) + (1,)).is_contiguous()
+
+
+def _from_bcs(y3: torch.Tensor, shape) -> torch.Tensor:
+    """Back from [B, C, S] to [B, C, *spatial], keeping y3's memory layout."""
+    if y3.is_contiguous():
+        return y3.view(shape)
+    B, C = shape[0], shape[1]
+    nhwc = y3.transpose(1, 2).view((B,) + tuple(shape[2:]) + (C,))
+    return nhwc.permute((0, nhwc.dim() - 1) + tuple(range(1, nhwc.dim() - 1)))
+
+
+def _check_group_inputs(x, num_groups, weight, bias, eps):
+    _check_tensor(x, "x")
+    if x.dim() < 2:
+        raise ValueError(f"x: expected at least 2 dims (batch, channels, *spatial), got shape {tuple(x.shape)}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups <= 0:
+        raise ValueError(f"num_groups: expected a positive int, got {num_groups!r}")
+    C = x.shape[1]
+    if C % num_groups:
+        raise ValueError(f"num_groups: expected a divisor of the channel count C={C}, got {num_groups}")
+    device = x.device
+    _check_param(weight, "weight", (C,), x, device)
+    _check_param(bias, "bias", (C,), x, device)
+    return int(num_groups), _check_eps(eps)
+
+
+class _GroupNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, num_groups, eps, activation, backend):
+        x3 = _bcs(x, _is_channels_last(x))
+        y3, mean, rstd = backend.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)
+        ctx.save_for_backward(x3, weight, bias if activation is not None else None, mean, rstd)
+        ctx.meta = (x.shape, num_groups, activation, backend, _spec(weight), _spec(bias))
+        return _from_bcs(y3, x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x3, w, b, mean, rstd = ctx.saved_tensors
+        shape, num_groups, activation, backend, w_spec, b_spec = ctx.meta
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx, dw, db = backend.group_norm_bwd(_bcs(dy, not x3.is_contiguous()), x3, num_groups, w, b, mean, rstd,
+                                            activation, w_spec[1] if need_dw else None,
+                                            b_spec[1] if need_db else None)
+        return (_from_bcs(dx, shape) if need_dx else None), dw, db, None, None, None, None
+
+
+def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *, activation: Optional[str] = None,
+               backend: Optional[str] = None) -> torch.Tensor:
+    """GroupNorm of x (B, C, *spatial) as torch.nn.functional.group_norm, then `activation`
+    (None, "silu", "mish", "gelu", "gelu_tanh", "relu") in the same kernel. NCHW and channels_last
+    inputs are read in place, and the output keeps the input's memory format."""
+    num_groups, eps = _check_group_inputs(x, num_groups, weight, bias, eps)
+    _check_activation(activation)
+    if _library.needed(x, weight, bias):
+        return _library.group_norm(x, num_groups, weight, bias, eps, backend, activation=activation)
+    be = backends.resolve(backend, x, "group_norm")
+    _forward_only_check(be, "group_norm", x, weight, bias)
+    if _needs_autograd(x, weight, bias):
+        return _GroupNormFunction.apply(x, weight, bias, num_groups, eps, activation, be)
+    y3, _, _ = be.group_norm_fwd(_bcs(x, _is_channels_last(x)), num_groups, weight, bias, eps, activation)
+    return _from_bcs(y3, x.shape)
 
 
 # ----------------------------------------------------------------------------- kernel-level API
@@ -187,6 +307,8 @@ def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, bac
     mean and rstd are float32 (float64 for float64 input) with x's leading shape. No autograd.
     """
     shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps)
+    if _library.needed(x, weight, bias):  # torch.compile, DTensor, dispatch modes: the custom op
+        return _library.row_norm_with_stats(x, len(shape), weight, bias, eps, False, backend)
     be = backends.resolve(backend, x, "layer_norm_fwd")
     y, mean, rstd = be.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), _flat_param(bias), eps, False)
     lead = _stats_shape(x, shape)
@@ -197,6 +319,9 @@ def rms_norm_fwd(x, normalized_shape, weight=None, eps=None, *, backend=None):
     """RMSNorm forward with its statistic: (y, rstd). rstd is float32 with x's leading shape."""
     _check_tensor(x, "x")
     shape, eps = _check_inputs(x, normalized_shape, weight, None, default_rms_eps(x.dtype) if eps is None else eps)
+    if _library.needed(x, weight):
+        y, _, rstd = _library.row_norm_with_stats(x, len(shape), weight, None, eps, True, backend)
+        return y, rstd
     be = backends.resolve(backend, x, "rms_norm_fwd")
     y, _, rstd = be.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), None, eps, True)
     return y.view(x.shape), rstd.view(_stats_shape(x, shape))
@@ -223,7 +348,7 @@ def _check_bwd(dy, x, weight, stats: dict):
     shape = tuple(x.shape[len(lead):])
     if not shape:
         raise ValueError(f"{', '.join(stats)}: expected one value per row of x, got x's full shape {tuple(x.shape)}")
-    _check_param(weight, "weight", shape, x)
+    _check_param(weight, "weight", shape, x, x.device)
     return shape
 
 
@@ -238,6 +363,10 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, *, backend=None):
     weight's dtype (x's dtype without a weight). The dweight/dbias sums are deterministic.
     """
     shape = _check_bwd(dy, x, weight, {"mean": mean, "rstd": rstd})
+    if _library.needed(dy, x, weight, mean, rstd):
+        return _library.row_norm_grads(dy, x, len(shape), weight, _stat_rows(mean), _stat_rows(rstd), False,
+                                       _param_grad_dtype(weight, True), weight.dtype if weight is not None else x.dtype,
+                                       backend)
     be = backends.resolve(backend, x, "layer_norm_bwd")
     dx, dw, db = be.row_norm_bwd(_as_rows(dy, shape), _as_rows(x, shape), _flat_param(weight), _stat_rows(mean), _stat_rows(rstd), False,
                                  _param_grad_dtype(weight, True), weight.dtype if weight is not None else x.dtype)
@@ -247,6 +376,10 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, *, backend=None):
 def rms_norm_bwd(dy, x, weight, rstd, *, backend=None):
     """RMSNorm backward from the saved statistic: (dx, dweight); dweight is None without weight."""
     shape = _check_bwd(dy, x, weight, {"rstd": rstd})
+    if _library.needed(dy, x, weight, rstd):
+        dx, dw, _ = _library.row_norm_grads(dy, x, len(shape), weight, None, _stat_rows(rstd), True,
+                                            _param_grad_dtype(weight, True), None, backend)
+        return dx, dw
     be = backends.resolve(backend, x, "rms_norm_bwd")
     dx, dw, _ = be.row_norm_bwd(_as_rows(dy, shape), _as_rows(x, shape), _flat_param(weight), None, _stat_rows(rstd), True,
                                 _param_grad_dtype(weight, True), None)

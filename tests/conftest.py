@@ -31,7 +31,10 @@ def poison(monkeypatch):
     import normkit.backends.triton as tb
 
     def nan_empty(*shape, dtype=None, device=None, **kw):
-        t = torch.empty(*shape, dtype=dtype, device=device, **kw)
-        return t.fill_(float("nan"))
+        return torch.empty(*shape, dtype=dtype, device=device, **kw).fill_(float("nan"))
+
+    def nan_empty_strided(size, stride, dtype=None, device=None, **kw):
+        return torch.empty_strided(size, stride, dtype=dtype, device=device, **kw).fill_(float("nan"))
 
     monkeypatch.setattr(tb, "_empty", nan_empty)
+    monkeypatch.setattr(tb, "_empty_strided", nan_empty_strided)

@@ -8,6 +8,7 @@ import torch
 
 import normkit
 from normkit import reference as ref
+from normkit.backends import triton as triton_backend
 from normkit.backends.triton import configs
 
 from conftest import DEVICE
@@ -131,21 +132,20 @@ def test_weight_gradients_are_bitwise_reproducible(op):
 
 @pytest.fixture
 def looped(monkeypatch):
-    """Force the looped (row too wide for registers) kernels at small widths."""
-    monkeypatch.setitem(configs.MAX_SINGLE_TILE, "fwd", {2: 64, 4: 64})
-    monkeypatch.setitem(configs.MAX_SINGLE_TILE, "bwd", {2: 64, 4: 64})
+    """Force the looped (row walked in chunks) kernels at small widths."""
+    monkeypatch.setattr(configs, "MAX_TILED_N", 64)
     monkeypatch.setitem(configs.LOOPED, "fwd", (128, 4))
     monkeypatch.setitem(configs.LOOPED, "bwd", (128, 4))
-    configs.row_config.cache_clear()
+    triton_backend.clear_caches()
     yield
-    configs.row_config.cache_clear()
+    triton_backend.clear_caches()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n", [100, 1000, 4099])
 @pytest.mark.parametrize("op", OPS)
 def test_looped_kernels(op, n, dtype, looped, poison):
-    assert not configs.row_config("fwd", n, 4).single_tile
+    assert configs.row_config("fwd", n, 4).looped
     x = randn(3, n, dtype=dtype, device=DEVICE)
     check_fwd_bwd(op, x, (n,), randn(n, device=DEVICE), randn(n, device=DEVICE), what=f"looped {op} N={n}")
 

@@ -4,11 +4,12 @@ A backend is a module with NAME, why_unavailable(x) -> str | None, and the entry
 provides. Modules are imported on first use, so `import normkit` does not pull in triton,
 cuda-python or wgpu. The entry points (arguments arrive checked by normkit.functional):
 
-row_norm_fwd(x, weight, bias, eps, rms, activation=None) -> (y, mean | None, rstd)
+row_norm_fwd(x, weight, bias, eps, rms, activation=None, store_stats=True) -> (y, mean | None, rstd)
     x: [M, N], unit column stride, rows may be strided. weight/bias: contiguous [N] or None.
     rms=True: RMSNorm (no centering; bias is None, mean is returned as None).
     activation: None or a name in normkit.reference.ACTIVATIONS, applied after the affine.
     y: contiguous [M, N] in x.dtype; mean/rstd: contiguous [M] float32 (float64 for float64 x).
+    store_stats=False: the caller will not use mean/rstd (inference); a backend may skip them.
 row_norm_bwd(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, *, bias=None, activation=None)
     -> (dx, dweight | None, dbias | None)
     dy: [M, N] like x. dweight is computed when dweight_dtype is given, dbias when dbias_dtype is,

@@ -6,8 +6,18 @@ for float64 inputs. Same interface as every backend: x is [M, N] with unit colum
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 NAME = "torch"
+# torch's own activations (independent of the oracle's formulas); backward through autograd
+_ACTIVATIONS = {
+    None: lambda z: z,
+    "relu": F.relu,
+    "silu": F.silu,
+    "mish": F.mish,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -26,7 +36,16 @@ def _xhat(x, mean, rstd):
     return (xf if mean is None else xf - mean[:, None]) * rstd[:, None]
 
 
-def row_norm_fwd(x, weight, bias, eps: float, rms: bool):
+def _affine(xhat, weight, bias, acc):
+    z = xhat
+    if weight is not None:
+        z = z * weight.to(acc)
+    if bias is not None:
+        z = z + bias.to(acc)
+    return z
+
+
+def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
     acc = _acc(x)
     xf = x.to(acc)
     if rms:
@@ -40,19 +59,19 @@ def row_norm_fwd(x, weight, bias, eps: float, rms: bool):
         xc = xs - mean_s
         mean = (shift + mean_s).squeeze(1)
     rstd = torch.rsqrt(xc.square().mean(dim=1) + eps)
-    y = xc * rstd[:, None]
-    if weight is not None:
-        y = y * weight.to(acc)
-    if bias is not None:
-        y = y + bias.to(acc)
+    y = _ACTIVATIONS[activation](_affine(xc * rstd[:, None], weight, bias, acc))
     return y.to(x.dtype), mean, rstd
 
 
-def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype):
+def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None):
     acc = _acc(x)
     N = x.shape[1]
     xhat = _xhat(x, None if rms else mean.to(acc), rstd.to(acc))
     dyf = dy.to(acc)
+    if activation is not None:  # dy through the activation's derivative at the pre-activation value
+        with torch.enable_grad():
+            z = _affine(xhat, weight, bias, acc).detach().requires_grad_(True)
+            dyf, = torch.autograd.grad(_ACTIVATIONS[activation](z), z, dyf)
     wdy = dyf * weight.to(acc) if weight is not None else dyf
     c1 = (xhat * wdy).sum(dim=1, keepdim=True) / N
     dx = wdy - xhat * c1
@@ -62,3 +81,60 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
     dw = (dyf * xhat).sum(dim=0).to(dweight_dtype) if dweight_dtype is not None else None
     db = dyf.sum(dim=0).to(dbias_dtype) if dbias_dtype is not None else None
     return dx, dw, db
+
+
+# ----------------------------------------------------------------------------- group norm
+
+def _groups(t, num_groups, acc):
+    """[B, G, Cg * S] float view/copy of a [B, C, S] tensor in any layout."""
+    B, C, S = t.shape
+    return t.to(acc).reshape(B, num_groups, (C // num_groups) * S)
+
+
+def _channel_vec(p, num_groups, S, acc):
+    """A per-channel [C] parameter laid out along a group's [Cg * S] elements: [1, G, Cg * S]."""
+    C = p.shape[0]
+    return p.to(acc).reshape(1, num_groups, C // num_groups, 1).expand(1, num_groups, C // num_groups, S).reshape(
+        1, num_groups, -1)
+
+
+def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
+    acc = _acc(x)
+    B, C, S = x.shape
+    xg = _groups(x, num_groups, acc)
+    shift = xg[:, :, :1]  # shifted two-pass statistics, as the kernels
+    xs = xg - shift
+    mean_s = xs.mean(dim=2, keepdim=True)
+    xc = xs - mean_s
+    rstd = torch.rsqrt(xc.square().mean(dim=2, keepdim=True) + eps)
+    z = xc * rstd
+    if weight is not None:
+        z = z * _channel_vec(weight, num_groups, S, acc)
+    if bias is not None:
+        z = z + _channel_vec(bias, num_groups, S, acc)
+    y = torch.empty_like(x)  # x's strides: the memory format is kept
+    y.copy_(_ACTIVATIONS[activation](z).reshape(B, C, S))
+    return y, (shift + mean_s).squeeze(2), rstd.squeeze(2)
+
+
+def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
+    acc = _acc(x)
+    B, C, S = x.shape
+    xhat = (_groups(x, num_groups, acc) - mean.to(acc)[:, :, None]) * rstd.to(acc)[:, :, None]
+    g = _groups(dy, num_groups, acc)
+    w = _channel_vec(weight, num_groups, S, acc) if weight is not None else None
+    if activation is not None:
+        with torch.enable_grad():
+            z = xhat * w if w is not None else xhat
+            if bias is not None:
+                z = z + _channel_vec(bias, num_groups, S, acc)
+            z = z.detach().requires_grad_(True)
+            g, = torch.autograd.grad(_ACTIVATIONS[activation](z), z, g)
+    wg = g * w if w is not None else g
+    dx = (wg - xhat * (xhat * wg).mean(dim=2, keepdim=True) - wg.mean(dim=2, keepdim=True)) * rstd.to(acc)[:, :, None]
+    out = torch.empty_like(x)
+    out.copy_(dx.reshape(B, C, S))
+    per_channel = lambda t: t.reshape(B, C, S).sum(dim=(0, 2))  # noqa: E731
+    dw = per_channel(g * xhat).to(dweight_dtype) if dweight_dtype is not None else None
+    db = per_channel(g).to(dbias_dtype) if dbias_dtype is not None else None
+    return out, dw, db

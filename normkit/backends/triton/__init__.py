@@ -1,7 +1,7 @@
-"""The Triton backend: host wrappers that size grids and launch the kernels in kernels.py.
-
-Inputs arrive already checked and flattened by normkit.functional: x is [M, N] with unit column
-stride (rows may be strided), weight/bias are contiguous [N] or None.
+"""The Triton backend: host wrappers that pick a configuration, size the grid and launch the
+kernels in kernels.py. Inputs arrive checked and flattened by normkit.functional (see the
+interface in normkit/backends/__init__.py). Everything per call that can be done once (device
+properties, configurations, compiled kernels) is cached.
 """
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import os
 
 import torch
 
-from .configs import COL_SUM_BLOCK, BWD_PROGRAMS_PER_SM, INTERPRETER_PROGRAMS, row_config
+from . import configs
 
 NAME = "triton"
-# every buffer a kernel must fully write is allocated through this name, so tests can poison it
-_empty = torch.empty
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# every buffer a kernel must fully write is allocated through these names, so tests can poison it
+_empty = torch.empty
+_empty_strided = torch.empty_strided
 
 
 def _interpreter_requested() -> bool:
@@ -24,18 +25,26 @@ def _interpreter_requested() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    from . import kernels  # imports triton; deferred so `import normkit` stays light
-    return kernels
+    """The kernels wrapped in fast launchers; imports triton on first use only."""
+    from . import group_norm, kernels
+    from .epilogue import ACT_CODES
+    from .launch import Kernel
 
-
-def _kernels_interpreted() -> bool:
-    return type(_kernels().row_norm_fwd_kernel).__name__ == "InterpretedFunction"
+    class K:
+        fwd = Kernel(kernels.row_norm_fwd_kernel)
+        bwd = Kernel(kernels.row_norm_bwd_kernel)
+        col_sum = Kernel(kernels.col_sum_kernel)
+        gn_fwd = Kernel(group_norm.group_norm_fwd_kernel)
+        gn_bwd = Kernel(group_norm.group_norm_bwd_kernel)
+        act_codes = ACT_CODES
+        interpreted = fwd.interpreted
+    return K
 
 
 def why_unavailable(x: torch.Tensor) -> str | None:
     """None if this backend can run on x, else one sentence saying why not."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (only whether it imports)
     except ImportError:
         return "triton is not installed (pip install triton)"
     if x.dtype not in DTYPES:
@@ -46,79 +55,214 @@ def why_unavailable(x: torch.Tensor) -> str | None:
         if not _interpreter_requested():
             return ("x is a CPU tensor; set TRITON_INTERPRET=1 before importing triton to run the "
                     "Triton kernels under the Triton interpreter, or use backend='torch'")
-        if not _kernels_interpreted():
+        if not _kernels().interpreted:
             return ("TRITON_INTERPRET=1 was set after normkit's Triton kernels were compiled for the "
                     "GPU; set it before the first call")
         return None
     return f"it runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not on {x.device.type}"
 
 
+# ----------------------------------------------------------------------------- device facts, cached
+
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _persistent_programs(device: torch.device) -> int:
+def _device_facts(device: torch.device):
+    """(device index, arch string, SM count) of a CUDA device, or (-1, "", programs) on the CPU."""
     if device.type != "cuda":
-        return INTERPRETER_PROGRAMS
+        return -1, "", configs.INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _num_sms(index) * BWD_PROGRAMS_PER_SM
+    p = torch.cuda.get_device_properties(index)
+    return index, f"sm_{p.major}{p.minor}", p.multi_processor_count
 
 
-def row_norm_fwd(x, weight, bias, eps: float, rms: bool):
-    """Returns (y [M, N] contiguous in x.dtype, mean [M] fp32 or None, rstd [M] fp32)."""
+_sync_buffers: dict = {}
+
+
+def _sync_buffer(device: torch.device, groups: int) -> torch.Tensor:
+    """Zeroed int32 counters for split-row groups ([arrivals, exits] per group). The kernels leave
+    them zero when they finish, so one buffer per device is reused by every launch."""
+    buf = _sync_buffers.get(device)
+    if buf is None or buf.numel() < 2 * groups:
+        buf = _sync_buffers[device] = torch.zeros(max(2 * groups, 8192), dtype=torch.int32, device=device)
+    return buf
+
+
+def _launch_persistent(kernel, cfg, args, constexprs, row_blocks: int, device_index: int, sms: int) -> int:
+    """Launch with programs_per_sm programs per SM, at most what can be resident at once (split
+    rows wait on each other, so all their programs must run side by side), at most one group per
+    row block, and a whole number of groups. Returns the number of programs."""
+    from .launch import resident_programs_per_sm
+
+    def grid(compiled):
+        programs = sms
+        if compiled is not None:
+            per_sm = min(cfg.programs_per_sm, resident_programs_per_sm(compiled, cfg.num_warps, device_index))
+            if per_sm < 1:
+                raise RuntimeError(f"normkit: Triton config {cfg} does not fit on one SM of device {device_index}")
+            programs = sms * per_sm
+        return (max(1, min(programs // cfg.split, row_blocks)) * cfg.split,)
+
+    return kernel(grid, args, constexprs, cfg.options, device_index)[0]
+
+
+# ----------------------------------------------------------------------------- row norm
+
+@functools.lru_cache(maxsize=None)
+def _plan(direction: str, n: int, dtype: torch.dtype, device: torch.device, flags: tuple):
+    """Everything about a launch that depends only on its kind, computed once:
+    (config, constexprs, device index, SM count). flags: (rms, has_w, has_b, activation, extra)."""
+    device_index, arch, sms = _device_facts(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0)
+    rms, has_w, has_b, activation, extra = flags
+    constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b)
+    if direction == "fwd":
+        constexprs["STORE_STATS"] = extra
+    else:
+        constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
+    constexprs.update(ACT=_kernels().act_codes[activation], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      SPLIT=cfg.split, LOOPED=cfg.looped)
+    if direction == "fwd":
+        constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
+    return cfg, constexprs, device_index, sms
+
+
+def clear_caches() -> None:
+    """Forget cached configurations and plans (after editing the configuration tables)."""
+    configs.row_config.cache_clear()
+    configs.tuned_table.cache_clear()
+    configs.group_config.cache_clear()
+    _plan.cache_clear()
+    _gn_plan.cache_clear()
+
+
+def _scratch(cfg, groups_upper: int, device):
+    """Split-row exchange buffers: counters and [groups, 2 parities, split, 2 values, block_m] fp32."""
+    if cfg.split == 1:
+        return None, None
+    sync = _sync_buffer(device, groups_upper)
+    scratch = torch.empty(groups_upper * 2 * cfg.split * 2 * cfg.block_m, dtype=torch.float32, device=device)
+    return sync, scratch
+
+
+def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
+    """(y [M, N] contiguous in x.dtype, mean [M] fp32 or None, rstd [M] fp32 or None)."""
     M, N = x.shape
-    y = _empty((M, N), dtype=x.dtype, device=x.device)
-    rstd = _empty((M,), dtype=torch.float32, device=x.device)
-    mean = None if rms else _empty((M,), dtype=torch.float32, device=x.device)
+    device = x.device
+    y = _empty((M, N), dtype=x.dtype, device=device)
+    rstd = _empty((M,), dtype=torch.float32, device=device) if store_stats else None
+    mean = _empty((M,), dtype=torch.float32, device=device) if store_stats and not rms else None
     if M == 0:
         return y, mean, rstd
-    cfg = row_config("fwd", N, x.element_size())
-    grid = (triton_cdiv(M, cfg.block_m),)
-    _kernels().row_norm_fwd_kernel[grid](
-        x, y, weight, bias, mean, rstd,
-        M, N, x.stride(0), y.stride(0), eps,
-        IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_TILE=cfg.single_tile,
-        num_warps=cfg.num_warps,
-    )
+    cfg, constexprs, device_index, sms = _plan(
+        "fwd", N, x.dtype, device, (rms, weight is not None, bias is not None, activation, store_stats))
+    row_blocks = -(-M // cfg.block_m)
+    sync, scratch = _scratch(cfg, sms * 32 // cfg.split + 1, device)
+    args = (x, y, weight, bias, mean, rstd, sync, scratch, M, N, x.stride(0), N, eps)
+    if cfg.looped or cfg.programs_per_sm == 0:
+        _kernels().fwd((row_blocks,), args, constexprs, cfg.options, device_index)
+    else:
+        _launch_persistent(_kernels().fwd, cfg, args, constexprs, row_blocks, device_index, sms)
     return y, mean, rstd
 
 
-def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype):
-    """Returns (dx [M, N] in x.dtype, dweight [N] or None, dbias [N] or None).
-
-    dweight is computed when dweight_dtype is given (needs weight), dbias when dbias_dtype is.
-    """
+def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None):
+    """(dx [M, N] in x.dtype, dweight [N] or None, dbias [N] or None); see the backend interface."""
     M, N = x.shape
     device = x.device
     dx = _empty((M, N), dtype=x.dtype, device=device)
     want_dw, want_db = dweight_dtype is not None, dbias_dtype is not None
-    cfg = row_config("bwd", N, x.element_size())
-    programs = max(1, min(_persistent_programs(device), triton_cdiv(M, cfg.block_m)))
-    dw_part = _empty((programs, N), dtype=torch.float32, device=device) if want_dw else None
-    db_part = _empty((programs, N), dtype=torch.float32, device=device) if want_db else None
-    if M > 0:
-        _kernels().row_norm_bwd_kernel[(programs,)](
-            dy, x, weight, mean, rstd, dx, dw_part, db_part,
-            M, N, dy.stride(0), x.stride(0), dx.stride(0),
-            IS_RMS=rms, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SINGLE_TILE=cfg.single_tile,
-            num_warps=cfg.num_warps,
-        )
     dw = _empty((N,), dtype=dweight_dtype, device=device) if want_dw else None
     db = _empty((N,), dtype=dbias_dtype, device=device) if want_db else None
     if M == 0:  # no rows: the weight gradients are exact zeros
         return dx, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)
-    first, first_out = (dw_part, dw) if want_dw else (db_part, db)
-    if first is not None:
-        block_p, block_n = COL_SUM_BLOCK
-        _kernels().col_sum_kernel[(triton_cdiv(N, block_n),)](
-            first, first_out, db_part, db, programs, N,
-            HAS_B=want_dw and want_db, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
-        )
+    bias = bias if activation is not None else None  # the bias only matters to recompute the pre-activation
+    cfg, constexprs, device_index, sms = _plan(
+        "bwd", N, x.dtype, device, (rms, weight is not None, bias is not None, activation, (want_dw, want_db)))
+    row_blocks = -(-M // cfg.block_m)
+    # the partial buffers need the group count, which needs the compiled kernel: size them for
+    # the upper bound and hand the kernel exactly as many programs as groups fit
+    groups_upper = max(1, min(sms * max(cfg.programs_per_sm, 1) // cfg.split, row_blocks))
+    sync, scratch = _scratch(cfg, groups_upper, device)
+    dw_part = _empty((groups_upper, N), dtype=torch.float32, device=device) if want_dw else None
+    db_part = _empty((groups_upper, N), dtype=torch.float32, device=device) if want_db else None
+    args = (dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, sync, scratch,
+            M, N, dy.stride(0), x.stride(0), N)
+    groups = _launch_persistent(_kernels().bwd, cfg, args, constexprs, row_blocks, device_index, sms) // cfg.split
+    _reduce_partials(dw_part, dw, db_part, db, groups, N, device_index)
     return dx, dw, db
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: int) -> None:
+    """dw = sum of the first `rows` rows of dw_part (and db likewise), in a fixed order."""
+    first, first_out = (dw_part, dw) if dw is not None else (db_part, db)
+    if first is not None:
+        _kernels().col_sum((-(-n // _COL_SUM[1]),), (first, first_out, db_part, db, rows, n),
+                           _COL_SUM_CONSTEXPRS[dw is not None and db is not None], (4, 1), device_index)
+
+
+# ----------------------------------------------------------------------------- group norm
+
+@functools.lru_cache(maxsize=None)
+def _gn_plan(direction: str, cg: int, s: int, dtype: torch.dtype, device: torch.device, flags: tuple):
+    device_index, _, sms = _device_facts(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cfg = configs.group_config(direction, cg, s, itemsize, device_index < 0)
+    has_w, has_b, activation, extra = flags
+    constexprs = dict(HAS_W=has_w, HAS_B=has_b)
+    if direction == "bwd":
+        constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
+    constexprs.update(ACT=_kernels().act_codes[activation], BLOCK_R=cfg.block_r, BLOCK_S=cfg.block_s, KS=cfg.ks,
+                      SPLIT=cfg.split)
+    return cfg, constexprs, device_index, sms
+
+
+def group_norm_fwd(x, num_groups, weight, bias, eps: float, activation=None):
+    """x: [B, C, S] (NCHW or channels_last strides). (y with x's strides, mean [B, G], rstd [B, G])."""
+    B, C, S = x.shape
+    device = x.device
+    y = _empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+    mean = _empty((B, num_groups), dtype=torch.float32, device=device)
+    rstd = _empty((B, num_groups), dtype=torch.float32, device=device)
+    if B == 0 or C * S == 0:
+        return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
+    cg = C // num_groups
+    cfg, constexprs, device_index, sms = _gn_plan("fwd", cg, S, x.dtype, device,
+                                                  (weight is not None, bias is not None, activation, None))
+    units = B * num_groups
+    sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
+    args = (x, y, weight, bias, mean, rstd, sync, scratch, B, C, S, cg, num_groups,
+            x.stride(0), x.stride(1), x.stride(2), eps)
+    _launch_persistent(_kernels().gn_fwd, cfg, args, constexprs, units, device_index, sms)
+    return y, mean, rstd
+
+
+def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
+    """(dx with x's strides, dweight [C] or None, dbias [C] or None); deterministic sums."""
+    B, C, S = x.shape
+    device = x.device
+    if dy.stride() != x.stride():  # the kernel walks dy with x's strides
+        dy = torch.empty_strided(x.shape, x.stride(), dtype=dy.dtype, device=device).copy_(dy)
+    dx = _empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+    want_dw, want_db = dweight_dtype is not None, dbias_dtype is not None
+    dw = _empty((C,), dtype=dweight_dtype, device=device) if want_dw else None
+    db = _empty((C,), dtype=dbias_dtype, device=device) if want_db else None
+    if B == 0 or C * S == 0:
+        return dx, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)
+    cg = C // num_groups
+    bias = bias if activation is not None else None  # needed only to recompute the pre-activation
+    cfg, constexprs, device_index, sms = _gn_plan("bwd", cg, S, x.dtype, device,
+                                                  (weight is not None, bias is not None, activation,
+                                                   (want_dw, want_db)))
+    units = B * num_groups
+    sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
+    dw_part = _empty((B * cfg.ks, C), dtype=torch.float32, device=device) if want_dw else None
+    db_part = _empty((B * cfg.ks, C), dtype=torch.float32, device=device) if want_db else None
+    args = (dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, sync, scratch, B, C, S, cg, num_groups,
+            x.stride(0), x.stride(1), x.stride(2))
+    _launch_persistent(_kernels().gn_bwd, cfg, args, constexprs, units, device_index, sms)
+    _reduce_partials(dw_part, dw, db_part, db, B * cfg.ks, C, device_index)
+    return dx, dw, db
+
+
+_COL_SUM = configs.COL_SUM_BLOCK
+_COL_SUM_CONSTEXPRS = {has_b: dict(HAS_B=has_b, BLOCK_P=_COL_SUM[0], BLOCK_N=_COL_SUM[1]) for has_b in (False, True)}

@@ -1,15 +1,20 @@
-"""Launch configurations as data: one table per direction, keyed by row width (and element size),
-looked up once per (direction, N, dtype) and cached.
+"""Launch configurations as data.
 
-A row of the table reads: "for rows up to `n_max` columns, put `tile_elems` elements in a
-program's register tile and run it with `num_warps` warps". Several rows go into one program when
-a row is narrower than the tile (BLOCK_M = tile_elems // next_pow2(N)), so narrow rows still move
-enough bytes per program. Above `max_single_tile` columns the row no longer fits in registers and
-the looped kernels walk it in chunks of `chunk` columns.
+A configuration is looked up by (direction, element size in bytes, padded row width) and says:
+  block_m          rows per tile (several for narrow rows, so each program moves enough bytes)
+  split            programs sharing one row (1: the whole row is one program's tile)
+  num_warps        warps per program
+  programs_per_sm  persistent programs per SM (0: one program per row block, not persistent)
+  num_stages       optional 5th value, Triton's software-pipelining depth (default 1: none)
+The tile is block_m x (padded_n / split). Rows wider than MAX_TILED_N are walked in chunks by the
+looped kernels. The tables below are the defaults; measured tables for a GPU architecture, written
+by benchmarks/tune.py, live in tuned/<arch>.json next to this file and take precedence.
 """
 from __future__ import annotations
 
 import functools
+import json
+import os
 from dataclasses import dataclass
 
 import triton
@@ -17,47 +22,107 @@ import triton
 
 @dataclass(frozen=True)
 class RowConfig:
-    block_m: int  # rows per tile
-    block_n: int  # columns per tile: the whole (padded) row, or one chunk of a looped row
+    block_m: int
+    block_n: int
+    split: int
     num_warps: int
-    single_tile: bool
+    programs_per_sm: int
+    looped: bool = False
+    num_stages: int = 1  # 1: no software pipelining (it would stage tiles through shared memory)
+
+    @property
+    def options(self):
+        return self.num_warps, self.num_stages
 
 
-# (n_max, tile_elems, num_warps), ascending n_max. Keys are padded widths (powers of two).
-FWD_TABLE = (
-    (1024, 4096, 4),
-    (2048, 4096, 4),
-    (4096, 4096, 8),
-    (8192, 8192, 8),
-    (16384, 16384, 16),
-    (32768, 32768, 32),
-)
-BWD_TABLE = (
-    (1024, 4096, 4),
-    (2048, 4096, 8),
-    (4096, 4096, 8),
-    (8192, 8192, 16),
-    (16384, 16384, 32),
-)
-# widest row kept whole in registers, per element size in bytes, and the looped chunk
-MAX_SINGLE_TILE = {"fwd": {2: 32768, 4: 16384}, "bwd": {2: 16384, 4: 8192}}
+# default rows: padded_n -> (block_m, split, num_warps, programs_per_sm), per (direction, elem bytes)
+_FWD_16 = {32: (128, 1, 4, 0), 64: (64, 1, 4, 0), 128: (32, 1, 4, 0), 256: (16, 1, 4, 0), 512: (8, 1, 4, 0),
+           1024: (4, 1, 4, 0), 2048: (2, 1, 4, 0), 4096: (1, 1, 8, 0), 8192: (1, 1, 8, 0),
+           16384: (1, 2, 8, 2), 32768: (1, 4, 8, 2), 65536: (1, 8, 8, 2), 131072: (1, 16, 8, 2),
+           262144: (1, 32, 8, 2)}
+_FWD_32 = {**_FWD_16, 8192: (1, 1, 16, 0), 16384: (1, 4, 8, 2), 32768: (1, 8, 8, 2), 65536: (1, 16, 8, 2),
+           131072: (1, 32, 8, 2), 262144: (1, 64, 8, 2)}
+_BWD_16 = {32: (128, 1, 4, 4), 64: (64, 1, 4, 4), 128: (32, 1, 4, 4), 256: (16, 1, 4, 4), 512: (8, 1, 4, 4),
+           1024: (4, 1, 4, 4), 2048: (2, 1, 4, 4), 4096: (1, 1, 8, 2), 8192: (1, 2, 8, 2),
+           16384: (1, 4, 8, 2), 32768: (1, 8, 8, 2), 65536: (1, 16, 8, 2), 131072: (1, 32, 8, 2),
+           262144: (1, 64, 8, 2)}
+_BWD_32 = {**_BWD_16, 4096: (1, 2, 8, 2), 8192: (1, 4, 8, 2), 16384: (1, 8, 8, 2), 32768: (1, 16, 8, 2),
+           65536: (1, 32, 8, 2), 131072: (1, 64, 8, 2), 262144: (1, 128, 8, 2)}
+DEFAULTS = {("fwd", 2): _FWD_16, ("fwd", 4): _FWD_32, ("bwd", 2): _BWD_16, ("bwd", 4): _BWD_32}
+
+MAX_TILED_N = 262144
 LOOPED = {"fwd": (8192, 16), "bwd": (4096, 16)}  # (chunk columns, num_warps)
-# backward: persistent programs per SM (partial-sum buffer is programs x N fp32)
-BWD_PROGRAMS_PER_SM = 1
-# column reduction of the partial sums
+LOOPED_PROGRAMS_PER_SM = 1
+# column reduction of the weight-gradient partials
 COL_SUM_BLOCK = (32, 128)  # (BLOCK_P, BLOCK_N)
-# programs when there is no GPU to size the grid from (Triton interpreter on CPU)
+# persistent programs when there is no GPU to size the grid from (Triton interpreter on CPU)
 INTERPRETER_PROGRAMS = 4
 
-_TABLES = {"fwd": FWD_TABLE, "bwd": BWD_TABLE}
+_TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 
 
 @functools.lru_cache(maxsize=None)
-def row_config(direction: str, n: int, elem_bytes: int) -> RowConfig:
+def tuned_table(arch: str) -> dict:
+    """Measured configurations for an architecture (e.g. "sm_90"), or {} if none were committed."""
+    path = os.path.join(_TUNED_DIR, f"{arch}.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    return {(d, int(b), int(n)): tuple(v) for d, by_bytes in raw["configs"].items()
+            for b, by_n in by_bytes.items() for n, v in by_n.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpreted: bool = False) -> RowConfig:
     padded = triton.next_power_of_2(max(n, 1))
-    if padded <= MAX_SINGLE_TILE[direction][min(elem_bytes, 4)]:
-        for n_max, tile_elems, num_warps in _TABLES[direction]:
-            if padded <= n_max:
-                return RowConfig(max(1, tile_elems // padded), padded, num_warps, True)
+    elem_bytes = 2 if elem_bytes <= 2 else 4
+    key = max(padded, 32)  # the narrowest tabulated width; narrower rows pack more rows per tile
+    row = None
+    if padded <= MAX_TILED_N:
+        row = tuned_table(arch).get((direction, elem_bytes, key)) if arch else None
+        row = row or DEFAULTS[(direction, elem_bytes)].get(key)
+    if row is not None:
+        block_m, split, num_warps, programs_per_sm, *stages = row
+        block_m *= key // padded
+        # a split row needs its programs running side by side; the interpreter runs them in turn
+        if not (interpreted and split > 1):
+            return RowConfig(block_m, padded // split, split, num_warps, programs_per_sm, False, *stages)
     chunk, num_warps = LOOPED[direction]
-    return RowConfig(1, min(chunk, padded), num_warps, False)
+    return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True)
+
+
+# ----------------------------------------------------------------------------- group norm
+# elements of one program's [channels x spatial] tile, per (direction, element bytes); a group
+# larger than this is split over several programs
+GN_TILE = {("fwd", 2): 8192, ("fwd", 4): 4096, ("bwd", 2): 4096, ("bwd", 4): 2048}
+GN_ELEMS_PER_THREAD = 16
+GN_WARPS_PER_SM = 32  # persistent programs per SM = this / num_warps (at most 8)
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    block_r: int  # channels per tile
+    block_s: int  # spatial positions per tile
+    ks: int  # spatial slices per group (the group is split into kr * ks = split slices)
+    split: int
+    num_warps: int
+    programs_per_sm: int
+    block_m: int = 1  # (shared with RowConfig by the persistent launcher and scratch sizing)
+    num_stages: int = 1
+
+    @property
+    def options(self):
+        return self.num_warps, self.num_stages
+
+
+@functools.lru_cache(maxsize=None)
+def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: bool = False) -> GroupConfig:
+    # under the interpreter a group is never split (its programs run one after another)
+    tile = 1 << 62 if interpreted else GN_TILE[(direction, 2 if elem_bytes <= 2 else 4)]
+    r_pad, s_pad = triton.next_power_of_2(max(cg, 1)), triton.next_power_of_2(max(s, 1))
+    block_s = min(s_pad, tile)
+    block_r = min(r_pad, max(1, tile // block_s))
+    kr, ks = r_pad // block_r, s_pad // block_s  # powers of two, so the split is one as well
+    num_warps = min(16, max(1, block_r * block_s // (32 * GN_ELEMS_PER_THREAD)))
+    return GroupConfig(block_r, block_s, ks, kr * ks, num_warps, max(1, min(8, GN_WARPS_PER_SM // num_warps)))

@@ -1,0 +1,61 @@
+"""Fused activation epilogue shared by the row- and group-normalization kernels.
+
+ACT is a constexpr code, so each activation compiles into its own kernel with no branches:
+0 none, 1 relu, 2 silu, 3 mish, 4 gelu (erf), 5 gelu_tanh. The forward applies act(z) to the
+affine output z; the backward multiplies the incoming gradient by act'(z), with z recomputed
+from x and the saved statistics (so only x and the fp32 statistics are saved).
+"""
+import triton
+import triton.language as tl
+
+ACT_CODES = {None: 0, "relu": 1, "silu": 2, "mish": 3, "gelu": 4, "gelu_tanh": 5}
+
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_C = 0.044715
+
+
+@triton.jit
+def _tanh(u):
+    # 1 - 2/(e^{2u} + 1): saturates correctly at both ends (inf -> 1, 0 -> -1)
+    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+
+@triton.jit
+def _softplus(z):
+    return tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+
+
+@triton.jit
+def act_fwd(z, ACT: tl.constexpr):
+    if ACT == 1:
+        z = tl.maximum(z, 0.0)
+    elif ACT == 2:
+        z = z * tl.sigmoid(z)
+    elif ACT == 3:
+        z = z * _tanh(_softplus(z))
+    elif ACT == 4:
+        z = 0.5 * z * (1.0 + tl.erf(z * _SQRT_HALF))
+    elif ACT == 5:
+        z = 0.5 * z * (1.0 + _tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z * z * z)))
+    return z
+
+
+@triton.jit
+def act_grad(z, g, ACT: tl.constexpr):
+    """g * act'(z)."""
+    if ACT == 1:
+        g = tl.where(z > 0.0, g, 0.0)
+    elif ACT == 2:
+        s = tl.sigmoid(z)
+        g = g * (s * (1.0 + z * (1.0 - s)))
+    elif ACT == 3:
+        t = _tanh(_softplus(z))
+        g = g * (t + z * tl.sigmoid(z) * (1.0 - t * t))
+    elif ACT == 4:
+        g = g * (0.5 * (1.0 + tl.erf(z * _SQRT_HALF)) + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z))
+    elif ACT == 5:
+        t = _tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z * z * z))
+        g = g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * z * z))
+    return g

@@ -1,0 +1,130 @@
+"""GroupNorm with the fused activation, forward and backward, NCHW and channels_last, against the
+float64 oracle (Triton under the interpreter on CPU, compiled on a GPU; and the torch path)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normkit
+from normkit import reference as ref
+
+from conftest import DEVICE
+from helpers import DTYPES, TOL, assert_close, param_tol, randn
+
+ACTIVATIONS = [None, "silu", "mish", "gelu", "gelu_tanh", "relu"]
+
+
+def channels_last(x):
+    """x in channels-innermost memory order, same shape (torch's channels_last for 4-D)."""
+    perm = (0,) + tuple(range(2, x.dim())) + (1,)
+    inv = (0, x.dim() - 1) + tuple(range(1, x.dim() - 1))
+    return x.permute(perm).contiguous().permute(inv)
+
+
+def check_gn(x, groups, w, b, act, backend="triton", what=""):
+    leaves = {k: t.requires_grad_(True) for k, t in (("x", x), ("w", w), ("b", b)) if t is not None}
+    y = normkit.group_norm(x, groups, w, b, 1e-5, activation=act, backend=backend)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert y.stride() == x.stride(), f"{what}: output memory format {y.stride()} != input {x.stride()}"
+    assert_close(y, ref.group_norm(x, groups, w, b, 1e-5, act)[0], TOL[x.dtype], f"{what} y")
+    dy = randn(*x.shape, dtype=x.dtype, device=x.device)
+    grads = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
+    dx_ref, dw_ref, db_ref = ref.group_norm_backward(dy, x, groups, w, b, 1e-5, act)
+    assert_close(grads["x"], dx_ref, TOL[x.dtype], f"{what} dx")
+    if w is not None:
+        assert_close(grads["w"], dw_ref, param_tol(w.dtype, x.dtype), f"{what} dweight")
+    if b is not None:
+        assert_close(grads["b"], db_ref, param_tol(b.dtype, x.dtype), f"{what} dbias")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("fmt", ["nchw", "channels_last"])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_activations_and_formats(act, fmt, backend, poison):
+    x = randn(3, 16, 5, 7, device=DEVICE)
+    if fmt == "channels_last":
+        x = channels_last(x)
+    check_gn(x, 4, randn(16, device=DEVICE), randn(16, device=DEVICE), act, backend, f"{act} {fmt}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("shape, groups", [((2, 8, 16), 8), ((1, 64, 33), 8), ((2, 32, 4, 4), 32),
+                                           ((3, 12), 2), ((2, 12, 3, 2, 5), 4), ((1, 10, 300), 5)])
+def test_shapes_and_dtypes(shape, groups, dtype, poison):
+    x = randn(*shape, dtype=dtype, device=DEVICE)
+    p_dtype = torch.float32 if dtype != torch.float16 else torch.float16
+    c = shape[1]
+    check_gn(x, groups, randn(c, dtype=p_dtype, device=DEVICE), randn(c, dtype=p_dtype, device=DEVICE), "silu",
+             what=f"{shape} G={groups} {dtype}")
+    if x.dim() >= 3:
+        check_gn(channels_last(randn(*shape, dtype=dtype, device=DEVICE)), groups, None, None, None,
+                 what=f"{shape} channels_last, no affine")
+
+
+def test_channels_last_is_read_in_place():
+    from normkit.functional import _bcs, _is_channels_last
+
+    x = randn(2, 8, 4, 4).to(memory_format=torch.channels_last)
+    assert _is_channels_last(x)
+    assert _bcs(x, True).data_ptr() == x.data_ptr()
+    y = normkit.group_norm(x.to(DEVICE), 2, backend="triton")
+    assert y.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_module_is_a_torch_drop_in():
+    theirs = torch.nn.GroupNorm(4, 12)
+    with torch.no_grad():
+        theirs.weight.copy_(randn(12))
+        theirs.bias.copy_(randn(12))
+    ours = normkit.GroupNorm(4, 12, activation="mish")
+    assert isinstance(ours, torch.nn.GroupNorm)
+    ours.load_state_dict(theirs.state_dict())
+    x = randn(2, 12, 9)
+    expected = F.mish(theirs(x)).detach()
+    assert_close(ours.to(DEVICE)(x.to(DEVICE)), expected, TOL[torch.float32], "module")
+    assert "activation='mish'" in repr(ours)
+
+
+def test_offset_groups_keep_precision():
+    x = 1e4 + randn(2, 8, 512, device=DEVICE)
+    y = normkit.group_norm(x, 2, backend="triton")
+    assert_close(y, ref.group_norm(x, 2)[0], 1e-5, "offset groups")
+
+
+def test_weight_gradients_are_bitwise_reproducible():
+    x = randn(4, 16, 50, device=DEVICE).requires_grad_(True)
+    w = randn(16, device=DEVICE).requires_grad_(True)
+    b = randn(16, device=DEVICE).requires_grad_(True)
+    dy = randn(4, 16, 50, device=DEVICE)
+    g1 = torch.autograd.grad(normkit.group_norm(x, 4, w, b, activation="silu"), [w, b], dy)
+    g2 = torch.autograd.grad(normkit.group_norm(x, 4, w, b, activation="silu"), [w, b], dy)
+    assert torch.equal(g1[0], g2[0]) and torch.equal(g1[1], g2[1])
+
+
+def test_activation_on_row_norms():
+    x, w, b = randn(4, 100, device=DEVICE), randn(100, device=DEVICE), randn(100, device=DEVICE)
+    for act in ACTIVATIONS[1:]:
+        xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
+        y = normkit.layer_norm(xg, 100, wg, bg, activation=act, backend="triton")
+        assert_close(y, ref.layer_norm(x, (100,), w, b, 1e-5, act)[0], TOL[torch.float32], f"ln {act}")
+        dy = randn(4, 100, device=DEVICE)
+        got = torch.autograd.grad(y, [xg, wg, bg], dy)
+        for g, r, name in zip(got, ref.layer_norm_backward(dy, x, (100,), w, b, 1e-5, act), "xwb"):
+            assert_close(g, r, 1e-4, f"ln {act} d{name}")
+        y = normkit.rms_norm(x, 100, w, activation=act, backend="triton")
+        assert_close(y, ref.rms_norm(x, (100,), w, None, act)[0], TOL[torch.float32], f"rms {act}")
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: normkit.group_norm(randn(2, 6, 4), 4), "num_groups"),
+    (lambda: normkit.group_norm(randn(2, 6, 4), 0), "num_groups"),
+    (lambda: normkit.group_norm(randn(6), 3), "x"),
+    (lambda: normkit.group_norm(randn(2, 6, 4), 3, randn(5)), "weight"),
+    (lambda: normkit.group_norm(randn(2, 6, 4), 3, None, randn(6, 1)), "bias"),
+    (lambda: normkit.group_norm(randn(2, 6, 4), 3, activation="swish"), "activation"),
+    (lambda: normkit.layer_norm(randn(2, 6), 6, activation="tanh"), "activation"),
+    (lambda: normkit.GroupNorm(4, 6), "num_groups"),
+])
+def test_bad_input_names_the_argument(call, arg):
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert arg in str(info.value), str(info.value)

@@ -1,0 +1,28 @@
+"""The fast launcher's cache key must separate every case Triton compiles separately; a key that
+merges two of them would reuse a kernel compiled for other assumptions (wrong results or a fault)."""
+import itertools
+
+import torch
+
+from normkit.backends.triton.launch import spec_key
+
+
+def test_integer_specializations_are_distinct():
+    # Triton specializes an int on: == 1 (a constant), divisible by 16, and needing 64 bits
+    values = [1, 2, 16, 17, 32, 2**31 - 1, 2**31, 2**31 + 16, 0]
+    keys = {v: spec_key((v,)) for v in values}
+    classes = {v: ("one" if v == 1 else (v % 16 == 0, v >= 2**31)) for v in values}
+    for a, b in itertools.combinations(values, 2):
+        assert (keys[a] == keys[b]) == (classes[a] == classes[b]), (a, b)
+
+
+def test_tensor_dtype_and_alignment_matter():
+    base = torch.empty(64, dtype=torch.float32)
+    assert spec_key((base,)) == spec_key((torch.empty(8, dtype=torch.float32),))
+    assert spec_key((base,)) != spec_key((base[1:],))  # 4-byte offset: no longer 16-aligned
+    assert spec_key((base,)) != spec_key((base.to(torch.bfloat16),))
+
+
+def test_other_arguments_key_by_kind():
+    assert spec_key((None, 1e-5)) == spec_key((None, 1e-6))
+    assert spec_key((None,)) != spec_key((1e-5,))
