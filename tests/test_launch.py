@@ -26,3 +26,21 @@ def test_tensor_dtype_and_alignment_matter():
 def test_other_arguments_key_by_kind():
     assert spec_key((None, 1e-5)) == spec_key((None, 1e-6))
     assert spec_key((None,)) != spec_key((1e-5,))
+
+
+def test_overrides_win_over_the_tuned_table():
+    # the tuner tries candidates through OVERRIDES; a committed table must not mask them
+    from normkit.backends.triton import configs
+
+    tuned = configs.tuned_table("sm_90")
+    key = next(iter(tuned))
+    direction, elem, n = key
+    candidate = (1, 1, 1, 0) if tuned[key] != (1, 1, 1, 0) else (1, 1, 2, 0)
+    configs.OVERRIDES[key] = candidate
+    configs.row_config.cache_clear()
+    try:
+        cfg = configs.row_config(direction, n, elem, "sm_90")
+        assert (cfg.block_m, cfg.split, cfg.num_warps, cfg.programs_per_sm) == candidate
+    finally:
+        configs.OVERRIDES.pop(key)
+        configs.row_config.cache_clear()

@@ -8,7 +8,8 @@ A configuration is looked up by (direction, element size in bytes, padded row wi
   num_stages       optional 5th value, Triton's software-pipelining depth (default 1: none)
 The tile is block_m x (padded_n / split). Rows wider than MAX_TILED_N are walked in chunks by the
 looped kernels. The tables below are the defaults; measured tables for a GPU architecture, written
-by benchmarks/tune.py, live in tuned/<arch>.json next to this file and take precedence.
+by benchmarks/tune.py, live in tuned/<arch>.json next to this file and take precedence over the
+defaults; OVERRIDES (used by the tuner to try candidates) take precedence over both.
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ COL_SUM_BLOCK = (32, 128)  # (BLOCK_P, BLOCK_N)
 INTERPRETER_PROGRAMS = 4
 
 _TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
+# (direction, elem bytes, padded n) -> row; wins over everything (the tuner's candidates go here)
+OVERRIDES: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +83,8 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
     key = max(padded, 32)  # the narrowest tabulated width; narrower rows pack more rows per tile
     row = None
     if padded <= MAX_TILED_N:
-        row = tuned_table(arch).get((direction, elem_bytes, key)) if arch else None
+        row = OVERRIDES.get((direction, elem_bytes, key))
+        row = row or (tuned_table(arch).get((direction, elem_bytes, key)) if arch else None)
         row = row or DEFAULTS[(direction, elem_bytes)].get(key)
     if row is not None:
         block_m, split, num_warps, programs_per_sm, *stages = row

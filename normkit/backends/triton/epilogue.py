@@ -10,10 +10,10 @@ import triton.language as tl
 
 ACT_CODES = {None: 0, "relu": 1, "silu": 2, "mish": 3, "gelu": 4, "gelu_tanh": 5}
 
-_SQRT_HALF = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_C = 0.044715
+# The constants are written inline: compiled Triton rejects plain float globals in a @triton.jit
+# function, and the interpreter mishandles tl.constexpr ones.
+# sqrt(1/2) = 0.7071067811865476, 1/sqrt(2 pi) = 0.3989422804014327,
+# sqrt(2/pi) = 0.7978845608028654, and GELU's tanh-approximation cubic coefficient 0.044715.
 
 
 @triton.jit
@@ -36,9 +36,9 @@ def act_fwd(z, ACT: tl.constexpr):
     elif ACT == 3:
         z = z * _tanh(_softplus(z))
     elif ACT == 4:
-        z = 0.5 * z * (1.0 + tl.erf(z * _SQRT_HALF))
+        z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
     elif ACT == 5:
-        z = 0.5 * z * (1.0 + _tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z * z * z)))
+        z = 0.5 * z * (1.0 + _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)))
     return z
 
 
@@ -54,8 +54,8 @@ def act_grad(z, g, ACT: tl.constexpr):
         t = _tanh(_softplus(z))
         g = g * (t + z * tl.sigmoid(z) * (1.0 - t * t))
     elif ACT == 4:
-        g = g * (0.5 * (1.0 + tl.erf(z * _SQRT_HALF)) + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z))
+        g = g * (0.5 * (1.0 + tl.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z))
     elif ACT == 5:
-        t = _tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z * z * z))
-        g = g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * z * z))
+        t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
+        g = g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z))
     return g
