@@ -104,7 +104,8 @@ def _row_norm_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional[
                   dweight_dtype: Optional[torch.dtype], dbias_dtype: Optional[torch.dtype],
                   backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
-    dx, dw, db = _resolve(backend, x, "rms_norm backward" if rms else "layer_norm backward", backward=True).row_norm_bwd(
+    be = _resolve(backend, x, "rms_norm backward" if rms else "layer_norm backward", backward=True)
+    dx, dw, db = be.row_norm_bwd(
         functional._as_rows(dy, shape), functional._as_rows(x, shape), functional._flat_param(weight),
         None if rms else mean.reshape(-1), rstd.reshape(-1), rms, dweight_dtype, dbias_dtype,
         **_extra_bwd(functional._flat_param(bias), activation))
@@ -193,7 +194,8 @@ def _group_norm_fwd(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: 
 @_group_norm_fwd.register_fake
 def _(x, num_groups, weight, bias, eps, activation, backend):
     stats = (x.shape[0], num_groups)
-    return _like_layout(x, _layout(x)), x.new_empty(stats, dtype=_stat_dtype(x)), x.new_empty(stats, dtype=_stat_dtype(x))
+    return _like_layout(x, _layout(x)), x.new_empty(stats, dtype=_stat_dtype(x)), \
+        x.new_empty(stats, dtype=_stat_dtype(x))
 
 
 @torch.library.custom_op("normkit::group_norm_bwd", mutates_args=())
@@ -293,7 +295,8 @@ def _register_sharding() -> None:
     @register_sharding(torch.ops.normkit.group_norm_bwd.default)
     def _(dy, x, num_groups, weight, bias, mean, rstd, activation, dw_dtype, db_dtype, backend):
         tail = [None, None, None, None]
-        return [([Replicate()] * 3, [Replicate(), Replicate(), None, p(weight), p(bias), Replicate(), Replicate()] + tail),
+        rep = Replicate()
+        return [([rep] * 3, [rep, rep, None, p(weight), p(bias), rep, rep] + tail),
                 ([Shard(0), rep_or(Partial(), dw_dtype is not None), rep_or(Partial(), db_dtype is not None)],
                  [Shard(0), Shard(0), None, p(weight), p(bias), Shard(0), Shard(0)] + tail)]
 

@@ -18,6 +18,16 @@ _ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
 }
+# their derivatives as aten's own backward ops (g * act'(z)): no autograd needed, which matters
+# inside a custom op, where autograd is switched off at the dispatcher
+_aten = torch.ops.aten
+_ACTIVATION_GRADS = {
+    "relu": lambda g, z: _aten.threshold_backward(g, z, 0),
+    "silu": _aten.silu_backward,
+    "mish": _aten.mish_backward,
+    "gelu": lambda g, z: _aten.gelu_backward(g, z),
+    "gelu_tanh": lambda g, z: _aten.gelu_backward(g, z, approximate="tanh"),
+}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -69,9 +79,7 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
     xhat = _xhat(x, None if rms else mean.to(acc), rstd.to(acc))
     dyf = dy.to(acc)
     if activation is not None:  # dy through the activation's derivative at the pre-activation value
-        with torch.enable_grad():
-            z = _affine(xhat, weight, bias, acc).detach().requires_grad_(True)
-            dyf, = torch.autograd.grad(_ACTIVATIONS[activation](z), z, dyf)
+        dyf = _ACTIVATION_GRADS[activation](dyf, _affine(xhat, weight, bias, acc))
     wdy = dyf * weight.to(acc) if weight is not None else dyf
     c1 = (xhat * wdy).sum(dim=1, keepdim=True) / N
     dx = wdy - xhat * c1
@@ -124,12 +132,10 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
     g = _groups(dy, num_groups, acc)
     w = _channel_vec(weight, num_groups, S, acc) if weight is not None else None
     if activation is not None:
-        with torch.enable_grad():
-            z = xhat * w if w is not None else xhat
-            if bias is not None:
-                z = z + _channel_vec(bias, num_groups, S, acc)
-            z = z.detach().requires_grad_(True)
-            g, = torch.autograd.grad(_ACTIVATIONS[activation](z), z, g)
+        z = xhat * w if w is not None else xhat
+        if bias is not None:
+            z = z + _channel_vec(bias, num_groups, S, acc)
+        g = _ACTIVATION_GRADS[activation](g, z)
     wg = g * w if w is not None else g
     dx = (wg - xhat * (xhat * wg).mean(dim=2, keepdim=True) - wg.mean(dim=2, keepdim=True)) * rstd.to(acc)[:, :, None]
     out = torch.empty_like(x)
