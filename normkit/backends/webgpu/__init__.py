@@ -1,0 +1,58 @@
+"""The WebGPU backend: seed 000's WGSL LayerNorm/RMSNorm kernels run through wgpu-py.
+
+Forward only, on CPU tensors (the data travels to whatever adapter wgpu picks: a GPU through
+Vulkan/Metal/D3D12, or Mesa's lavapipe on the CPU). float32, and float16 where the adapter has
+shader-f16; statistics and math are f32. It runs Welford with vec4 loads when N % 4 == 0 and the
+subgroup reduction where the adapter has subgroups (see shaders.best_variant).
+
+wgpu is imported on first use (runner.py), never at import: the CLI imports this package to build
+its parser. The .wgsl sources, the variant list and the shader assembly live in shaders.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+NAME = "webgpu"
+HAS_BACKWARD = False  # normkit.functional raises a clear error when autograd would need a gradient
+_TORCH_DTYPES = {torch.float32: "f32", torch.float16: "f16"}
+
+
+def why_unavailable(x: torch.Tensor) -> str | None:
+    """None if this backend can run on x, else one sentence saying why not."""
+    if x.device.type != "cpu":
+        return (f"it runs on CPU tensors (their data is copied to the WebGPU adapter), not on {x.device.type}; "
+                "move x to the CPU or use backend='triton' for CUDA tensors")
+    if x.dtype not in _TORCH_DTYPES:
+        return f"it supports float32 and float16 inputs, not {x.dtype}"
+    from .runner import runner, unavailable_reason
+
+    why = unavailable_reason()
+    if why is not None:
+        return why
+    if x.dtype == torch.float16 and not runner().has_f16:
+        return f"float16 needs the adapter feature 'shader-f16', which {runner().summary} does not have; use float32"
+    return None
+
+
+def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
+    """Returns (y [M, N] contiguous in x.dtype, mean [M] float32 or None for RMSNorm, rstd [M] float32);
+    with store_stats=False the statistics are not read back and come as None."""
+    if activation is not None:
+        raise NotImplementedError(f"activation: the webgpu backend fuses no activation; expected None, "
+                                  f"got {activation!r} (use backend='torch' or 'triton')")
+    from .runner import runner
+
+    y, mean, rstd = runner().run(_numpy(x), _numpy(weight), _numpy(bias), eps, rms, stats=store_stats)
+    if not store_stats:
+        return torch.from_numpy(y), None, None
+    return torch.from_numpy(y), (None if rms else torch.from_numpy(mean)), torch.from_numpy(rstd)
+
+
+def _numpy(t):
+    if t is None:
+        return None
+    t = t.detach()
+    if t.dtype not in _TORCH_DTYPES:  # weights of other float types (bf16) are used as float32
+        t = t.float()
+    return np.ascontiguousarray(t.contiguous().numpy())

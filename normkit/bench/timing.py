@@ -1,0 +1,147 @@
+"""Timers: the median time of one call, on a CUDA GPU (events) or on the host clock (CPU).
+
+GPU timing: each timed call gets its own pair of CUDA events, and a GPU-side spin
+(torch.cuda._sleep) is queued before it, long enough for the host to enqueue the whole call
+behind it; so the events measure the GPU's work, not Python's launch overhead (which is
+measured separately, per call, by host_overhead). The cache is kept out by the caller: it passes
+several input sets ("the ring") whose total exceeds a few times the L2 size and the calls rotate
+through them. The result is the median over all timed calls after a warm-up.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+
+import torch
+
+MIN_REPS = {"cuda": 20, "cpu": 5}
+MAX_REPS = 2000
+MAX_WARMUP = 1000
+SPIN_SLACK_MS = 0.01  # spin this much longer than twice the host's time per call
+MAX_SPIN_MS = 2.0
+
+
+def _counts(est_ms: float, warmup_ms: float, rep_ms: float, min_reps: int) -> tuple[int, int]:
+    est_ms = max(est_ms, 1e-4)
+    n_warm = min(MAX_WARMUP, max(1, math.ceil(warmup_ms / est_ms)))
+    n_rep = min(MAX_REPS, max(min_reps, math.ceil(rep_ms / est_ms)))
+    return n_warm, n_rep
+
+
+class CpuTimer:
+    device = "cpu"
+    about = "host clock (time.perf_counter) around each call, median"
+
+    def sync(self):
+        pass
+
+    def median_ms(self, calls, warmup_ms: float, rep_ms: float) -> tuple[float, int]:
+        """(median ms of one call, number of timed calls); calls rotate through the list."""
+        k = len(calls)
+        t0 = time.perf_counter()
+        for i in range(3):
+            calls[i % k]()
+        n_warm, n_rep = _counts((time.perf_counter() - t0) * 1e3 / 3, warmup_ms, rep_ms, MIN_REPS["cpu"])
+        for i in range(n_warm):
+            calls[i % k]()
+        times = []
+        for i in range(n_rep):
+            t0 = time.perf_counter()
+            calls[i % k]()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), n_rep
+
+
+class CudaTimer:
+    device = "cuda"
+    about = ("CUDA events around each call behind a GPU spin that hides host overhead, "
+             "rotating input sets over 4x L2, median")
+
+    def __init__(self):
+        self.cycles_per_ms = self._calibrate_spin()
+
+    @staticmethod
+    def _calibrate_spin() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        cycles = 10_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        return cycles / max(start.elapsed_time(end), 1e-3)
+
+    def sync(self):
+        torch.cuda.synchronize()
+
+    def median_ms(self, calls, warmup_ms: float, rep_ms: float) -> tuple[float, int]:
+        """(median ms of one call, number of timed calls); calls rotate through the list."""
+        k = len(calls)
+        Event = torch.cuda.Event
+        torch.cuda.synchronize()
+        start, end = Event(enable_timing=True), Event(enable_timing=True)
+        host0 = time.perf_counter()
+        start.record()
+        for i in range(5):
+            calls[i % k]()
+        end.record()
+        host_ms = (time.perf_counter() - host0) * 1e3 / 5
+        torch.cuda.synchronize()
+        n_warm, n_rep = _counts(start.elapsed_time(end) / 5, warmup_ms, rep_ms, MIN_REPS["cuda"])
+        spin = int(self.cycles_per_ms * min(MAX_SPIN_MS, 2 * host_ms + SPIN_SLACK_MS))
+        for i in range(n_warm):
+            calls[i % k]()
+        starts = [Event(enable_timing=True) for _ in range(n_rep)]
+        ends = [Event(enable_timing=True) for _ in range(n_rep)]
+        for i in range(n_rep):
+            torch.cuda._sleep(spin)  # the GPU waits here while the host enqueues the call
+            starts[i].record()
+            calls[(n_warm + i) % k]()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), n_rep
+
+
+def make_timer(device: str):
+    return CudaTimer() if device == "cuda" else CpuTimer()
+
+
+COPY_BYTES = 1 << 30  # the copy ceiling copies a 1 GiB buffer
+
+
+def copy_ceiling_gbps(timer: CudaTimer, warmup_ms: float, rep_ms: float, nbytes: int = COPY_BYTES) -> float:
+    """Device-to-device copy bandwidth, bytes read plus written, in GB/s."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(1.0)
+    dst = torch.empty_like(src)
+    ms, _ = timer.median_ms([functools.partial(dst.copy_, src)], warmup_ms, rep_ms)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e6)
+
+
+def host_overhead(call, sync, budget_s: float = 0.1, latency_trials: int = 30) -> tuple[float, float]:
+    """(microseconds per call in a back-to-back loop, median latency in microseconds of one call + sync).
+
+    Meant for tiny inputs, where the device finishes each call before the host has launched the
+    next, so the loop measures what the host spends per call. The loop runs about budget_s.
+    """
+    t0 = time.perf_counter()
+    for _ in range(20):
+        call()
+    sync()
+    n = min(5000, max(20, int(budget_s / max((time.perf_counter() - t0) / 20, 1e-7))))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    sync()
+    per_call = (time.perf_counter() - t0) / n * 1e6
+    lat = []
+    for _ in range(latency_trials):
+        sync()
+        t0 = time.perf_counter()
+        call()
+        sync()
+        lat.append((time.perf_counter() - t0) * 1e6)
+    return per_call, statistics.median(lat)
