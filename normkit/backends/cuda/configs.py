@@ -1,0 +1,177 @@
+"""Launch configurations as data, and the small pure functions that read them.
+
+Nothing here touches a GPU: the occupancy of a kernel comes in as a function, so CI checks the
+dispatch (which implementation, pack and block size each row width gets) with a model of it.
+
+Row norms (OneFlow's dispatch, seed 003):
+  N <= WARP_MAX_COLS    warp impl: a group of `width` lanes holds a row in registers, `cols_per_thread`
+                        columns per lane; narrow rows get narrow groups, so a warp holds several rows
+  row fits shared mem.  block impl, CACHED: the row parked in shared memory between the two passes;
+                        block size by occupancy (choose_block_size)
+  otherwise             block impl, uncached: the second pass re-reads global memory
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+# ---- row norms
+WARP_MAX_COLS = 1024  # widest row a warp keeps in registers (OneFlow's bound)
+WARP_BLOCK_THREADS = 128  # warp-impl blocks: 4 warps
+COLS_PER_THREAD_STEP = 4  # a lane's columns are rounded up to a multiple of this (or of the pack), so
+#                          few template instantiations cover every width; padded columns are masked
+BLOCK_SIZES = (128, 256, 512)  # block-impl candidates, smallest first (row_norm.cu kMaxBlockThreads)
+UNCACHED_BLOCK = 512  # OneFlow: the biggest block, so fewer rows compete for L2 at a time
+FWD_WAVES = 32  # forward grids stop at this many waves of resident blocks; kernels loop over the rest
+BWD_MAX_BLOCKS_PER_SM = 8  # backward grids are one wave of at most this many blocks per SM: each
+#                            block writes a partial row of dweight/dbias, so fewer is cheaper to add
+BWD_ACC_ELEMS = 16  # dweight/dbias register accumulators per thread in the block backward
+#                     (so the fused sums reach N = 512 * 16; wider rows use row_param_grad)
+PARAM_TILE = (32, 8)  # row_param_grad's block (columns, rows): row_norm.cu kParamTileCols/Rows
+PARAM_SPLITS_PER_SM = 4  # row_param_grad: row splits (partial rows) per SM
+COL_SUM_BLOCK = (32, 8)  # col_sum: 32 columns x 8 lanes over the partial rows (row_norm.cu kColSum*)
+
+# ---- GroupNorm
+GN_REDUCE_BLOCK = (32, 8)  # gn_reduce: 32 lanes along the unit-stride axis
+GN_TARGET_BLOCKS_PER_SM = 4  # split S into chunks until gn_reduce has about this many blocks per SM
+GN_MIN_CHUNK = 256  # ... but no chunk shorter than this many positions
+GN_GROUP_THREADS = 128  # gn_group: 4 warps, a warp per (batch, group)
+GN_APPLY_THREADS = 256
+GN_APPLY_WAVES = 8
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def pick_pack(n: int, elem_bytes: int, aligned: Iterable[tuple[int, int]]) -> int:
+    """Elements per vector access: the largest P (16 bytes of x's type at most) that divides the row
+    width and to which every (byte address or byte stride, element size of that tensor) pair in
+    `aligned` is aligned. A pack of P elements of size e needs min(16, P * e)-byte alignment."""
+    aligned = list(aligned)
+    p = 16 // elem_bytes
+    while p > 1:
+        if n % p == 0 and all(v % min(16, p * e) == 0 for v, e in aligned):
+            return p
+        p //= 2
+    return 1
+
+
+def warp_layout(n: int, pack: int) -> tuple[int, int]:
+    """(group width in lanes, columns per lane) for a row of n <= WARP_MAX_COLS columns."""
+    if not 0 <= n <= WARP_MAX_COLS:
+        raise ValueError(f"warp_layout: n must be in 0..{WARP_MAX_COLS}, got {n}")
+    packs = max(1, cdiv(n, pack))
+    if packs <= 32:
+        return next_pow2(packs), pack  # one pack per lane, as few lanes as cover the row
+    step = max(1, COLS_PER_THREAD_STEP // pack)
+    packs_per_lane = cdiv(cdiv(packs, 32), step) * step
+    return 32, packs_per_lane * pack
+
+
+def choose_block_size(occupancy: Callable[[int], int], candidates: Iterable[int] = BLOCK_SIZES) -> int | None:
+    """OneFlow's rule: the largest block size that keeps as many blocks resident per SM as the
+    smallest candidate does (a block-per-row kernel limited by shared memory gets more threads for
+    free); None when even the smallest cannot be resident (the row does not fit)."""
+    candidates = sorted(candidates)
+    if not candidates:
+        return None
+    base = occupancy(candidates[0])
+    if base <= 0:
+        return None
+    for block in reversed(candidates):
+        if occupancy(block) == base:
+            return block
+    return candidates[0]
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    impl: str  # "warp" or "block"
+    pack: int
+    block: int  # threads per block
+    width: int = 0  # warp impl: lanes per row
+    cols_per_thread: int = 0  # warp impl: columns per lane
+    cached: bool = False  # block impl: row in shared memory
+    smem: int = 0  # dynamic shared memory bytes
+    acc_packs: int = 0  # block backward: packs per thread accumulated in registers (0: none)
+    param_kernel: bool = False  # backward: dweight/dbias by row_param_grad instead of in the dx kernel
+
+    @property
+    def name(self) -> str:
+        if self.impl == "warp":
+            return "warp"
+        return "block-smem" if self.cached else "block-uncached"
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.block // self.width if self.impl == "warp" else 1
+
+
+def plan_rows(direction: str, n: int, pack: int, elem_bytes: int, smem_optin: int,
+              occupancy: Callable[[bool, int, int, int], int], want_params: bool = False,
+              force: str | None = None) -> RowPlan:
+    """The implementation for rows of n columns. occupancy(cached, block, smem, acc_packs) gives
+    the resident blocks per SM of the block kernel so configured. force: "warp", "block-smem" or
+    "block-uncached" (the ladder runs each); None picks by width as OneFlow does."""
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"direction: expected 'fwd' or 'bwd', got {direction!r}")
+    if force not in (None, "warp", "block-smem", "block-uncached"):
+        raise ValueError(f"force: expected None, 'warp', 'block-smem' or 'block-uncached', got {force!r}")
+    want_params = want_params and direction == "bwd"
+    if force == "warp" and n > WARP_MAX_COLS:
+        raise ValueError(f"the warp impl holds rows of at most {WARP_MAX_COLS} columns, not {n}")
+    if force == "warp" or (force is None and n <= WARP_MAX_COLS):
+        width, cols = warp_layout(n, pack)
+        return RowPlan("warp", pack, WARP_BLOCK_THREADS, width, cols)
+    packs = cdiv(n, pack)
+    acc_packs = max(1, BWD_ACC_ELEMS // pack) if want_params else 0
+    candidates = BLOCK_SIZES
+    if acc_packs:
+        candidates = tuple(b for b in BLOCK_SIZES if b * acc_packs >= packs)
+        if not candidates:  # too wide for the register accumulators
+            acc_packs, candidates = 0, BLOCK_SIZES
+    param_kernel = want_params and acc_packs == 0
+    smem = n * elem_bytes * (1 if direction == "fwd" else 2)
+    if force in (None, "block-smem") and smem <= smem_optin:
+        block = choose_block_size(lambda b: occupancy(True, b, smem, acc_packs), candidates)
+        if block is not None:
+            return RowPlan("block", pack, block, cached=True, smem=smem, acc_packs=acc_packs,
+                           param_kernel=param_kernel)
+    if force == "block-smem":
+        raise ValueError(f"block-smem cannot hold a row of {n} columns ({smem} B) on this GPU")
+    # uncached: UNCACHED_BLOCK is among the candidates whenever acc_packs > 0
+    return RowPlan("block", pack, UNCACHED_BLOCK, cached=False, acc_packs=acc_packs, param_kernel=param_kernel)
+
+
+def grid_blocks(work_blocks: int, sms: int, resident: int, waves: int) -> int:
+    """Blocks to launch: the work, capped at `waves` waves of resident blocks (kernels loop)."""
+    return max(1, min(work_blocks, sms * max(1, resident) * waves))
+
+
+def param_splits(rows: int, sms: int) -> tuple[int, int]:
+    """row_param_grad: (splits, rows per split); splits = partial rows for col_sum."""
+    splits = max(1, min(cdiv(rows, PARAM_TILE[1]), sms * PARAM_SPLITS_PER_SM))
+    per = cdiv(rows, splits)
+    return cdiv(rows, per), per
+
+
+def gn_chunks(B: int, C: int, S: int, channels_last: bool, sms: int) -> tuple[int, int]:
+    """(chunk, chunks): gn_reduce splits S into `chunks` chunks of `chunk` positions so that about
+    GN_TARGET_BLOCKS_PER_SM blocks per SM run, none on fewer than GN_MIN_CHUNK positions."""
+    tile = GN_REDUCE_BLOCK[0] if channels_last else GN_REDUCE_BLOCK[1]
+    base = max(1, B * cdiv(C, tile))
+    want = cdiv(GN_TARGET_BLOCKS_PER_SM * sms, base)
+    chunks = max(1, min(want, cdiv(S, GN_MIN_CHUNK)))
+    chunk = max(1, cdiv(S, chunks))
+    return chunk, cdiv(max(S, 1), chunk)
+
+
+def gn_apply_block(inner: int) -> tuple[int, int]:
+    """gn_apply's block (TX, TY): TX lanes along the unit-stride axis of `inner` elements."""
+    tx = min(GN_APPLY_THREADS, next_pow2(max(1, inner)))
+    return tx, GN_APPLY_THREADS // tx

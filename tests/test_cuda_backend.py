@@ -1,0 +1,738 @@
+"""The CUDA C++ backend (normkit.backends.cuda) and its kernel ladder.
+
+Without a GPU (CI): every kernel compiles through NVRTC for sm_80 and sm_90, the C signature of
+every kernel matches the parameter list the launcher packs, the dispatch tables pick what they
+should, the host wrappers size grids and pack arguments correctly, and failures say what failed.
+With a GPU (tests marked `gpu`): backend="cuda" through the same checks as test_row_norm.py, the
+fused activations, GroupNorm in both layouts, and the ladder end to end.
+"""
+import ctypes
+import math
+import re
+
+import pytest
+import torch
+
+import normkit
+from normkit import backends, reference as ref
+from normkit.backends import cuda as cb
+from normkit.backends.cuda import configs, driver, kernels, nvrtc
+
+from conftest import HAS_CUDA
+from helpers import DTYPES, TOL, assert_close, check_fwd_bwd, oracle, param_tol, randn, run
+
+# The compile tests need cuda-python and nvidia-cuda-nvrtc (the test extra): without them they fail
+# with NVRTC's own error, as CI should.
+ARCHS = ["sm_80", "sm_90"]
+H100_SMEM_OPTIN = 227 * 1024
+
+
+# ============================================================================ CPU: compilation
+
+def _ptx_entries(ptx: str) -> dict:
+    """{mangled name: [PTX parameter types]} of every kernel entry in a PTX module."""
+    out = {}
+    for m in re.finditer(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)", ptx):
+        out[m.group(1)] = re.findall(r"\.param\s+\.(\w+)", m.group(2))
+    return out
+
+
+# the PTX parameter types each C type of a KernelSpec may compile to
+PTX_TYPES = {"ptr": {"u64", "b64"}, "i64": {"u64", "s64", "b64"}, "i32": {"u32", "s32", "b32"}, "f32": {"f32", "b32"}}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_and_matches_its_parameter_list(arch):
+    """Every instantiation in the catalog compiles for the architecture (PTX; optimization off, as
+    CI checks the code, not its speed), and its PTX .param list is the KernelSpec's, type by type."""
+    specs = kernels.catalog()
+    by_source = {}
+    for s in specs:
+        by_source.setdefault(s.source, []).append(s)
+    checked = 0
+    for source, group in by_source.items():
+        built = nvrtc.build(source, [s.name for s in group], arch.replace("sm_", "compute_"), want_ptx=True,
+                            use_disk_cache=False, fast=True)
+        entries = _ptx_entries(built.ptx)
+        for s in group:
+            params = entries[built.lowered[s.name]]
+            assert len(params) == len(s.params), f"{s}: C has {len(params)} parameters, the launcher packs {len(s.params)}"
+            for (pname, ctype), ptx_type in zip(s.params, params):
+                assert ptx_type in PTX_TYPES[ctype], f"{s}: parameter {pname!r} is .{ptx_type} in C, packed as {ctype}"
+            checked += 1
+    assert checked == len(specs) > 300
+
+
+# one optimized cubin per kernel template (what the GPU runs), through ptxas as well
+FAMILY_SAMPLES = [
+    kernels.row_fwd(torch.float16, torch.float32, "mish", False, configs.RowPlan("warp", 8, 128, 32, 32)),
+    kernels.row_fwd(torch.bfloat16, torch.bfloat16, None, True, configs.RowPlan("block", 8, 512, cached=True)),
+    kernels.row_fwd(torch.float32, torch.float32, "gelu", False, configs.RowPlan("block", 4, 512, cached=False)),
+    kernels.row_bwd(torch.float32, torch.float32, "silu", False, configs.RowPlan("warp", 4, 128, 32, 32), True),
+    kernels.row_bwd(torch.float16, torch.float32, None, False,
+                    configs.RowPlan("block", 8, 512, cached=True, acc_packs=2), True),
+    kernels.row_bwd(torch.bfloat16, torch.float32, "gelu_tanh", True,
+                    configs.RowPlan("block", 1, 512, cached=False), False),
+    kernels.row_param_grad(torch.float16, torch.float16, "relu", False),
+    kernels.col_sum(torch.float32, torch.bfloat16),
+    kernels.gn_reduce(torch.float16, torch.float32, None, True, False),
+    kernels.gn_reduce(torch.bfloat16, torch.float32, "mish", False, True),
+    kernels.gn_group(torch.float32, False),
+    kernels.gn_group(torch.float16, True),
+    kernels.gn_apply(torch.float32, torch.float32, "silu", False, False),
+    kernels.gn_apply(torch.float16, torch.float16, "gelu", True, True),
+    kernels.llmc("layernorm_forward_kernel5"),
+    kernels.seed004_group_norm_mish(1024),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kernel_families_build_cubins(arch):
+    built = nvrtc.build_specs(FAMILY_SAMPLES, arch, use_disk_cache=False)
+    for spec, c in built.items():
+        assert c.arch == arch and c.image[:4] == b"\x7fELF", f"{spec}: no cubin"
+        assert spec.name in c.lowered
+
+
+def test_no_register_spills_in_the_common_kernels():
+    """The kernels on the common paths keep their rows and sums in registers (ptxas -v)."""
+    for spec in [FAMILY_SAMPLES[0], FAMILY_SAMPLES[1], FAMILY_SAMPLES[3], FAMILY_SAMPLES[4]]:
+        _, _, _, log = nvrtc._nvrtc_compile(nvrtc.read_source(spec.source), spec.source, [spec.name],
+                                             nvrtc.options("sm_90") + ["--ptxas-options=-v"])
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and all(int(n) == 0 for n in spills), f"{spec}: {log}"
+
+
+def test_compile_error_names_the_kernel_and_shows_the_log(tmp_path, monkeypatch):
+    (tmp_path / "broken.cu").write_text(
+        "namespace nk {\ntemplate <typename T> __global__ void scale(T* x) { x[0] = undeclared_name; }\n}\n")
+    monkeypatch.setattr(nvrtc, "SOURCE_DIR", tmp_path)
+    with pytest.raises(nvrtc.NvrtcError) as e:
+        nvrtc.build("broken.cu", ["nk::scale<float>"], "sm_90", use_disk_cache=False)
+    msg = str(e.value)
+    assert "nk::scale<float>" in msg and "broken.cu" in msg and "sm_90" in msg
+    assert "undeclared_name" in e.value.log and e.value.log in msg
+
+
+def test_bad_instantiation_is_a_compile_error():
+    with pytest.raises(nvrtc.NvrtcError, match=r"nk::row_fwd_warp<float, float, nk::Identity, 4, 6, 32, false>"):
+        # COLS=6 is not a multiple of the pack (4): the kernel's static_assert fires
+        nvrtc.build("row_norm.cu", ["nk::row_fwd_warp<float, float, nk::Identity, 4, 6, 32, false>"], "sm_90",
+                    use_disk_cache=False, fast=True)
+
+
+def test_missing_headers_say_where_they_were_looked_for(monkeypatch):
+    monkeypatch.setattr(nvrtc, "_header_candidates", lambda: [("test", "/nonexistent/include")])
+    nvrtc._include_dir_for.cache_clear()
+    try:
+        with pytest.raises(nvrtc.CudaBackendError, match="NORMKIT_CUDA_INCLUDE"):
+            nvrtc.include_dir("sm_90")
+    finally:
+        nvrtc._include_dir_for.cache_clear()
+
+
+def test_disk_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMKIT_CACHE_DIR", str(tmp_path))
+    spec = kernels.llmc("layernorm_forward_kernel3")
+    first = nvrtc.build(spec.source, [spec.name], "sm_80", use_disk_cache=True)
+    assert len(list((tmp_path / "cuda").glob("*.bin"))) == 1
+    monkeypatch.setattr(nvrtc, "_memory", {})
+    monkeypatch.setattr(nvrtc, "_nvrtc_compile", lambda *a, **k: pytest.fail("recompiled despite the disk cache"))
+    second = nvrtc.build(spec.source, [spec.name], "sm_80", use_disk_cache=True)
+    assert second.image == first.image and second.lowered == first.lowered
+
+
+def test_target_arch():
+    assert nvrtc.target_arch((9, 0)) == "sm_90"
+    assert nvrtc.target_arch((8, 0)) == "sm_80"
+    newest = nvrtc.supported_archs()[-1]
+    assert nvrtc.target_arch((newest // 10 + 9, 9)) == f"compute_{newest}"  # a GPU newer than NVRTC: PTX
+    with pytest.raises(nvrtc.CudaBackendError, match="older than NVRTC"):
+        nvrtc.target_arch((3, 0))
+
+
+# ============================================================================ CPU: marshalling
+
+def test_pack_args_exact_c_types():
+    spec = kernels.row_fwd(torch.float16, torch.float32, None, False, configs.RowPlan("warp", 8, 128, 32, 8))
+    x = torch.zeros(4, 8, dtype=torch.float16)
+    args = [x, 8, 0x1000, 8, None, 0x2000, 0x3000, 0x4000, 2**40, 8, 1e-5]
+    array, values = driver.pack_args(spec, args)
+    want = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float]
+    assert [type(v) for v in values] == want
+    assert values[0].value == x.data_ptr() and values[4].value is None and values[8].value == 2**40
+    assert values[10].value == pytest.approx(1e-5, rel=1e-7) and values[10].value != 1e-5  # rounded to fp32
+    assert [array[i] for i in range(len(values))] == [ctypes.addressof(v) for v in values]
+
+
+def test_pack_args_errors_name_the_kernel_and_argument():
+    spec = kernels.col_sum(torch.float32, torch.float32)
+    with pytest.raises(TypeError, match=r"nk::col_sum<float, float>.*expected 6 arguments"):
+        driver.pack_args(spec, [None] * 5)
+    with pytest.raises(OverflowError, match=r"argument 'cols'.*i32"):
+        driver.pack_args(spec, [None, None, None, None, 1, 2**31])
+    with pytest.raises(TypeError, match=r"argument 'parts'.*int"):
+        driver.pack_args(spec, [None, None, None, None, 1.5, 3])
+    with pytest.raises(TypeError, match=r"argument 'a'.*tensor, an address or None"):
+        driver.pack_args(spec, [None, "x", None, None, 1, 3])
+
+
+def test_launch_dims_are_checked():
+    spec = kernels.col_sum(torch.float32, None)
+    driver.check_launch_dims(spec, (2**31 - 1, 1, 1), (32, 8, 1), 0)
+    for grid, block in [((0, 1, 1), (32, 1, 1)), ((1, 65536, 1), (32, 1, 1)), ((1, 1, 1), (1024, 2, 1))]:
+        with pytest.raises(ValueError, match="nk::col_sum"):
+            driver.check_launch_dims(spec, grid, block, 0)
+
+
+# ============================================================================ CPU: dispatch tables
+
+def model_occupancy(block, smem):
+    """An H100-like SM: 2048 threads, 32 blocks, 228 KB shared memory with 1 KB reserved per block."""
+    return min(2048 // block, 32, (228 * 1024) // (smem + 1024))
+
+
+def _plan(direction, n, dtype, want=False, optin=H100_SMEM_OPTIN, force=None):
+    e = dtype.itemsize
+    pack = configs.pick_pack(n, e, [])
+    return configs.plan_rows(direction, n, pack, e, optin, lambda cached, b, smem, acc: model_occupancy(b, smem),
+                             want_params=want, force=force)
+
+
+# (direction, N, dtype, want dweight) -> (impl, pack, block, width, cols per lane, acc packs, param kernel)
+DISPATCH = [
+    ("fwd", 1, torch.float32, False, ("warp", 1, 128, 1, 1, 0, False)),
+    ("fwd", 7, torch.float32, False, ("warp", 1, 128, 8, 1, 0, False)),
+    ("fwd", 32, torch.float16, False, ("warp", 8, 128, 4, 8, 0, False)),
+    ("fwd", 100, torch.float32, False, ("warp", 4, 128, 32, 4, 0, False)),
+    ("fwd", 768, torch.float32, False, ("warp", 4, 128, 32, 24, 0, False)),
+    ("fwd", 768, torch.float16, False, ("warp", 8, 128, 32, 24, 0, False)),
+    ("fwd", 1000, torch.float32, False, ("warp", 4, 128, 32, 32, 0, False)),
+    ("fwd", 1024, torch.bfloat16, False, ("warp", 8, 128, 32, 32, 0, False)),
+    ("fwd", 4099, torch.float32, False, ("block-smem", 1, 128, 0, 0, 0, False)),  # 13 blocks of 128 beat 2 of 1024
+    ("fwd", 32768, torch.float16, False, ("block-smem", 8, 512, 0, 0, 0, False)),  # 3 blocks fit at 128 and 512
+    ("fwd", 32768, torch.float32, False, ("block-smem", 4, 512, 0, 0, 0, False)),  # 128 KB: one block per SM
+    ("fwd", 65536, torch.float16, False, ("block-smem", 8, 512, 0, 0, 0, False)),
+    ("fwd", 65536, torch.float32, False, ("block-uncached", 4, 512, 0, 0, 0, False)),  # 256 KB > 227 KB
+    ("bwd", 1000, torch.float32, True, ("warp", 4, 128, 32, 32, 0, False)),
+    ("bwd", 8192, torch.float16, True, ("block-smem", 8, 512, 0, 0, 2, False)),  # 512 threads x 2 packs own the row
+    ("bwd", 16384, torch.float16, True, ("block-smem", 8, 512, 0, 0, 0, True)),  # too wide to accumulate
+    ("bwd", 16384, torch.float16, False, ("block-smem", 8, 512, 0, 0, 0, False)),
+    ("bwd", 32768, torch.float16, True, ("block-smem", 8, 512, 0, 0, 0, True)),
+    ("bwd", 32768, torch.float32, True, ("block-uncached", 4, 512, 0, 0, 0, True)),
+]
+
+
+@pytest.mark.parametrize("direction,n,dtype,want,expected", DISPATCH,
+                         ids=[f"{d}-{n}-{str(t)[6:]}{'-dw' if w else ''}" for d, n, t, w, _ in DISPATCH])
+def test_dispatch_table(direction, n, dtype, want, expected):
+    p = _plan(direction, n, dtype, want)
+    got = (p.name, p.pack, p.block, p.width, p.cols_per_thread, p.acc_packs, p.param_kernel)
+    assert got == expected
+    if p.impl == "block" and p.acc_packs:
+        assert p.block * p.acc_packs * p.pack >= n  # the register accumulators cover the row
+    if p.cached:
+        assert p.smem == n * dtype.itemsize * (1 if direction == "fwd" else 2)
+
+
+def test_warp_layout_covers_every_width():
+    for pack in (1, 2, 4, 8):
+        for n in range(pack, configs.WARP_MAX_COLS + 1, pack):
+            width, cols = configs.warp_layout(n, pack)
+            assert width in (1, 2, 4, 8, 16, 32) and cols % pack == 0 and cols <= 32
+            assert width * cols >= n, (n, pack)  # every column has a lane
+            assert width == 32 or width * pack >= n > width * pack // 2 or width == 1
+    assert len(kernels.warp_layouts()) < 60  # the rounding keeps instantiations few
+
+
+def test_pick_pack():
+    assert configs.pick_pack(1024, 2, [(0x1000, 2), (2048, 2)]) == 8
+    assert configs.pick_pack(1024, 4, [(0x1000, 4)]) == 4
+    assert configs.pick_pack(1000, 2, []) == 8 and configs.pick_pack(1004, 2, []) == 4
+    assert configs.pick_pack(4099, 4, []) == 1
+    assert configs.pick_pack(1024, 2, [(0x1000 + 4, 2)]) == 2  # a row start 4 bytes past alignment
+    assert configs.pick_pack(1024, 2, [(1037 * 2, 2)]) == 1  # an odd row stride
+    assert configs.pick_pack(1024, 2, [(0x1010, 4)]) == 8  # 8 fp32 weights: two 16-byte accesses
+    assert configs.pick_pack(1024, 2, [(0x1008, 4)]) == 2
+
+
+def test_choose_block_size_is_oneflows_rule():
+    # same resident blocks at every size: the biggest block
+    assert configs.choose_block_size(lambda b: 1) == configs.BLOCK_SIZES[-1] == 512
+    assert configs.choose_block_size(lambda b: {128: 3, 256: 3, 512: 2}[b]) == 256
+    assert configs.choose_block_size(lambda b: {128: 3, 256: 3, 512: 3, 1024: 2}[b],
+                                     candidates=(128, 256, 512, 1024)) == 512
+    assert configs.choose_block_size(lambda b: 2048 // b) == 128  # thread-limited: more, smaller blocks
+    assert configs.choose_block_size(lambda b: 0) is None  # the row does not fit: uncached
+    assert configs.choose_block_size(lambda b: 2, candidates=(512, 1024)) == 1024
+
+
+def test_plan_rows_force_and_limits():
+    assert _plan("fwd", 512, torch.float16, force="block-uncached").name == "block-uncached"
+    assert _plan("fwd", 512, torch.float16, force="block-smem").name == "block-smem"
+    assert _plan("fwd", 4096, torch.float16, optin=1024).name == "block-uncached"  # no shared memory to spare
+    with pytest.raises(ValueError, match="block-smem cannot hold"):
+        _plan("fwd", 65536, torch.float32, force="block-smem")
+    with pytest.raises(ValueError, match="warp impl holds rows of at most 1024"):
+        _plan("fwd", 4096, torch.float32, force="warp")
+    with pytest.raises(ValueError, match="force"):
+        _plan("fwd", 64, torch.float32, force="thread")
+
+
+def test_grid_and_split_sizes():
+    assert configs.grid_blocks(10, 132, 16, 32) == 10
+    assert configs.grid_blocks(10**9, 132, 16, 32) == 132 * 16 * 32
+    assert configs.grid_blocks(10**9, 132, 0, 1) == 132  # occupancy 0 still launches
+    splits, per = configs.param_splits(1000, 132)
+    assert splits * per >= 1000 > (splits - 1) * per
+    assert configs.gn_chunks(8, 320, 4096, False, 132) == (2048, 2)
+    assert configs.gn_chunks(8, 320, 4096, True, 132) == (586, 7)
+    assert configs.gn_chunks(2, 64, 100, False, 132) == (100, 1)  # never below GN_MIN_CHUNK
+    assert configs.gn_apply_block(4096) == (256, 1) and configs.gn_apply_block(1) == (1, 256)
+    assert configs.gn_apply_block(40) == (64, 4)
+
+
+# ============================================================================ CPU: host wrappers
+
+class Recorder:
+    """Stands in for a loaded kernel: packs every launch's arguments for the kernel's C
+    signature and checks its launch dims (what the driver would reject), and records it."""
+
+    launches: list = []
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def occupancy(self, block, smem=0):
+        return model_occupancy(block, smem)
+
+    def launch(self, grid, block, args, smem=0, stream=None):
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        driver.check_launch_dims(self.spec, grid, block, smem)
+        driver.pack_args(self.spec, args)
+        assert smem <= H100_SMEM_OPTIN
+        Recorder.launches.append((self.spec.name, grid, block, smem, args))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    monkeypatch.setattr(cb, "_load", lambda spec, index: Recorder(spec))
+    monkeypatch.setattr(cb, "_begin", lambda x: 0)
+    monkeypatch.setattr(cb, "_sms", lambda index: 132)
+    monkeypatch.setattr(driver, "max_smem_optin", lambda index: H100_SMEM_OPTIN)
+    cb._row_setup.cache_clear()
+    Recorder.launches = []
+    yield Recorder.launches
+    cb._row_setup.cache_clear()
+
+
+def test_row_forward_launches(recorded):
+    x = torch.empty(1000, 64, dtype=torch.float16)
+    w = torch.empty(64, dtype=torch.float32)
+    y, mean, rstd = cb.row_norm_fwd(x, w, None, 1e-5, False, "silu")
+    assert y.shape == (1000, 64) and mean.shape == rstd.shape == (1000,)
+    (name, grid, block, smem, args), = recorded
+    assert name == "nk::row_fwd_warp<__half, float, nk::Silu, 8, 8, 8, false>"  # 8 lanes x 8 halves per row
+    assert block == (128, 1, 1) and grid == (configs.cdiv(1000, 128 // 8), 1, 1) and smem == 0
+    assert args[-3:] == [1000, 64, 1e-5] and args[1] == 64
+
+
+def test_row_backward_launches(recorded):
+    x = torch.empty(300, 8192, dtype=torch.bfloat16)
+    w = torch.empty(8192, dtype=torch.float32)
+    dx, dw, db = cb.row_norm_bwd(x, x, w, torch.empty(300), torch.empty(300), False, torch.float32, torch.float32)
+    assert dx.shape == x.shape and dw.dtype == db.dtype == torch.float32
+    (n1, g1, b1, s1, a1), (n2, g2, b2, s2, a2) = recorded
+    assert n1 == "nk::row_bwd_block<__nv_bfloat16, float, nk::Identity, 8, false, true, 2>"
+    assert b1 == (512, 1, 1) and s1 == 2 * 8192 * 2
+    assert g1 == (min(300, 132 * min(model_occupancy(512, s1), configs.BWD_MAX_BLOCKS_PER_SM)), 1, 1)
+    assert a1[10].shape == (g1[0], 8192)  # one partial row per block
+    assert n2 == "nk::col_sum<float, float>" and g2 == (8192 // 32, 1, 1) and a2[4] == g1[0]
+
+
+def test_wide_row_backward_uses_the_param_kernel(recorded):
+    x = torch.empty(50, 65536, dtype=torch.float32)
+    cb.row_norm_bwd(x, x, torch.empty(65536), torch.empty(50), torch.empty(50), True, torch.float32, None)
+    names = [r[0] for r in recorded]
+    assert names == ["nk::row_bwd_block<float, float, nk::Identity, 4, true, false, 0>",
+                     "nk::row_param_grad<float, float, nk::Identity, true>", "nk::col_sum<float, float>"]
+    dx_args, pg, cs = recorded[0][4], recorded[1], recorded[2]
+    assert dx_args[10] is None and dx_args[11] is None  # the dx kernel makes no partial sums
+    splits = pg[1][1]
+    assert pg[1][0] == 65536 // 32 and pg[2] == (32, 8, 1) and pg[4][8].shape == (splits, 65536)
+    assert cs[4][2] is None and cs[4][4] == splits  # dweight only (RMSNorm has no bias)
+
+
+def test_group_norm_launches(recorded):
+    x = torch.empty(8, 32, 16, 16, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    x3 = x.permute(0, 2, 3, 1).reshape(8, 256, 32).transpose(1, 2)
+    assert x3.stride() == (256 * 32, 1, 32)
+    w = torch.empty(32, dtype=torch.float16)
+    y, mean, rstd = cb.group_norm_fwd(x3, 4, w, w, 1e-5, "mish")
+    assert y.stride() == x3.stride() and mean.shape == rstd.shape == (8, 4)
+    names = [r[0] for r in recorded]
+    assert names == ["nk::gn_reduce<__half, __half, nk::Identity, true, false>", "nk::gn_group<__half, false>",
+                     "nk::gn_apply<__half, __half, nk::Mish, true, false>"]
+    chunk, chunks = configs.gn_chunks(8, 32, 256, True, 132)
+    assert recorded[0][1] == (8 * chunks, 1, 1) and recorded[0][2] == (32, 8, 1)
+    assert recorded[1][1] == (configs.cdiv(8 * 4 * 32, 128), 1, 1)
+    assert recorded[2][2] == (32, 8, 1)  # 32 channels along the lanes, 8 positions side by side
+    recorded.clear()
+    dx, dw, db = cb.group_norm_bwd(x3, x3, 4, w, w, mean, rstd, "mish", torch.float16, None)
+    assert dx.stride() == x3.stride() and dw.dtype == torch.float16 and db is None
+    assert [r[0] for r in recorded] == ["nk::gn_reduce<__half, __half, nk::Mish, true, true>", "nk::gn_group<__half, true>",
+                                        "nk::col_sum<__half, float>", "nk::gn_apply<__half, __half, nk::Mish, true, true>"]
+
+
+# ============================================================================ CPU: availability
+
+def test_why_unavailable_on_cpu_says_why():
+    why = cb.why_unavailable(torch.ones(3))
+    assert why is not None and "CUDA tensors" in why and "cpu" in why
+    with pytest.raises(backends.BackendUnavailableError, match=r"backend='cuda' cannot run layer_norm: .*CUDA tensors"):
+        normkit.layer_norm(torch.ones(2, 8), (8,), backend="cuda")
+
+
+def test_ladder_without_a_gpu_says_so(capsys, tmp_path):
+    if HAS_CUDA:
+        pytest.skip("a GPU is present: the ladder runs (test_ladder_end_to_end)")
+    from normkit.cli import main
+    assert main(["ladder", "--backend", "cuda", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU" in out and "GB/s" not in out
+
+
+# ============================================================================ GPU
+
+DEVICE = "cuda"
+WIDTHS = [1, 7, 64, 100, 1000, 4099, 8192, 32768, 65536]
+OPS = ["layer_norm", "rms_norm"]
+
+
+@pytest.fixture(scope="module")
+def prebuilt():
+    """Compile most kernels these tests use in parallel, once (later loads hit the caches)."""
+    if not HAS_CUDA:
+        return
+    specs = []
+    for dtype in DTYPES.values():
+        for wd in {dtype, torch.float32}:
+            for rms in (False, True):
+                for n in WIDTHS:
+                    specs += kernels.row_specs(n, dtype, wd, None, rms)
+            for other in (dtype, torch.float32):
+                specs.append(kernels.col_sum(other, other))
+            for cl in (False, True):
+                specs.append(kernels.gn_reduce(dtype, wd, None, cl, False))
+                for act in [None] + list(ref.ACTIVATIONS):
+                    specs.append(kernels.gn_reduce(dtype, wd, act, cl, True))
+                    specs += [kernels.gn_apply(dtype, wd, act, cl, bwd) for bwd in (False, True)]
+            specs += [kernels.gn_group(wd, bwd) for bwd in (False, True)]
+    for act in ref.ACTIVATIONS:
+        for rms in (False, True):
+            for n in (64, 1000, 8192, 65536):
+                specs += kernels.row_specs(n, torch.float32, torch.float32, act, rms)
+    cb.prebuild(specs)
+
+
+@pytest.fixture
+def cuda_poison(monkeypatch):
+    """Every buffer the CUDA kernels must fully write starts as NaN."""
+    def nan_empty(*shape, dtype=None, device=None, **kw):
+        return torch.empty(*shape, dtype=dtype, device=device, **kw).fill_(math.nan)
+
+    monkeypatch.setattr(cb, "_empty", nan_empty)
+    monkeypatch.setattr(cb, "_empty_like", lambda t, **kw: torch.empty_like(t, **kw).fill_(math.nan))
+    monkeypatch.setattr(driver, "SYNC_AFTER_LAUNCH", True)  # a fault names its kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize("op", OPS)
+def test_matches_oracle(op, n, dtype, prebuilt, cuda_poison):
+    p_dtype = torch.float32 if dtype != torch.float16 else torch.float16
+    x = randn(5, n, dtype=dtype, device=DEVICE)
+    w, b = randn(n, dtype=p_dtype, device=DEVICE), randn(n, dtype=p_dtype, device=DEVICE)
+    check_fwd_bwd(op, x, (n,), w, b, backend="cuda", what=f"cuda {op} N={n} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("affine", ["none", "weight", "bias", "both"])
+@pytest.mark.parametrize("p_dtype", ["same", "fp32"])
+@pytest.mark.parametrize("op", OPS)
+def test_optional_and_mixed_dtype_params(op, affine, p_dtype, prebuilt, cuda_poison):
+    if op == "rms_norm" and affine in ("bias", "both"):
+        pytest.skip("RMSNorm has no bias")
+    x = randn(4, 3, 1000, dtype=torch.bfloat16, device=DEVICE)
+    pd = torch.bfloat16 if p_dtype == "same" else torch.float32
+    w = randn(1000, dtype=pd, device=DEVICE) if affine in ("weight", "both") else None
+    b = randn(1000, dtype=pd, device=DEVICE) if affine in ("bias", "both") else None
+    check_fwd_bwd(op, x, (1000,), w, b, backend="cuda", what=f"cuda {op} {affine} {p_dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_many_rows_and_persistent_loops(op, prebuilt, cuda_poison):
+    # N=7: 4 rows per warp; 100000 rows: more row tiles than the grids hold, so the kernels loop
+    for m, n in ((100000, 7), (20000, 8192)):
+        x = randn(m, n, device=DEVICE)
+        check_fwd_bwd(op, x, (n,), randn(n, device=DEVICE), randn(n, device=DEVICE), backend="cuda",
+                      what=f"cuda {op} M={m} N={n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_strided_rows(op, prebuilt, cuda_poison):
+    from normkit.functional import _as_rows
+
+    for n, pad in ((1000, 37), (8192, 8), (4096, 1)):
+        wide = randn(6, n + pad, device=DEVICE)
+        for x in (wide[:, :n], wide[1:5, :n], wide[::2, :n], wide[:, 1:n + 1]):
+            rows = _as_rows(x, (n,))
+            assert rows.data_ptr() == x.data_ptr() and rows.stride() == x.stride(), "strided rows were copied"
+            check_fwd_bwd(op, x.detach(), (n,), randn(n, device=DEVICE), randn(n, device=DEVICE), backend="cuda",
+                          what=f"cuda {op} strided {x.stride()} offset {x.storage_offset()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_empty_batch(op, prebuilt):
+    for shape in ((0, 64), (2, 0, 64), (0, 8192)):
+        n = shape[-1]
+        x = randn(*shape, device=DEVICE).requires_grad_(True)
+        w = randn(n, device=DEVICE).requires_grad_(True)
+        y = run(op, x, (n,), w, backend="cuda")
+        assert y.shape == x.shape
+        dx, dw = torch.autograd.grad(y, [x, w], torch.ones_like(y))
+        assert dx.shape == x.shape and torch.equal(dw, torch.zeros_like(dw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [100, 4099, 65536])
+@pytest.mark.parametrize("op", OPS)
+def test_nan_stays_in_its_row(op, n, prebuilt):
+    x = randn(6, n, device=DEVICE)
+    x[2, 17] = math.nan
+    w = randn(n, device=DEVICE)
+    xg = x.clone().requires_grad_(True)
+    y = run(op, xg, (n,), w, backend="cuda")
+    ok = torch.tensor([i != 2 for i in range(6)], device=DEVICE)
+    assert torch.isnan(y[2]).all()
+    assert_close(y[ok], oracle(op, x[ok], (n,), w), TOL[torch.float32], "rows without NaN")
+    dx, = torch.autograd.grad(y, [xg], randn(6, n, device=DEVICE))
+    assert torch.isnan(dx[2]).all() and torch.isfinite(dx[ok]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["warp", "block-smem", "block-uncached", None])
+@pytest.mark.parametrize("n", [768, 4096, 65536])
+def test_offset_rows_keep_their_precision(n, impl, prebuilt):
+    if impl == "warp" and n > configs.WARP_MAX_COLS:
+        pytest.skip("the warp impl holds rows up to 1024 columns")
+    x = 1e4 + randn(4, n, device=DEVICE)
+    w, b = randn(n, device=DEVICE), randn(n, device=DEVICE)
+    try:
+        y, mean, rstd, _ = cb._row_fwd(x, w, b, 1e-5, False, force=impl)
+    except ValueError:
+        pytest.skip(f"{impl} cannot hold {n} fp32 columns on this GPU")
+    expected, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b)
+    err = assert_close(y, expected, 1e-5, f"offset rows {impl}")
+    assert err < 1e-5, f"{impl}: {err:.3g} (shifted Welford should keep ~1e-7)"
+    assert_close(mean, mean_ref, 1e-7, "mean")
+    assert_close(rstd, rstd_ref, 1e-4, "rstd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 8192, 65536])
+@pytest.mark.parametrize("op", OPS)
+def test_weight_gradients_are_bitwise_reproducible(op, n, prebuilt):
+    x = randn(257, n, device=DEVICE).requires_grad_(True)
+    w = randn(n, device=DEVICE).requires_grad_(True)
+    b = randn(n, device=DEVICE).requires_grad_(True) if op == "layer_norm" else None
+    dy = randn(257, n, device=DEVICE)
+    leaves = [t for t in (x, w, b) if t is not None]
+    first = torch.autograd.grad(run(op, x, (n,), w, b, backend="cuda"), leaves, dy)
+    second = torch.autograd.grad(run(op, x, (n,), w, b, backend="cuda"), leaves, dy)
+    for g1, g2 in zip(first, second):
+        assert torch.equal(g1, g2)
+
+
+@pytest.fixture
+def small_gpu(monkeypatch):
+    """A GPU with little shared memory and few register accumulators: the uncached kernels and the
+    separate dweight/dbias kernel run at small widths."""
+    monkeypatch.setattr(driver, "max_smem_optin", lambda index: 2048)
+    monkeypatch.setattr(configs, "WARP_MAX_COLS", 64)
+    monkeypatch.setattr(configs, "BWD_ACC_ELEMS", 1)
+    cb._row_setup.cache_clear()
+    yield
+    cb._row_setup.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [100, 1000, 4099])
+@pytest.mark.parametrize("op", OPS)
+def test_uncached_and_param_kernel_paths(op, n, dtype, small_gpu, cuda_poison):
+    x = randn(37, n, dtype=dtype, device=DEVICE)
+    check_fwd_bwd(op, x, (n,), randn(n, device=DEVICE), randn(n, device=DEVICE), backend="cuda",
+                  what=f"uncached {op} N={n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["warp", "block-smem", "block-uncached"])
+@pytest.mark.parametrize("pack", [None, 1])
+def test_every_forward_impl_and_pack(impl, pack, prebuilt, cuda_poison):
+    for n in (64, 768, 1000):
+        x = randn(33, n, dtype=torch.float16, device=DEVICE)
+        w, b = randn(n, device=DEVICE).half(), randn(n, device=DEVICE).half()
+        y, mean, rstd, plan = cb._row_fwd(x, w, b, 1e-5, False, force=impl, pack=pack)
+        assert plan.name == impl and (pack is None or plan.pack == pack)
+        expected, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b)
+        assert_close(y, expected, TOL[torch.float16], f"{impl} pack {plan.pack} N={n}")
+        assert_close(rstd, rstd_ref, 1e-5, "rstd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", list(ref.ACTIVATIONS))
+@pytest.mark.parametrize("n", [64, 1000, 8192, 65536])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_row_norm_activations(rms, n, activation, prebuilt, cuda_poison):
+    """The fused epilogue y = act(xhat * w + b) and its derivative, through the backend directly."""
+    dtype = torch.float32
+    x = randn(9, n, dtype=dtype, device=DEVICE)
+    w, b = randn(n, device=DEVICE), (None if rms else randn(n, device=DEVICE))
+    eps = 1e-5
+    y, mean, rstd = cb.row_norm_fwd(x, w, b, eps, rms, activation)
+    if rms:
+        expected = ref.rms_norm(x, (n,), w, eps, activation_name=activation)[0]
+    else:
+        expected = ref.layer_norm(x, (n,), w, b, eps, activation_name=activation)[0]
+    assert_close(y, expected, 1e-5, f"{activation} y")
+    dy = randn(9, n, device=DEVICE)
+    dx, dw, db = cb.row_norm_bwd(dy, x, w, mean, rstd, rms, torch.float32, None if rms else torch.float32,
+                                 bias=b, activation=activation)
+    if rms:
+        dx_ref, dw_ref = ref.rms_norm_backward(dy, x, (n,), w, eps, activation_name=activation)
+        db_ref = None
+    else:
+        dx_ref, dw_ref, db_ref = ref.layer_norm_backward(dy, x, (n,), w, b, eps, activation_name=activation)
+    assert_close(dx, dx_ref, 1e-4, f"{activation} dx")
+    assert_close(dw, dw_ref, 1e-4, f"{activation} dweight")
+    if db_ref is not None:
+        assert_close(db, db_ref, 1e-4, f"{activation} dbias")
+
+
+# ---------------------------------------------------------------------------- GroupNorm (GPU)
+
+def _bcs(x4):
+    """[B, C, S] view of [B, C, H, W] in its own layout."""
+    B, C = x4.shape[:2]
+    return x4.reshape(B, C, -1) if x4.is_contiguous() else x4.permute(0, 2, 3, 1).reshape(B, -1, C).transpose(1, 2)
+
+
+def _mean_err(mean, mean_ref, rstd_ref):
+    """Largest error of a mean in units of its group's standard deviation (means near 0 make a
+    relative error meaningless; this is what shifts every normalized output)."""
+    return ((mean.double().cpu() - mean_ref.cpu()).abs() * rstd_ref.cpu()).max().item()
+
+
+GN_CASES = [  # B, C, H, W, G
+    (2, 64, 8, 8, 8),
+    (3, 30, 5, 7, 5),
+    (1, 320, 32, 32, 32),
+    (4, 16, 1, 1, 4),  # no spatial extent
+    (2, 8, 4, 4, 1),  # one group
+    (2, 12, 3, 3, 12),  # a group per channel
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("activation", [None] + list(ref.ACTIVATIONS))
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_group_norm(dtype, activation, layout, prebuilt, cuda_poison):
+    for B, C, H, W, G in GN_CASES:
+        x4 = randn(B, C, H, W, dtype=dtype, device=DEVICE)
+        if layout == "channels_last":
+            x4 = x4.contiguous(memory_format=torch.channels_last)
+        p_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+        w, b = randn(C, dtype=p_dtype, device=DEVICE), randn(C, dtype=p_dtype, device=DEVICE)
+        x = _bcs(x4)
+        what = f"group_norm {tuple(x4.shape)} G={G} {dtype} {activation} {layout}"
+        y, mean, rstd = cb.group_norm_fwd(x, G, w, b, 1e-5, activation)
+        assert y.shape == x.shape and y.stride() == x.stride() and y.dtype == dtype
+        y_ref, mean_ref, rstd_ref = ref.group_norm(x4, G, w, b, 1e-5, activation_name=activation)
+        assert_close(y.as_strided(x4.shape, x4.stride()), y_ref, TOL[dtype], f"{what} y")
+        assert _mean_err(mean, mean_ref, rstd_ref) <= 1e-6, f"{what} mean"
+        assert_close(rstd, rstd_ref, 1e-5, f"{what} rstd")
+        dy4 = randn(B, C, H, W, dtype=dtype, device=DEVICE)
+        if layout == "channels_last":
+            dy4 = dy4.contiguous(memory_format=torch.channels_last)
+        dx, dw, db = cb.group_norm_bwd(_bcs(dy4), x, G, w, b, mean, rstd, activation, p_dtype, p_dtype)
+        assert dx.stride() == x.stride() and dw.dtype == db.dtype == p_dtype
+        dx_ref, dw_ref, db_ref = ref.group_norm_backward(dy4, x4, G, w, b, 1e-5, activation_name=activation)
+        tol = TOL[dtype] * (5 if activation else 1)  # act' rounds once more in fp32
+        assert_close(dx.as_strided(x4.shape, x4.stride()), dx_ref, tol, f"{what} dx")
+        assert_close(dw, dw_ref, max(param_tol(p_dtype, dtype), tol), f"{what} dweight")
+        assert_close(db, db_ref, max(param_tol(p_dtype, dtype), tol), f"{what} dbias")
+
+
+@pytest.mark.gpu
+def test_group_norm_without_params_and_offset_groups(prebuilt, cuda_poison):
+    x4 = 1e4 + randn(2, 32, 16, 16, device=DEVICE)
+    for x4 in (x4, x4.contiguous(memory_format=torch.channels_last)):
+        y, mean, rstd = cb.group_norm_fwd(_bcs(x4), 8, None, None, 1e-5, None)
+        y_ref, mean_ref, _ = ref.group_norm(x4, 8)
+        assert_close(y.as_strided(x4.shape, x4.stride()), y_ref, 1e-5, "offset groups (shifted Welford)")
+        assert_close(mean, mean_ref, 1e-7, "offset group means")
+        dy4 = randn(*x4.shape, device=DEVICE).contiguous(memory_format=torch.channels_last
+                                                          if not x4.is_contiguous() else torch.contiguous_format)
+        dx, dw, db = cb.group_norm_bwd(_bcs(dy4), _bcs(x4), 8, None, None, mean, rstd, None, None, None)
+        assert dw is None and db is None
+        assert_close(dx.as_strided(x4.shape, x4.stride()), ref.group_norm_backward(dy4, x4, 8)[0], 2e-3,
+                     "dx without params")
+
+
+@pytest.mark.gpu
+def test_group_norm_gradients_are_bitwise_reproducible(prebuilt):
+    x4 = randn(4, 64, 32, 32, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    w, b = randn(64, device=DEVICE), randn(64, device=DEVICE)
+    x = _bcs(x4)
+    dy = _bcs(randn(4, 64, 32, 32, device=DEVICE).contiguous(memory_format=torch.channels_last))
+    _, mean, rstd = cb.group_norm_fwd(x, 16, w, b, 1e-5, "silu")
+    first = cb.group_norm_bwd(dy, x, 16, w, b, mean, rstd, "silu", torch.float32, torch.float32)
+    second = cb.group_norm_bwd(dy, x, 16, w, b, mean, rstd, "silu", torch.float32, torch.float32)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+
+
+# ---------------------------------------------------------------------------- failures and the ladder (GPU)
+
+@pytest.mark.gpu
+def test_launch_failure_names_the_kernel():
+    x = torch.zeros(4, 8, device=DEVICE)
+    cb._begin(x)
+    kernel = driver.load(kernels.col_sum(torch.float32, None), x.device.index or 0)
+    kernel.smem_limit = 10**9  # pretend the opt-in happened, so the driver itself refuses
+    with pytest.raises(driver.CudaDriverError, match=r"launch of kernel nk::col_sum<float, float>.*CUDA_ERROR"):
+        kernel.launch((1,), (32, 8), [x, x[0], None, None, 4, 8], smem=10**6)
+
+
+@pytest.mark.gpu
+def test_ladder_end_to_end(tmp_path, capsys):
+    from normkit.cli import main
+    assert main(["ladder", "--backend", "cuda", "--quick", "--plot", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for expected in ("kernel 1: thread per row", "kernel 5", "block-uncached", "torch.nn.functional.layer_norm",
+                     "seed 004", "copy ceiling"):
+        assert expected in out
+    md = (tmp_path / "ladder.md").read_text()
+    # precision table: E[x^2] - E[x]^2 fails on offset rows, Welford and two-pass pass
+    prec = md[md.index("### 3."):md.index("### 4.")]
+    assert re.search(r"kernel 4.*FAIL", prec) and re.search(r"kernel 3.*\| pass", prec)
+    assert all("pass" in line for line in prec.splitlines() if "normkit cuda" in line)
+    assert (tmp_path / "ladder.csv").stat().st_size > 0 and (tmp_path / "ladder.png").stat().st_size > 0
