@@ -178,3 +178,30 @@ def test_forced_triton_on_cpu_without_interpreter_says_how():
 def test_forced_triton_rejects_float64_without_falling_back():
     with pytest.raises(normkit.BackendUnavailableError, match="float64"):
         normkit.layer_norm(randn(2, 8, dtype=torch.float64, device=DEVICE), 8, backend="triton")
+
+
+# ----------------------------------------------------------------------------- backend interface
+
+# the entry points of normkit.backends' docstring, parameter by parameter (name, kind)
+_INTERFACE = {
+    "row_norm_fwd": "x weight bias eps rms activation store_stats",
+    "row_norm_bwd": "dy x weight mean rstd rms dweight_dtype dbias_dtype *bias *activation",
+    "group_norm_fwd": "x num_groups weight bias eps activation",
+    "group_norm_bwd": "dy x num_groups weight bias mean rstd activation dweight_dtype dbias_dtype",
+}
+
+
+@pytest.mark.parametrize("name", ["torch", "triton", "cuda", "webgpu"])
+def test_every_backend_has_the_interface_signatures(name):
+    """functional.py calls every backend the same way (e.g. store_stats=False for inference), so a
+    backend whose signature drifts fails here, on CPU, before a GPU run finds it."""
+    import inspect
+    from normkit import backends
+    mod = backends.get(name)
+    assert isinstance(mod.NAME, str) and callable(mod.why_unavailable)
+    present = [f for f in _INTERFACE if hasattr(mod, f)]
+    assert "row_norm_fwd" in present
+    for f in present:
+        params = inspect.signature(getattr(mod, f)).parameters.values()
+        got = " ".join(("*" if p.kind is p.KEYWORD_ONLY else "") + p.name for p in params)
+        assert got == _INTERFACE[f], f"backend {name!r}: {f}({got})"

@@ -249,11 +249,13 @@ def _check_patched_llama_compiles(backend, device, exact):
         _assert_equal(got, expected, "patched Llama")
     else:
         for g, e in zip(got, expected):
-            assert ref.rel_err(g, e) <= 1e-4
+            assert ref.rel_err(g, e) <= 1e-5
 
 
 def test_patched_hf_llama_fullgraph():
-    _check_patched_llama_compiles("aot_eager", DEVICE, exact=True)
+    # bitwise on CPU; on a GPU aot_eager's decompositions of the model's other ops (attention,
+    # matmuls) round differently from eager (1e-7 seen on an H200), so there it is a tolerance
+    _check_patched_llama_compiles("aot_eager", DEVICE, exact=DEVICE == "cpu")
 
 
 # ----------------------------------------------------------------------------- routing and op contracts

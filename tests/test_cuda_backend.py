@@ -511,6 +511,17 @@ def test_empty_batch(op, prebuilt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [64, 4099])
+@pytest.mark.parametrize("op", OPS)
+def test_inference_without_autograd(op, n, prebuilt, cuda_poison):
+    """No tensor requires grad: functional.py asks the backend not to store statistics."""
+    x, w = randn(33, n, device=DEVICE), randn(n, device=DEVICE)
+    with torch.no_grad():
+        y = run(op, x, (n,), w, backend="cuda")
+    assert ref.rel_err(y, oracle(op, x, (n,), w)) <= TOL[torch.float32]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [100, 4099, 65536])
 @pytest.mark.parametrize("op", OPS)
 def test_nan_stays_in_its_row(op, n, prebuilt):
@@ -728,7 +739,7 @@ def test_ladder_end_to_end(tmp_path, capsys):
     assert main(["ladder", "--backend", "cuda", "--quick", "--plot", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for expected in ("kernel 1: thread per row", "kernel 5", "block-uncached", "torch.nn.functional.layer_norm",
-                     "seed 004", "copy ceiling"):
+                     "seed 004", "Copy ceiling"):
         assert expected in out
     md = (tmp_path / "ladder.md").read_text()
     # precision table: E[x^2] - E[x]^2 fails on offset rows, Welford and two-pass pass

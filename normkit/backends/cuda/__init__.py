@@ -148,10 +148,12 @@ def _row_fwd(x, weight, bias, eps, rms, activation=None, *, force=None, pack=Non
     return y, mean, rstd, plan
 
 
-def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None):
-    """Returns (y [M, N] contiguous in x.dtype, mean [M] fp32 or None, rstd [M] fp32)."""
+def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
+    """Returns (y [M, N] contiguous in x.dtype, mean [M] fp32 or None, rstd [M] fp32 or None).
+    Without store_stats (inference) the kernels still write the 8 bytes of statistics per row,
+    which are dropped: a flag in every kernel would cost more template instantiations than it saves."""
     y, mean, rstd, _ = _row_fwd(x, weight, bias, eps, rms, activation)
-    return y, mean, rstd
+    return (y, mean, rstd) if store_stats else (y, None, None)
 
 
 def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None,
