@@ -46,6 +46,36 @@ def test_activations_and_formats(act, fmt, backend, poison):
     check_gn(x, 4, randn(16, device=DEVICE), randn(16, device=DEVICE), act, backend, f"{act} {fmt}")
 
 
+@pytest.fixture
+def small_looped_tiles(monkeypatch):
+    """The looped forward (a program per group, walking tiles) on tiles of 16 elements, so small
+    groups take many tiles with ragged edges on both axes, whatever the group count."""
+    from normkit.backends.triton import clear_caches, configs
+    monkeypatch.setattr(configs, "GN_LOOPED_TILE", {2: 16, 4: 16})
+    monkeypatch.setattr(configs, "GN_LOOPED_MIN_GROUPS_PER_SM", 0)
+    clear_caches()
+    yield configs
+    monkeypatch.undo()
+    clear_caches()
+
+
+@pytest.mark.parametrize("fmt", ["nchw", "channels_last"])
+@pytest.mark.parametrize("act", [None, "mish"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_looped_forward(dtype, act, fmt, small_looped_tiles, poison):
+    from normkit.backends.triton import _gn_plan
+    x = randn(3, 12, 5, 7, dtype=dtype, device=DEVICE)
+    if fmt == "channels_last":
+        x = channels_last(x)
+    check_gn(x, 4, randn(12, device=DEVICE), randn(12, device=DEVICE), act, what=f"looped {fmt} {act}")
+    if dtype == torch.float32:  # groups offset by 1e4: the shifted Welford merge keeps the digits
+        x = x.detach() + 1e4
+        y = normkit.group_norm(x, 4, None, None, 1e-5, activation=act)
+        assert_close(y, ref.group_norm(x, 4, None, None, 1e-5, act)[0], 1e-5, f"looped {fmt} offset")
+    cfg = _gn_plan("fwd", 3, 35, dtype, x.device, (True, True, act, None), 12)[0]
+    assert cfg.looped and (cfg.block_r, cfg.block_s) == (1, 16)  # 3 x 3 tiles per group, both edges ragged
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("shape, groups", [((2, 8, 16), 8), ((1, 64, 33), 8), ((2, 32, 4, 4), 32),
                                            ((3, 12), 2), ((2, 12, 3, 2, 5), 4), ((1, 10, 300), 5)])

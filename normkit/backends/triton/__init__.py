@@ -203,16 +203,19 @@ def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: 
 # ----------------------------------------------------------------------------- group norm
 
 @functools.lru_cache(maxsize=None)
-def _gn_plan(direction: str, cg: int, s: int, dtype: torch.dtype, device: torch.device, flags: tuple):
+def _gn_plan(direction: str, cg: int, s: int, dtype: torch.dtype, device: torch.device, flags: tuple,
+             groups: int = 0):
     device_index, _, sms = _device_facts(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cfg = configs.group_config(direction, cg, s, itemsize, device_index < 0)
+    cfg = configs.group_config(direction, cg, s, itemsize, device_index < 0, groups / sms)
     has_w, has_b, activation, extra = flags
     constexprs = dict(HAS_W=has_w, HAS_B=has_b)
     if direction == "bwd":
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
     constexprs.update(ACT=_kernels().act_codes[activation], BLOCK_R=cfg.block_r, BLOCK_S=cfg.block_s, KS=cfg.ks,
                       SPLIT=cfg.split)
+    if direction == "fwd":
+        constexprs["LOOPED"] = cfg.looped
     return cfg, constexprs, device_index, sms
 
 
@@ -226,13 +229,16 @@ def group_norm_fwd(x, num_groups, weight, bias, eps: float, activation=None):
     if B == 0 or C * S == 0:
         return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     cg = C // num_groups
-    cfg, constexprs, device_index, sms = _gn_plan("fwd", cg, S, x.dtype, device,
-                                                  (weight is not None, bias is not None, activation, None))
     units = B * num_groups
+    cfg, constexprs, device_index, sms = _gn_plan("fwd", cg, S, x.dtype, device,
+                                                  (weight is not None, bias is not None, activation, None), units)
     sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
     args = (x, y, weight, bias, mean, rstd, sync, scratch, B, C, S, cg, num_groups,
             x.stride(0), x.stride(1), x.stride(2), eps)
-    _launch_persistent(_kernels().gn_fwd, cfg, args, constexprs, units, device_index, sms)
+    if cfg.looped:
+        _kernels().gn_fwd((units,), args, constexprs, cfg.options, device_index)
+    else:
+        _launch_persistent(_kernels().gn_fwd, cfg, args, constexprs, units, device_index, sms)
     return y, mean, rstd
 
 

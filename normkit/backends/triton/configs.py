@@ -102,6 +102,13 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
 GN_TILE = {("fwd", 2): 8192, ("fwd", 4): 4096, ("bwd", 2): 4096, ("bwd", 4): 2048}
 GN_ELEMS_PER_THREAD = 16
 GN_WARPS_PER_SM = 32  # persistent programs per SM = this / num_warps (at most 8)
+# forward with many groups: a program per group walks [BLOCK_R, BLOCK_S] tiles of this many
+# elements twice (statistics, then normalize from L2) instead of splitting the group over
+# programs that wait on each other; chosen when there are at least this many groups per SM
+GN_LOOPED_TILE = {2: 8192, 4: 4096}
+GN_LOOPED_WARPS = 8
+GN_LOOPED_STAGES = 1
+GN_LOOPED_MIN_GROUPS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,7 @@ class GroupConfig:
     programs_per_sm: int
     block_m: int = 1  # (shared with RowConfig by the persistent launcher and scratch sizing)
     num_stages: int = 1
+    looped: bool = False  # forward: a program per group, two passes over its tiles
 
     @property
     def options(self):
@@ -121,10 +129,16 @@ class GroupConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: bool = False) -> GroupConfig:
+def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: bool = False,
+                 groups_per_sm: float = 0.0) -> GroupConfig:
+    r_pad, s_pad = triton.next_power_of_2(max(cg, 1)), triton.next_power_of_2(max(s, 1))
+    looped_tile = GN_LOOPED_TILE[2 if elem_bytes <= 2 else 4]
+    if direction == "fwd" and groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM and r_pad * s_pad > looped_tile:
+        block_s = min(s_pad, looped_tile)
+        block_r = min(r_pad, max(1, looped_tile // block_s))
+        return GroupConfig(block_r, block_s, 1, 1, GN_LOOPED_WARPS, 0, num_stages=GN_LOOPED_STAGES, looped=True)
     # under the interpreter a group is never split (its programs run one after another)
     tile = 1 << 62 if interpreted else GN_TILE[(direction, 2 if elem_bytes <= 2 else 4)]
-    r_pad, s_pad = triton.next_power_of_2(max(cg, 1)), triton.next_power_of_2(max(s, 1))
     block_s = min(s_pad, tile)
     block_r = min(r_pad, max(1, tile // block_s))
     kr, ks = r_pad // block_r, s_pad // block_s  # powers of two, so the split is one as well

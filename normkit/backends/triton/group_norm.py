@@ -5,7 +5,9 @@ two memory formats differ only in the tile's strides: NCHW has (stride_c, stride
 channels_last has (1, C); so one kernel serves both, reads in place, and the per-channel affine
 is a [BLOCK_R] vector broadcast along the spatial axis. A group larger than one tile is cut into
 KR x KS slices (channels x spatial) held by K = KR * KS programs, which exchange their partial
-statistics through the same publish-and-wait step as split rows (kernels.py).
+statistics through the same publish-and-wait step as split rows (kernels.py). With many groups
+(LOOPED) a program instead walks its group's tiles twice, statistics then normalize, the second
+pass mostly from L2: no waits, and enough independent programs to keep the memory system busy.
 
 Backward writes per-channel fp32 partial sums of dweight/dbias for each (batch, spatial slice) to
 a [B * KS, C] buffer that col_sum_kernel reduces in a fixed order: deterministic, no atomics.
@@ -14,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .epilogue import act_fwd, act_grad
-from .kernels import _group_exit, _publish_and_wait, _read_partials
+from .kernels import _chan_merge, _group_exit, _publish_and_wait, _read_partials
 
 
 @triton.jit
@@ -50,11 +52,68 @@ def group_norm_fwd_kernel(
     X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH,
     Bn, C, S, Cg, G, stride_b, stride_c, stride_s, eps,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
 ):
-    """Programs come in units of SPLIT (= KR * KS) and walk groups u, u + U, ... (u = unit).
-    y has x's strides (the host allocates it with empty_like)."""
+    """Programs come in units of SPLIT (= KR * KS) and walk groups u, u + U, ... (u = unit);
+    LOOPED: program p owns group p. y has x's strides (the host allocates it with empty_like)."""
     pid = tl.program_id(0)
+    if LOOPED:
+        _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, pid, S, Cg, G, stride_b, stride_c, stride_s, eps,
+                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S)
+    else:
+        _gn_fwd_split(X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, Bn, S, Cg, G, stride_b, stride_c, stride_s, eps,
+                      HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S, KS, SPLIT)
+
+
+@triton.jit
+def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, stride_s, eps,
+                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program, one group, in [BLOCK_R, BLOCK_S] tiles: shifted Welford over the tiles (each
+    tile's exact mean and M2, merged by Chan's rule), then normalize, last tile first (the tiles
+    read most recently are the likeliest to be in L2)."""
+    b_idx = grp // G
+    g = grp % G
+    n_ks = tl.cdiv(S, BLOCK_S)
+    n_tiles = tl.cdiv(Cg, BLOCK_R) * n_ks
+    shift = tl.load(X + b_idx.to(tl.int64) * stride_b + (g * Cg).to(tl.int64) * stride_c).to(tl.float32)
+    mean_s = tl.zeros([1], dtype=tl.float32)
+    m2 = tl.zeros([1], dtype=tl.float32)
+    count = tl.zeros([1], dtype=tl.float32)
+    for t in range(0, n_tiles):
+        kr = t // n_ks
+        ks = t % n_ks
+        offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        n_t = (tl.minimum(Cg - kr * BLOCK_R, BLOCK_R) * tl.minimum(S - ks * BLOCK_S, BLOCK_S)) * 1.0
+        xs = tl.where(mask, x - shift, 0.0)
+        t_mean = tl.sum(tl.sum(xs, axis=1), axis=0) / n_t
+        d = tl.where(mask, xs - t_mean, 0.0)
+        mean_s, m2, count = _chan_merge(mean_s, m2, count, t_mean, tl.sum(tl.sum(d * d, axis=1), axis=0), n_t)
+    mean = tl.sum(mean_s, axis=0)
+    rstd = tl.rsqrt(tl.sum(m2, axis=0) / (Cg * S) + eps)
+    for i in range(0, n_tiles):
+        t = n_tiles - 1 - i
+        kr = t // n_ks
+        ks = t % n_ks
+        offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        y = ((x - shift) - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+        if HAS_B:
+            y = y + tl.load(B + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+        y = act_fwd(y, ACT)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    _store_group_stat(MEAN, grp, shift + mean, 0)
+    _store_group_stat(RSTD, grp, rstd, 0)
+
+
+@triton.jit
+def _gn_fwd_split(X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, Bn, S, Cg, G, stride_b, stride_c, stride_s, eps,
+                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr):
+    """Persistent: a unit of SPLIT programs holds one group in registers at a time."""
     unit = pid // SPLIT
     k = pid % SPLIT
     kr = k // KS
