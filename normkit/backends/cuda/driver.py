@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from .nvrtc import CudaBackendError, KernelSpec, build, target_arch, version
+from .nvrtc import CudaBackendError, KernelSpec, build, cuda_module, target_arch, version
 
 # C type of a kernel parameter -> ctypes type. "ptr": any pointer (a tensor, an int address or None).
 CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
@@ -88,14 +88,8 @@ def check_launch_dims(spec: KernelSpec, grid, block, smem: int) -> None:
 
 @functools.lru_cache(maxsize=None)
 def bindings():
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        try:
-            from cuda import cuda as driver  # cuda-python < 12.6
-        except ImportError as e:
-            raise CudaBackendError("cuda-python is not installed (pip install cuda-python)") from e
-    return driver
+    """The driver module of cuda-python."""
+    return cuda_module("driver", "cuda-python")
 
 
 def check(result, what: str):

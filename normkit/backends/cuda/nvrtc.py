@@ -66,18 +66,22 @@ class Compiled:
 
 # ----------------------------------------------------------------------------- NVRTC handle
 
+def cuda_module(name: str, pip: str):
+    """cuda-python's `name` module (cuda.bindings.<name> since 12.6, cuda.<name> before); if
+    neither imports, a CudaBackendError that says what to `pip install`."""
+    import importlib
+    for path in (f"cuda.bindings.{name}", f"cuda.{'cuda' if name == 'driver' else name}"):
+        try:
+            return importlib.import_module(path)
+        except ImportError:
+            pass
+    raise CudaBackendError(f"cuda-python is not installed (pip install {pip})")
+
+
 @functools.lru_cache(maxsize=None)
 def bindings():
-    """The NVRTC module of cuda-python (cuda.bindings since 12.6, cuda.nvrtc before)."""
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError:
-        try:
-            from cuda import nvrtc  # cuda-python < 12.6
-        except ImportError as e:
-            raise CudaBackendError(
-                "cuda-python is not installed (pip install cuda-python nvidia-cuda-nvrtc)") from e
-    return nvrtc
+    """The NVRTC module of cuda-python."""
+    return cuda_module("nvrtc", "cuda-python nvidia-cuda-nvrtc")
 
 
 def _ok(nvrtc, result, what: str):

@@ -41,6 +41,23 @@ def _slice_sizes(j, Cg, S, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.
 
 
 @triton.jit
+def _group_shift(X, b_idx, g, Cg, stride_b, stride_c):
+    """The group's first element: statistics of x minus it keep their digits on offset data."""
+    return tl.load(X + b_idx.to(tl.int64) * stride_b + (g * Cg).to(tl.int64) * stride_c).to(tl.float32)
+
+
+@triton.jit
+def _store_y(Y, W, B, offs, mask, ch, r_mask, xhat, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr):
+    """y = act(xhat * w[channel] + b[channel]) for one tile, stored in Y's dtype."""
+    y = xhat
+    if HAS_W:
+        y = y * tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+    if HAS_B:
+        y = y + tl.load(B + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(Y + offs, act_fwd(y, ACT).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_group_stat(P, grp, value, k):
     """Program 0 of the group writes one fp32 value (a [1] store: the interpreter rejects scalar masks)."""
     one = tl.arange(0, 1)
@@ -76,7 +93,7 @@ def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, st
     g = grp % G
     n_ks = tl.cdiv(S, BLOCK_S)
     n_tiles = tl.cdiv(Cg, BLOCK_R) * n_ks
-    shift = tl.load(X + b_idx.to(tl.int64) * stride_b + (g * Cg).to(tl.int64) * stride_c).to(tl.float32)
+    shift = _group_shift(X, b_idx, g, Cg, stride_b, stride_c)
     mean_s = tl.zeros([1], dtype=tl.float32)
     m2 = tl.zeros([1], dtype=tl.float32)
     count = tl.zeros([1], dtype=tl.float32)
@@ -98,13 +115,7 @@ def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, st
         ks = t % n_ks
         offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        y = ((x - shift) - mean) * rstd
-        if HAS_W:
-            y = y * tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        if HAS_B:
-            y = y + tl.load(B + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        y = act_fwd(y, ACT)
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        _store_y(Y, W, B, offs, mask, ch, r_mask, ((x - shift) - mean) * rstd, HAS_W, HAS_B, ACT)
     _store_group_stat(MEAN, grp, shift + mean, 0)
     _store_group_stat(RSTD, grp, rstd, 0)
 
@@ -128,8 +139,7 @@ def _gn_fwd_split(X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, Bn, S, Cg, G, stri
         g = grp % G
         offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        # shift by the group's first element: sums of small numbers keep their digits
-        shift = tl.load(X + b_idx.to(tl.int64) * stride_b + (g * Cg).to(tl.int64) * stride_c).to(tl.float32)
+        shift = _group_shift(X, b_idx, g, Cg, stride_b, stride_c)
         xs = tl.where(mask, x - shift, 0.0)
         mean_l = tl.sum(tl.sum(xs, axis=1), axis=0) / tl.maximum(n_local, 1.0)
         d = tl.where(mask, xs - mean_l, 0.0)
@@ -146,13 +156,7 @@ def _gn_fwd_split(X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, Bn, S, Cg, G, stri
             mean_s = tl.sum(mean_v, axis=0)
             d = tl.where(mask, xs - mean_s, 0.0)
         rstd = tl.rsqrt(m2 / L + eps)
-        y = d * rstd
-        if HAS_W:
-            y = y * tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        if HAS_B:
-            y = y + tl.load(B + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        y = act_fwd(y, ACT)
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        _store_y(Y, W, B, offs, mask, ch, r_mask, d * rstd, HAS_W, HAS_B, ACT)
         _store_group_stat(MEAN, grp, shift + mean_s, k)
         _store_group_stat(RSTD, grp, rstd, k)
     if SPLIT > 1:
