@@ -175,8 +175,8 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op):
     if _library.needed(x, weight, bias):  # torch.compile, DTensor, dispatch modes: the custom op
         return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
     backend = backends.resolve(backend_name, x, op)
-    _forward_only_check(backend, op, x, weight, bias)
     if _needs_autograd(x, weight, bias):
+        _forward_only_check(backend, op, x, weight, bias)
         return _RowNormFunction.apply(x, weight, bias, shape, eps, rms, activation, backend)
     # inference: no statistics to keep, so the kernel need not write them
     y, _, _ = backend.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), _flat_param(bias), eps, rms,
@@ -288,8 +288,8 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     if _library.needed(x, weight, bias):
         return _library.group_norm(x, num_groups, weight, bias, eps, backend, activation=activation)
     be = backends.resolve(backend, x, "group_norm")
-    _forward_only_check(be, "group_norm", x, weight, bias)
     if _needs_autograd(x, weight, bias):
+        _forward_only_check(be, "group_norm", x, weight, bias)
         return _GroupNormFunction.apply(x, weight, bias, num_groups, eps, activation, be)
     y3, _, _ = be.group_norm_fwd(_bcs(x, _is_channels_last(x)), num_groups, weight, bias, eps, activation)
     return _from_bcs(y3, x.shape)

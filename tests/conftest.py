@@ -33,8 +33,8 @@ def poison(monkeypatch):
     def nan_empty(*shape, dtype=None, device=None, **kw):
         return torch.empty(*shape, dtype=dtype, device=device, **kw).fill_(float("nan"))
 
-    def nan_empty_strided(size, stride, dtype=None, device=None, **kw):
-        return torch.empty_strided(size, stride, dtype=dtype, device=device, **kw).fill_(float("nan"))
+    def nan_empty_like(t, **kw):
+        return torch.empty_like(t, **kw).fill_(float("nan"))
 
     monkeypatch.setattr(tb, "_empty", nan_empty)
-    monkeypatch.setattr(tb, "_empty_strided", nan_empty_strided)
+    monkeypatch.setattr(tb, "_empty_like", nan_empty_like)

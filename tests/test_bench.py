@@ -178,6 +178,28 @@ def test_groupnorm_runs_through_the_same_machinery():
         assert rows["normkit"].note == "unsupported: normkit.group_norm does not exist yet"
 
 
+def test_groupnorm_suites_cover_the_issue_shapes_in_both_memory_formats():
+    pts = plan(("gn",), ("bf16",), ("gn-1d", "gn-2d"), (), lambda d: 2**26)
+    one_d = [p for p in pts if p.suite == "gn-1d"]
+    assert {p.shape[0] for p in one_d} >= {1, 64} and {p.shape[1] for p in one_d} >= {64, 512}
+    assert {p.shape[2] for p in one_d} >= {16, 4096} and {p.groups for p in one_d} == {8}
+    two_d = [p for p in pts if p.suite == "gn-2d"]
+    assert {p.groups for p in two_d} == {32} and {p.shape[-1] for p in two_d} >= {8, 128}
+    assert {p.shape[1] for p in two_d} >= {128, 1280} and {p.shape[0] for p in two_d} >= {1, 32}
+    nchw = {p.shape for p in two_d if not p.channels_last}
+    assert nchw == {p.shape for p in two_d if p.channels_last}  # every 2D shape in both formats
+    assert len({p.label for p in pts}) == len(pts) and all(p.label.endswith("/cl") == p.channels_last for p in pts)
+
+
+def test_channels_last_point_runs_channels_last_inputs():
+    p = Point("gn-2d", "gn", "fp32", (2, 8, 3, 5), 4, True)
+    case = runner.Case(p, "bwd", "cpu", 1, seed=0)
+    assert case.xs[0].is_contiguous(memory_format=torch.channels_last) and not case.xs[0].is_contiguous()
+    assert case.dys[0].is_contiguous(memory_format=torch.channels_last)
+    rows = _run(p, "bwd", [impls.Normkit(), impls.Torch()])
+    assert rows["normkit"].ok == "yes" and rows["torch"].ok == "yes" and rows["normkit"].shape == "2x8x3x5/g4/cl"
+
+
 def test_ring_covers_four_l2_sizes_for_small_inputs_and_one_set_for_large():
     l2 = 50 * 2**20
     assert runner.ring_size(Point("sweep", "ln", "bf16", (2**26 // 1024, 1024)), "fwd", l2) == 1

@@ -46,34 +46,59 @@ def test_activations_and_formats(act, fmt, backend, poison):
     check_gn(x, 4, randn(16, device=DEVICE), randn(16, device=DEVICE), act, backend, f"{act} {fmt}")
 
 
-@pytest.fixture
-def small_looped_tiles(monkeypatch):
-    """The looped forward (a program per group, walking tiles) on tiles of 16 elements, so small
-    groups take many tiles with ragged edges on both axes, whatever the group count."""
+# configuration overrides that force a path on the small test input (3 x 12 x 35, groups of 3 x 35)
+FORCED_PATHS = {
+    # looped (a program per group walking tiles; forward and backward) on tiles of 16 elements:
+    # 3 x 3 tiles per group with ragged edges on both axes, whatever the group count
+    "looped": {"GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
+               "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}},
+    # staged (stats, finalize, apply) for every input and layout, on 16-element tiles grouped into
+    # spans of 2 tiles with a ragged last span, and a finalize that steps one span at a time
+    "staged": {"GN_STAGED_MIN_NUMEL": 0, "GN_STAGED_NCHW_MAX_GROUPS_PER_SM": float("inf"),
+               "GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": 1 << 30, "bwd": 1 << 30},
+               "GN_STAGED_TILE": {2: 16, 4: 16}, "GN_STAGED_MAX_SUB": 2, "GN_STAGED_PROGRAMS_PER_SM": 1e-3,
+               "GN_STAGED_FINALIZE_TILE": 1},
+}
+
+
+@pytest.fixture(params=list(FORCED_PATHS))
+def forced_path(request, monkeypatch):
     from normkit.backends.triton import clear_caches, configs
-    monkeypatch.setattr(configs, "GN_LOOPED_TILE", {2: 16, 4: 16})
-    monkeypatch.setattr(configs, "GN_LOOPED_MIN_GROUPS_PER_SM", 0)
+    for name, value in FORCED_PATHS[request.param].items():
+        monkeypatch.setattr(configs, name, value)
     clear_caches()
-    yield configs
+    yield request.param
     monkeypatch.undo()
     clear_caches()
+
+
+def _assert_path_taken(path, x, dtype, act):
+    from normkit.backends.triton import _gn_plan, _staged_plan
+    x3 = x.view(3, 12, 35) if x.is_contiguous() else x.permute(0, 2, 3, 1).reshape(3, 35, 12).transpose(1, 2)
+    for direction, extra in (("fwd", None), ("bwd", (True, True))):
+        staged = _staged_plan(direction, x3, 3)[0]
+        if path == "staged":
+            assert staged is not None and staged.n_sub > 1 and staged.block_p == 1
+        else:
+            cfg = _gn_plan(direction, 3, 35, dtype, x.device, (True, True, act, extra), 12)[0]
+            assert staged is None and cfg.looped and (cfg.block_r, cfg.block_s) == (1, 16)
 
 
 @pytest.mark.parametrize("fmt", ["nchw", "channels_last"])
 @pytest.mark.parametrize("act", [None, "mish"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_looped_forward(dtype, act, fmt, small_looped_tiles, poison):
-    from normkit.backends.triton import _gn_plan
+def test_forced_paths(dtype, act, fmt, forced_path, poison):
     x = randn(3, 12, 5, 7, dtype=dtype, device=DEVICE)
     if fmt == "channels_last":
         x = channels_last(x)
-    check_gn(x, 4, randn(12, device=DEVICE), randn(12, device=DEVICE), act, what=f"looped {fmt} {act}")
-    if dtype == torch.float32:  # groups offset by 1e4: the shifted Welford merge keeps the digits
-        x = x.detach() + 1e4
-        y = normkit.group_norm(x, 4, None, None, 1e-5, activation=act)
-        assert_close(y, ref.group_norm(x, 4, None, None, 1e-5, act)[0], 1e-5, f"looped {fmt} offset")
-    cfg = _gn_plan("fwd", 3, 35, dtype, x.device, (True, True, act, None), 12)[0]
-    assert cfg.looped and (cfg.block_r, cfg.block_s) == (1, 16)  # 3 x 3 tiles per group, both edges ragged
+    what = f"{forced_path} {fmt} {act}"
+    check_gn(x, 4, randn(12, device=DEVICE), randn(12, device=DEVICE), act, what=what)
+    check_gn(x.detach().clone(), 3, None, None, act, what=f"{what} no affine")
+    if dtype == torch.float32:  # groups offset by 1e4: shifted, exactly merged statistics keep the digits
+        xo = x.detach() + 1e4
+        y = normkit.group_norm(xo, 4, None, None, 1e-5, activation=act)
+        assert_close(y, ref.group_norm(xo, 4, None, None, 1e-5, act)[0], 1e-5, f"{what} offset")
+    _assert_path_taken(forced_path, x, dtype, act)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))

@@ -34,7 +34,7 @@ class Profile:
 
 # (device, --quick) -> defaults, which the options override
 PROFILES = {
-    ("cuda", False): Profile(pow2_range(32, 262144), 1 << 26, ("sweep", "llm.c", "tutorial", "gn-anchors"), 25, 100),
+    ("cuda", False): Profile(pow2_range(32, 262144), 1 << 26, ("sweep", "llm.c", "tutorial", "gn-anchors", "gn-1d", "gn-2d"), 25, 100),
     ("cuda", True): Profile((256, 4096, 65536), 1 << 26, ("sweep",), 10, 30),
     ("cpu", False): Profile((256, 4096), 1 << 16, ("sweep",), 1, 5),
     ("cpu", True): Profile((256, 1024), 1 << 13, ("sweep",), 1, 3),

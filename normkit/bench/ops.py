@@ -29,6 +29,7 @@ class Point:
     dtype: str
     shape: tuple
     groups: Optional[int] = None
+    channels_last: bool = False  # x (and dy) in channels-innermost memory order (GroupNorm)
 
     @property
     def spec(self) -> "OpSpec":
@@ -49,7 +50,8 @@ class Point:
     @property
     def label(self) -> str:
         s = "x".join(map(str, self.shape))
-        return s if self.groups is None else f"{s}/g{self.groups}"
+        s = s if self.groups is None else f"{s}/g{self.groups}"
+        return s + "/cl" if self.channels_last else s
 
 
 # ----------------------------------------------------------------------------- row norms
@@ -151,6 +153,12 @@ class Suite:
     about: str
 
 
+# seed 004's 1D conv U-Net blocks: (batch, channels, length), 8 groups
+GN_1D = tuple(((b, c, l), 8) for b in (1, 64) for c in (64, 512) for l in (16, 256, 4096)) + (((16, 256, 4096), 8),)
+# diffusion U-Net / VAE 2D blocks, 32 groups (each also run channels_last)
+GN_2D = tuple(((b, c, h, h), 32) for b, c, h in ((1, 320, 64), (8, 320, 64), (8, 640, 32), (8, 1280, 16),
+                                                  (32, 1280, 8), (4, 128, 128), (1, 1280, 8)))
+
 SUITES = {
     "sweep": Suite("sweep", ("ln", "rms", "gn"), None, None,
                    "every width, about 2^26 elements per input (128 MiB of 16-bit, 256 MiB of fp32)"),
@@ -160,6 +168,10 @@ SUITES = {
                       "the Triton tutorial's LayerNorm: M=4096, N=512..16384, fp16"),
     "gn-anchors": Suite("gn-anchors", ("gn",), None, (((16, 256, 4096), 8), ((32, 320, 4096), 32)),
                         "the GroupNorm + Mish shapes of the peer anchors"),
+    "gn-1d": Suite("gn-1d", ("gn",), None, GN_1D,
+                   "seed 004's 1D blocks: batch 1-64, C 64-512, L 16-4096, 8 groups"),
+    "gn-2d": Suite("gn-2d", ("gn",), None, GN_2D + tuple((s, g, True) for s, g in GN_2D),
+                   "diffusion 2D blocks: B 1-32, C 128-1280, 8x8 to 128x128, 32 groups, NCHW and channels_last"),
 }
 
 
@@ -171,9 +183,10 @@ def plan(ops, dtypes, suites, widths, numel_of: Callable[[str], int], rows: Opti
         for op in (o for o in ops if o in suite.ops):
             for dtype in (d for d in dtypes if suite.dtypes is None or d in suite.dtypes):
                 shapes = suite.shapes if suite.shapes is not None else OPS[op].sweep(widths, numel_of(dtype), rows)
-                for shape, groups in shapes:
-                    key = (op, dtype, tuple(shape), groups)
+                for shape, groups, *layout in shapes:
+                    cl = bool(layout and layout[0])
+                    key = (op, dtype, tuple(shape), groups, cl)
                     if key not in seen:
                         seen.add(key)
-                        points.append(Point(suite_name, op, dtype, tuple(shape), groups))
+                        points.append(Point(suite_name, op, dtype, tuple(shape), groups, cl))
     return points

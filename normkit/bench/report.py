@@ -245,8 +245,8 @@ def _point_table(grp: list[Row], impls: list[str]) -> list[str]:
     for r in grp:
         by_point.setdefault((r.suite, r.M, r.N, r.shape), {})[r.impl] = r
     body = []
-    for (suite, m, n, _shape), cells in by_point.items():
-        line = [suite, str(m), str(n)]
+    for (suite, m, n, shape), cells in by_point.items():
+        line = [suite, shape, str(m), str(n)]
         for impl in impls:
             r = cells.get(impl)
             line.append("" if r is None else ("WRONG " if r.wrong else "") + (fmt_gbps(r.gbps) if r.gbps is not None else "-"))
@@ -256,7 +256,7 @@ def _point_table(grp: list[Row], impls: list[str]) -> list[str]:
                  " / ".join(_num(r.ratio_to_best_peer, ".2f") for r in nk),
                  " / ".join(_num(r.frac_of_copy, ".2f") for r in nk)]
         body.append(line)
-    return _table(["suite", "M", "N"] + impls + ["best peer", "normkit / best", "normkit / copy"], body)
+    return _table(["suite", "shape", "M", "N"] + impls + ["best peer", "normkit / best", "normkit / copy"], body)
 
 
 ENV_KEYS = ("device", "gpu", "driver", "cuda", "torch", "triton", "liger", "quack", "normkit", "commit", "source_sha1",

@@ -63,7 +63,8 @@ class Case:
         dt = p.torch_dtype
 
         def randn(shape):  # fresh data, never zeros; made in fp32 and rounded, as the tests do
-            return torch.randn(shape, generator=gen, dtype=torch.float32, device=device).to(dt)
+            t = torch.randn(shape, generator=gen, dtype=torch.float32, device=device).to(dt)
+            return t.to(memory_format=torch.channels_last) if p.channels_last else t
 
         grad = direction == "bwd"
         self.xs = [randn(p.shape).requires_grad_(grad) for _ in range(ring)]

@@ -16,7 +16,7 @@ NAME = "triton"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # every buffer a kernel must fully write is allocated through these names, so tests can poison it
 _empty = torch.empty
-_empty_strided = torch.empty_strided
+_empty_like = torch.empty_like  # half the host time of torch.empty with a shape and dtype
 
 
 def _interpreter_requested() -> bool:
@@ -36,17 +36,27 @@ def _kernels():
         col_sum = Kernel(kernels.col_sum_kernel)
         gn_fwd = Kernel(group_norm.group_norm_fwd_kernel)
         gn_bwd = Kernel(group_norm.group_norm_bwd_kernel)
+        gn_stats = Kernel(group_norm.group_norm_staged_stats_kernel)
+        gn_finalize = Kernel(group_norm.group_norm_staged_finalize_kernel)
+        gn_apply = Kernel(group_norm.group_norm_staged_apply_kernel)
         act_codes = ACT_CODES
         interpreted = fwd.interpreted
     return K
 
 
-def why_unavailable(x: torch.Tensor) -> str | None:
-    """None if this backend can run on x, else one sentence saying why not."""
+@functools.lru_cache(maxsize=None)
+def _triton_missing() -> str | None:
     try:
         import triton  # noqa: F401  (only whether it imports)
     except ImportError:
         return "triton is not installed (pip install triton)"
+    return None
+
+
+def why_unavailable(x: torch.Tensor) -> str | None:
+    """None if this backend can run on x, else one sentence saying why not."""
+    if _triton_missing():
+        return _triton_missing()
     if x.dtype not in DTYPES:
         return f"it supports float16, bfloat16 and float32 inputs, not {x.dtype} (use backend='torch')"
     if x.device.type == "cuda":
@@ -131,6 +141,8 @@ def clear_caches() -> None:
     configs.row_config.cache_clear()
     configs.tuned_table.cache_clear()
     configs.group_config.cache_clear()
+    configs.staged_config.cache_clear()
+    _triton_missing.cache_clear()
     _plan.cache_clear()
     _gn_plan.cache_clear()
 
@@ -148,7 +160,7 @@ def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_
     """(y [M, N] contiguous in x.dtype, mean [M] fp32 or None, rstd [M] fp32 or None)."""
     M, N = x.shape
     device = x.device
-    y = _empty((M, N), dtype=x.dtype, device=device)
+    y = _empty_like(x) if x.is_contiguous() else _empty((M, N), dtype=x.dtype, device=device)
     rstd = _empty((M,), dtype=torch.float32, device=device) if store_stats else None
     mean = _empty((M,), dtype=torch.float32, device=device) if store_stats and not rms else None
     if M == 0:
@@ -169,7 +181,7 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
     """(dx [M, N] in x.dtype, dweight [N] or None, dbias [N] or None); see the backend interface."""
     M, N = x.shape
     device = x.device
-    dx = _empty((M, N), dtype=x.dtype, device=device)
+    dx = _empty_like(x) if x.is_contiguous() else _empty((M, N), dtype=x.dtype, device=device)
     want_dw, want_db = dweight_dtype is not None, dbias_dtype is not None
     dw = _empty((N,), dtype=dweight_dtype, device=device) if want_dw else None
     db = _empty((N,), dtype=dbias_dtype, device=device) if want_db else None
@@ -213,9 +225,7 @@ def _gn_plan(direction: str, cg: int, s: int, dtype: torch.dtype, device: torch.
     if direction == "bwd":
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
     constexprs.update(ACT=_kernels().act_codes[activation], BLOCK_R=cfg.block_r, BLOCK_S=cfg.block_s, KS=cfg.ks,
-                      SPLIT=cfg.split)
-    if direction == "fwd":
-        constexprs["LOOPED"] = cfg.looped
+                      SPLIT=cfg.split, LOOPED=cfg.looped)
     return cfg, constexprs, device_index, sms
 
 
@@ -223,13 +233,17 @@ def group_norm_fwd(x, num_groups, weight, bias, eps: float, activation=None):
     """x: [B, C, S] (NCHW or channels_last strides). (y with x's strides, mean [B, G], rstd [B, G])."""
     B, C, S = x.shape
     device = x.device
-    y = _empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+    y = _empty_like(x)  # x is NCHW or channels_last, both dense: y gets x's strides
     mean = _empty((B, num_groups), dtype=torch.float32, device=device)
     rstd = _empty((B, num_groups), dtype=torch.float32, device=device)
     if B == 0 or C * S == 0:
         return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     cg = C // num_groups
     units = B * num_groups
+    staged, device_index = _staged_plan("fwd", x, cg)
+    if staged is not None:
+        _staged(staged, device_index, x, None, y, weight, bias, mean, rstd, num_groups, activation, eps)
+        return y, mean, rstd
     cfg, constexprs, device_index, sms = _gn_plan("fwd", cg, S, x.dtype, device,
                                                   (weight is not None, bias is not None, activation, None), units)
     sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
@@ -248,7 +262,7 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
     device = x.device
     if dy.stride() != x.stride():  # the kernel walks dy with x's strides
         dy = torch.empty_strided(x.shape, x.stride(), dtype=dy.dtype, device=device).copy_(dy)
-    dx = _empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+    dx = _empty_like(x)  # x's strides (x is dense)
     want_dw, want_db = dweight_dtype is not None, dbias_dtype is not None
     dw = _empty((C,), dtype=dweight_dtype, device=device) if want_dw else None
     db = _empty((C,), dtype=dbias_dtype, device=device) if want_db else None
@@ -256,18 +270,65 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
         return dx, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)
     cg = C // num_groups
     bias = bias if activation is not None else None  # needed only to recompute the pre-activation
+    units = B * num_groups
+    staged, device_index = _staged_plan("bwd", x, cg)
+    if staged is not None:
+        parts = _staged(staged, device_index, x, dy, dx, weight, bias, mean, rstd, num_groups, activation)
+        _reduce_partials(parts[0] if want_dw else None, dw, parts[1] if want_db else None, db,
+                         parts[0].shape[0], C, device_index)
+        return dx, dw, db
     cfg, constexprs, device_index, sms = _gn_plan("bwd", cg, S, x.dtype, device,
                                                   (weight is not None, bias is not None, activation,
-                                                   (want_dw, want_db)))
-    units = B * num_groups
+                                                   (want_dw, want_db)), units)
     sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
     dw_part = _empty((B * cfg.ks, C), dtype=torch.float32, device=device) if want_dw else None
     db_part = _empty((B * cfg.ks, C), dtype=torch.float32, device=device) if want_db else None
     args = (dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, sync, scratch, B, C, S, cg, num_groups,
             x.stride(0), x.stride(1), x.stride(2))
-    _launch_persistent(_kernels().gn_bwd, cfg, args, constexprs, units, device_index, sms)
+    if cfg.looped:
+        _kernels().gn_bwd((units,), args, constexprs, cfg.options, device_index)
+    else:
+        _launch_persistent(_kernels().gn_bwd, cfg, args, constexprs, units, device_index, sms)
     _reduce_partials(dw_part, dw, db_part, db, B * cfg.ks, C, device_index)
     return dx, dw, db
+
+
+def _staged_plan(direction: str, x, cg: int):
+    """(StagedConfig or None, device index) for a [B, C, S] input with groups of cg channels."""
+    B, C, S = x.shape
+    device_index, _, sms = _device_facts(x.device)
+    channels_last = C > 1 and S > 1 and x.stride(1) == 1
+    return configs.staged_config(direction, B, C, S, cg, x.element_size(), channels_last, sms), device_index
+
+
+def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):
+    """The staged path: stats, finalize, apply (group_norm.py). Forward (dy None): out = y, and
+    mean/rstd are written. Backward: out = dx; returns the per-(batch, span) partial sums of g*xhat
+    and g ([B * spans, C] fp32), which are the weight gradients' partials."""
+    B, C, S = x.shape
+    bwd = dy is not None
+    cg = C // num_groups
+    n_cb, n_sb = -(-C // cfg.block_c), -(-S // cfg.block_s)
+    n_spans = -(-n_sb // cfg.n_sub)
+    p1 = _empty((B * n_spans, C), dtype=torch.float32, device=x.device)
+    p2 = _empty((B * n_spans, C), dtype=torch.float32, device=x.device)
+    strides = (x.stride(0), x.stride(1), x.stride(2))
+    k = _kernels()
+    tiles = dict(BLOCK_C=cfg.block_c, BLOCK_S=cfg.block_s)
+    flags = dict(BWD=bwd, HAS_W=weight is not None, HAS_B=bias is not None, ACT=k.act_codes[activation])
+    stats_flags = flags if bwd else dict(BWD=False, HAS_W=False, HAS_B=False, ACT=0)
+    k.gn_stats((B * n_cb * n_spans,), (x, dy, weight, bias, mean, rstd, p1, p2, C, S, num_groups, cg, n_cb, n_sb,
+                                       n_spans) + strides, dict(**stats_flags, **tiles, N_SUB=cfg.n_sub),
+               cfg.options, device_index)
+    c1 = _empty((B, num_groups), dtype=torch.float32, device=x.device)  # forward: the shifted means
+    c2 = _empty((B, num_groups), dtype=torch.float32, device=x.device) if bwd else None
+    k.gn_finalize((B * num_groups,), (x, p1, p2, weight if bwd else None, None if bwd else mean, None if bwd else rstd,
+                                      c1, c2, C, S, num_groups, cg, n_spans, strides[0], strides[1], eps),
+                  dict(BWD=bwd, HAS_W=bwd and weight is not None, SPAN=cfg.n_sub * cfg.block_s, BLOCK_P=cfg.block_p,
+                       BLOCK_R=cfg.block_r), (4, 1), device_index)
+    k.gn_apply((B * n_cb * n_sb,), (x, dy, out, weight, bias, mean, rstd, c1, c2, C, S, num_groups, cg, n_cb, n_sb)
+               + strides, dict(**flags, **tiles), cfg.options, device_index)
+    return p1, p2
 
 
 _COL_SUM = configs.COL_SUM_BLOCK

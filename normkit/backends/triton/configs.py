@@ -102,13 +102,14 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
 GN_TILE = {("fwd", 2): 8192, ("fwd", 4): 4096, ("bwd", 2): 4096, ("bwd", 4): 2048}
 GN_ELEMS_PER_THREAD = 16
 GN_WARPS_PER_SM = 32  # persistent programs per SM = this / num_warps (at most 8)
-# forward with many groups: a program per group walks [BLOCK_R, BLOCK_S] tiles of this many
-# elements twice (statistics, then normalize from L2) instead of splitting the group over
-# programs that wait on each other; chosen when there are at least this many groups per SM
-GN_LOOPED_TILE = {2: 8192, 4: 4096}
-GN_LOOPED_WARPS = 8
+# with many groups: a program per group walks [BLOCK_R, BLOCK_S] tiles of this many elements
+# twice (forward: statistics, then normalize; backward: the two group sums, then dx), the second
+# pass mostly from L2, instead of splitting the group over programs that wait on each other;
+# chosen when there are at least GN_LOOPED_MIN_GROUPS_PER_SM groups per SM.
+# (direction, element bytes) -> (tile elements, num_warps)
+GN_LOOPED_TILE = {("fwd", 2): (8192, 8), ("fwd", 4): (4096, 8), ("bwd", 2): (4096, 8), ("bwd", 4): (4096, 8)}
 GN_LOOPED_STAGES = 1
-GN_LOOPED_MIN_GROUPS_PER_SM = 2
+GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class GroupConfig:
     programs_per_sm: int
     block_m: int = 1  # (shared with RowConfig by the persistent launcher and scratch sizing)
     num_stages: int = 1
-    looped: bool = False  # forward: a program per group, two passes over its tiles
+    looped: bool = False  # a program per group, two passes over its tiles
 
     @property
     def options(self):
@@ -132,15 +133,72 @@ class GroupConfig:
 def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: bool = False,
                  groups_per_sm: float = 0.0) -> GroupConfig:
     r_pad, s_pad = triton.next_power_of_2(max(cg, 1)), triton.next_power_of_2(max(s, 1))
-    looped_tile = GN_LOOPED_TILE[2 if elem_bytes <= 2 else 4]
-    if direction == "fwd" and groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM and r_pad * s_pad > looped_tile:
+    elem_bytes = 2 if elem_bytes <= 2 else 4
+    looped_tile, looped_warps = GN_LOOPED_TILE[(direction, elem_bytes)]
+    if groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM[direction] and r_pad * s_pad > looped_tile:
         block_s = min(s_pad, looped_tile)
         block_r = min(r_pad, max(1, looped_tile // block_s))
-        return GroupConfig(block_r, block_s, 1, 1, GN_LOOPED_WARPS, 0, num_stages=GN_LOOPED_STAGES, looped=True)
+        return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES, looped=True)
     # under the interpreter a group is never split (its programs run one after another)
-    tile = 1 << 62 if interpreted else GN_TILE[(direction, 2 if elem_bytes <= 2 else 4)]
+    tile = 1 << 62 if interpreted else GN_TILE[(direction, elem_bytes)]
     block_s = min(s_pad, tile)
     block_r = min(r_pad, max(1, tile // block_s))
     kr, ks = r_pad // block_r, s_pad // block_s  # powers of two, so the split is one as well
     num_warps = min(16, max(1, block_r * block_s // (32 * GN_ELEMS_PER_THREAD)))
     return GroupConfig(block_r, block_s, ks, kr * ks, num_warps, max(1, min(8, GN_WARPS_PER_SM // num_warps)))
+
+
+# staged path (group_norm.py: stats, finalize, apply launches) for inputs of at least
+# GN_STAGED_MIN_NUMEL elements: channels_last ones with groups of fewer than
+# GN_STAGED_CL_MAX_GROUP_CHANNELS[direction] channels (a group is a short run inside each spatial
+# position, so per-group tiles waste most of each memory sector; measured on the H200: the forward
+# of 40-channel groups is faster per group, every backward is faster staged), and NCHW ones with
+# fewer than GN_STAGED_NCHW_MAX_GROUPS_PER_SM groups per SM (measured: a gain only for huge groups; off)
+GN_STAGED_MIN_NUMEL = 1 << 18
+GN_STAGED_CL_MAX_GROUP_CHANNELS = {"fwd": 32, "bwd": 1 << 30}
+GN_STAGED_NCHW_MAX_GROUPS_PER_SM = 0.0  # 0: NCHW never takes the staged path
+GN_STAGED_TILE = {2: 4096, 4: 2048}  # elements of a [BLOCK_C, BLOCK_S] tile, per element bytes
+GN_STAGED_WARPS = 4
+GN_STAGED_MAX_SUB = 8  # tiles per stats program: the partials are at most 1/(2 * BLOCK_S) of the data
+GN_STAGED_PROGRAMS_PER_SM = 4  # stats programs aimed for, before grouping tiles into spans
+GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
+
+
+@dataclass(frozen=True)
+class StagedConfig:
+    block_c: int  # channels per tile (need not divide into groups)
+    block_s: int  # spatial positions per tile
+    n_sub: int  # tiles per stats program (a span)
+    num_warps: int
+    block_p: int  # spans per step of the finalize program
+    block_r: int  # channels of a group, padded
+
+    @property
+    def options(self):
+        return self.num_warps, 1
+
+
+@functools.lru_cache(maxsize=None)
+def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: int, channels_last: bool, sms: int):
+    """The staged path's tiles for x = [b, c, s] with groups of cg channels, or None when the
+    input takes the per-group paths."""
+    if channels_last:
+        wanted = cg < GN_STAGED_CL_MAX_GROUP_CHANNELS[direction]
+    else:
+        wanted = b * (c // cg) / sms < GN_STAGED_NCHW_MAX_GROUPS_PER_SM
+    if not wanted or b * c * s < GN_STAGED_MIN_NUMEL:
+        return None
+    tile = GN_STAGED_TILE[2 if elem_bytes <= 2 else 4]
+    if channels_last:  # contiguous along channels: the channel block with the fewest padded lanes
+        block_c = min((128, 64, 32, 16), key=lambda bc: (-(-c // bc) * bc - c, -bc))
+        block_c = min(block_c, triton.next_power_of_2(c))
+        block_s = max(1, tile // block_c)
+    else:  # contiguous along positions
+        block_s = min(triton.next_power_of_2(s), 1024, tile)
+        block_c = max(1, min(triton.next_power_of_2(c), tile // block_s))
+    n_cb, n_sb = -(-c // block_c), -(-s // block_s)
+    n_sub = max(1, min(GN_STAGED_MAX_SUB, n_sb, int(b * n_cb * n_sb / max(GN_STAGED_PROGRAMS_PER_SM * sms, 1e-9))))
+    n_spans = -(-n_sb // n_sub)
+    block_r = triton.next_power_of_2(cg)
+    block_p = max(1, min(triton.next_power_of_2(n_spans), GN_STAGED_FINALIZE_TILE // block_r))
+    return StagedConfig(block_c, block_s, n_sub, GN_STAGED_WARPS, block_p, block_r)

@@ -3,11 +3,14 @@
 A group (b, g) is viewed as a [Cg, S] tile: Cg channels of the group by S spatial positions. The
 two memory formats differ only in the tile's strides: NCHW has (stride_c, stride_s) = (S, 1),
 channels_last has (1, C); so one kernel serves both, reads in place, and the per-channel affine
-is a [BLOCK_R] vector broadcast along the spatial axis. A group larger than one tile is cut into
-KR x KS slices (channels x spatial) held by K = KR * KS programs, which exchange their partial
-statistics through the same publish-and-wait step as split rows (kernels.py). With many groups
-(LOOPED) a program instead walks its group's tiles twice, statistics then normalize, the second
-pass mostly from L2: no waits, and enough independent programs to keep the memory system busy.
+is a [BLOCK_R] vector broadcast along the spatial axis. Three paths (configs.py picks):
+* split: a group larger than one tile is cut into KR x KS slices (channels x spatial) held by
+  K = KR * KS programs, which exchange their partial statistics through the same publish-and-wait
+  step as split rows (kernels.py);
+* looped (at least one group per SM): a program walks its group's tiles twice, statistics (or the
+  backward's two sums) then normalize (or dx), the second pass mostly from L2: no waits;
+* staged (channels_last with small groups): three launches over [channel block, spatial block]
+  tiles that read whole rows of channels (see the section at the end of this file).
 
 Backward writes per-channel fp32 partial sums of dweight/dbias for each (batch, spatial slice) to
 a [B * KS, C] buffer that col_sum_kernel reduces in a fixed order: deterministic, no atomics.
@@ -164,17 +167,101 @@ def _gn_fwd_split(X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, Bn, S, Cg, G, stri
 
 
 @triton.jit
+def _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, mean, rstd, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                  ACT: tl.constexpr):
+    """(xhat, g, w*g) of one tile, zero outside `mask`; g is dy through the activation's derivative
+    (the pre-activation z = xhat * w + b recomputed from x and the statistics)."""
+    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+    if HAS_W:
+        w = tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+    else:
+        w = 1.0
+    gr = dy
+    if ACT != 0:
+        z = xhat * w
+        if HAS_B:
+            z = z + tl.load(B + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+        gr = tl.where(mask, act_grad(z, dy, ACT), 0.0)
+    return xhat, gr, gr * w
+
+
+@triton.jit
 def group_norm_bwd_kernel(
     DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, SYNC, SCRATCH,
     Bn, C, S, Cg, G, stride_b, stride_c, stride_s,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
     ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr,
+    LOOPED: tl.constexpr,
 ):
     """dx = rstd * (w*g - xhat * mean(xhat * w*g) - mean(w*g)) over the group, g = dy * act'(z)
-    (dy and dx have x's strides);
-    per-channel sums of g*xhat and g over this slice's positions go to row (b*KS + ks) of the
-    partial buffers ([B*KS, C]); every entry is written by exactly one program."""
+    (dy and dx have x's strides). Per-channel sums of g*xhat and g over a (batch, spatial slice)
+    go to row (b*KS + ks) of the partial buffers ([B*KS, C]); every entry is written by exactly one
+    program. LOOPED: program p owns group p and walks its tiles twice (KS = 1)."""
     pid = tl.program_id(0)
+    if LOOPED:
+        _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, pid, C, S, Cg, G, stride_b, stride_c, stride_s,
+                       HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, BLOCK_R, BLOCK_S)
+    else:
+        _gn_bwd_split(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, SYNC, SCRATCH, pid, Bn, C, S, Cg, G,
+                      stride_b, stride_c, stride_s, HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, BLOCK_R, BLOCK_S, KS, SPLIT)
+
+
+@triton.jit
+def _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, grp, C, S, Cg, G, stride_b, stride_c, stride_s,
+                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
+                   ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program, one group, in [BLOCK_R, BLOCK_S] tiles (t = kr * n_ks + ks): the two group
+    sums, then dx and the per-channel weight-gradient sums, last tile first (from L2)."""
+    b_idx = grp // G
+    g = grp % G
+    n_ks = tl.cdiv(S, BLOCK_S)
+    n_tiles = tl.cdiv(Cg, BLOCK_R) * n_ks
+    mean = tl.load(MEAN + grp)
+    rstd = tl.load(RSTD + grp)
+    c1 = tl.zeros([BLOCK_R], dtype=tl.float32)
+    c2 = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for t in range(0, n_tiles):
+        offs, mask, ch, r_mask = _gn_tile(b_idx, g, t // n_ks, t % n_ks, S, Cg, stride_b, stride_c, stride_s,
+                                          BLOCK_R, BLOCK_S)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        xhat, gr, wg = _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+        c1 += tl.sum(xhat * wg, axis=1)
+        c2 += tl.sum(wg, axis=1)
+    L = Cg * S
+    c1_n = tl.sum(c1, axis=0) / L
+    c2_n = tl.sum(c2, axis=0) / L
+    dw_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for i in range(0, n_tiles):
+        t = n_tiles - 1 - i
+        ks = t % n_ks
+        offs, mask, ch, r_mask = _gn_tile(b_idx, g, t // n_ks, ks, S, Cg, stride_b, stride_c, stride_s,
+                                          BLOCK_R, BLOCK_S)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        xhat, gr, wg = _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+        tl.store(DX + offs, ((wg - (xhat * c1_n + c2_n)) * rstd).to(DX.dtype.element_ty), mask=mask)
+        # walking backwards, ks == 0 ends a channel block: its sums are complete
+        done = r_mask & ((ch * 0 + ks) == 0)  # vector form, for the interpreter
+        part = b_idx.to(tl.int64) * C + ch
+        if WANT_DW:
+            dw_acc += tl.sum(gr * xhat, axis=1)
+            tl.store(DW_PART + part, dw_acc, mask=done)
+            dw_acc = tl.where(done, 0.0, dw_acc)
+        if WANT_DB:
+            db_acc += tl.sum(gr, axis=1)
+            tl.store(DB_PART + part, db_acc, mask=done)
+            db_acc = tl.where(done, 0.0, db_acc)
+
+
+@triton.jit
+def _gn_bwd_split(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, SYNC, SCRATCH, pid, Bn, C, S, Cg, G,
+                  stride_b, stride_c, stride_s,
+                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
+                  ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.constexpr,
+                  SPLIT: tl.constexpr):
+    """Persistent: a unit of SPLIT programs holds one group's slices at a time."""
     unit = pid // SPLIT
     k = pid % SPLIT
     kr = k // KS
@@ -185,25 +272,12 @@ def group_norm_bwd_kernel(
     for grp in range(unit, num_groups, num_units):
         grp = grp + 0 * pid  # a tensor also under the interpreter (which iterates Python ints)
         b_idx = grp // G
-        g_idx = grp % G
-        offs, mask, ch, r_mask = _gn_tile(b_idx, g_idx, kr, ks, S, Cg, stride_b, stride_c, stride_s,
+        offs, mask, ch, r_mask = _gn_tile(b_idx, grp % G, kr, ks, S, Cg, stride_b, stride_c, stride_s,
                                           BLOCK_R, BLOCK_S)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + grp)
         rstd = tl.load(RSTD + grp)
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-        if HAS_W:
-            w = tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        else:
-            w = 1.0
-        gr = dy
-        if ACT != 0:
-            z = xhat * w
-            if HAS_B:
-                z = z + tl.load(B + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-            gr = tl.where(mask, act_grad(z, dy, ACT), 0.0)
-        wg = gr * w
+        xhat, gr, wg = _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, tl.load(MEAN + grp), rstd, HAS_W, HAS_B, ACT)
         c1 = tl.sum(tl.sum(xhat * wg, axis=1), axis=0)
         c2 = tl.sum(tl.sum(wg, axis=1), axis=0)
         if SPLIT > 1:
@@ -220,3 +294,144 @@ def group_norm_bwd_kernel(
             tl.store(DB_PART + part, tl.sum(gr, axis=1), mask=r_mask)
     if SPLIT > 1:
         _group_exit(SYNC, unit, num_units, SPLIT)
+
+
+# ----------------------------------------------------------------------------- staged path
+# For channels_last (and groups too few for a program each): three launches instead of programs
+# that wait on each other. `stats` reduces [BLOCK_C, BLOCK_S] tiles (channel block kc, spatial
+# span j of N_SUB tiles) to per-channel partials in P1/P2 ([B, spans, C] fp32); `finalize` merges
+# a group's partials into its statistics (forward) or its two dx sums (backward); `apply` walks the
+# tiles again, last first (the stats pass read them most recently, so they are likeliest in L2).
+# Channel blocks need not align with groups: tile rows pick their group's values by index.
+
+@triton.jit
+def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
+                 BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Tile number pid_tile = (b * n_cb + kc) * n_sb + ks: (b, kc, ks, offsets, mask, channels, channel mask)."""
+    ks = pid_tile % n_sb
+    kc = (pid_tile // n_sb) % n_cb
+    b_idx = pid_tile // (n_sb * n_cb)
+    offs, mask, ch, c_mask = _gn_tile(b_idx, 0, kc, ks, S, C, stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
+    return b_idx, kc, ks, offs, mask, ch, c_mask
+
+
+@triton.jit
+def group_norm_staged_stats_kernel(
+    X, DY, W, B, MEAN, RSTD, P1, P2, C, S, G, Cg, n_cb, n_sb, n_spans, stride_b, stride_c, stride_s,
+    BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr,
+):
+    """Program (b, kc, span j): per channel of block kc over the span's positions, forward: mean and
+    M2 (each tile's exact two-pass values, Chan-merged); backward: sum of g*xhat and of g, which are
+    also the weight-gradient partials (row b * n_spans + j of [B * n_spans, C])."""
+    pid = tl.program_id(0)
+    j = pid % n_spans
+    bc = pid // n_spans  # b * n_cb + kc
+    acc1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    count = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for i in range(0, N_SUB):
+        ks = j * N_SUB + i
+        b_idx, kc, _, offs, mask, ch, c_mask = _staged_tile(bc * n_sb + ks, C, S, n_cb, n_sb,
+                                                             stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
+        mask = mask & ((offs * 0 + ks) < n_sb)  # the last span may hold fewer tiles
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if BWD:
+            grp = b_idx * G + ch // Cg
+            mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
+            rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0)[:, None]
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            xhat, gr, _ = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+            acc1 += tl.sum(gr * xhat, axis=1)
+            acc2 += tl.sum(gr, axis=1)
+        else:  # on x minus its group's first element, as everywhere (offset data keeps its digits)
+            shift = tl.load(X + b_idx.to(tl.int64) * stride_b + ((ch // Cg) * Cg).to(tl.int64) * stride_c,
+                            mask=c_mask, other=0.0).to(tl.float32)
+            xs = tl.where(mask, x - shift[:, None], 0.0)
+            n_t = tl.maximum(tl.minimum(S - ks * BLOCK_S, BLOCK_S), 0) * 1.0
+            t_mean = tl.sum(xs, axis=1) / tl.maximum(n_t, 1.0)
+            d = tl.where(mask, xs - t_mean[:, None], 0.0)
+            acc1, acc2, count = _chan_merge(acc1, acc2, count, t_mean, tl.sum(d * d, axis=1), n_t)
+    b_idx = bc // n_cb
+    ch = (bc % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+    part = (b_idx * n_spans + j).to(tl.int64) * C + ch
+    tl.store(P1 + part, acc1, mask=ch < C)
+    tl.store(P2 + part, acc2, mask=ch < C)
+
+
+@triton.jit
+def group_norm_staged_finalize_kernel(
+    X, P1, P2, W, MEAN, RSTD, C1, C2, C, S, G, Cg, n_spans, stride_b, stride_c, eps,
+    BWD: tl.constexpr, HAS_W: tl.constexpr, SPAN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Program (b, g): the group's [spans, Cg] partials. Forward (partials of x minus the group's
+    first element): mean = sum n_j mean_j / L and M2 = sum M2_j + sum n_j (mean_j - mean)^2
+    (exact, no cancellation) -> MEAN, RSTD. Backward:
+    c1 = sum w_c * sum g*xhat / L and c2 = sum w_c * sum g / L -> C1, C2."""
+    grp = tl.program_id(0)
+    b_idx = grp // G
+    r = tl.arange(0, BLOCK_R)
+    ch = (grp % G) * Cg + r
+    r_mask = r < Cg
+    L = Cg * S
+    if BWD:
+        w = 1.0
+        if HAS_W:
+            w = tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    acc1 = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
+    for p0 in range(0, n_spans, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < n_spans)[:, None] & r_mask[None, :]
+        offs = (b_idx * n_spans + p).to(tl.int64)[:, None] * C + ch[None, :]
+        a = tl.load(P1 + offs, mask=mask, other=0.0)
+        if BWD:
+            acc1 += a * w
+            acc2 += tl.load(P2 + offs, mask=mask, other=0.0) * w
+        else:
+            n_j = tl.minimum(tl.maximum(S - p * SPAN, 0), SPAN) * 1.0
+            acc1 += a * n_j[:, None]
+    if BWD:
+        _store_group_stat(C1, grp, tl.sum(tl.sum(acc1, axis=1), axis=0) / L, 0)
+        _store_group_stat(C2, grp, tl.sum(tl.sum(acc2, axis=1), axis=0) / L, 0)
+    else:
+        mean = tl.sum(tl.sum(acc1, axis=1), axis=0) / L
+        for p0 in range(0, n_spans, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            mask = (p < n_spans)[:, None] & r_mask[None, :]
+            offs = (b_idx * n_spans + p).to(tl.int64)[:, None] * C + ch[None, :]
+            n_j = (tl.minimum(tl.maximum(S - p * SPAN, 0), SPAN) * 1.0)[:, None]
+            d = tl.load(P1 + offs, mask=mask, other=0.0) - mean
+            acc2 += tl.where(mask, tl.load(P2 + offs, mask=mask, other=0.0) + n_j * d * d, 0.0)
+        _store_group_stat(MEAN, grp, _group_shift(X, b_idx, grp % G, Cg, stride_b, stride_c) + mean, 0)
+        _store_group_stat(C1, grp, mean, 0)  # the shifted mean, for apply: x - shift - mean keeps the digits
+        _store_group_stat(RSTD, grp, tl.rsqrt(tl.sum(tl.sum(acc2, axis=1), axis=0) / L + eps), 0)
+
+
+@triton.jit
+def group_norm_staged_apply_kernel(
+    X, DY, Y, W, B, MEAN, RSTD, C1, C2, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c, stride_s,
+    BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One tile per program, last tile first. Forward: Y = act(xhat * w + b) (C1: the shifted means);
+    backward:
+    Y (= dx) = rstd * (w*g - xhat * c1 - c2), with the group values gathered per channel."""
+    last = tl.num_programs(0) - 1
+    b_idx, kc, ks, offs, mask, ch, c_mask = _staged_tile(last - tl.program_id(0), C, S, n_cb, n_sb,
+                                                         stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
+    grp = b_idx * G + ch // Cg
+    mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
+    rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0)[:, None]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if BWD:
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        xhat, _, wg = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+        c1 = tl.load(C1 + grp, mask=c_mask, other=0.0)[:, None]
+        c2 = tl.load(C2 + grp, mask=c_mask, other=0.0)[:, None]
+        tl.store(Y + offs, ((wg - (xhat * c1 + c2)) * rstd).to(Y.dtype.element_ty), mask=mask)
+    else:  # C1 holds the mean of x minus the group's first element
+        shift = tl.load(X + b_idx.to(tl.int64) * stride_b + ((ch // Cg) * Cg).to(tl.int64) * stride_c,
+                        mask=c_mask, other=0.0).to(tl.float32)[:, None]
+        mean_s = tl.load(C1 + grp, mask=c_mask, other=0.0)[:, None]
+        _store_y(Y, W, B, offs, mask, ch, c_mask, ((x - shift) - mean_s) * rstd, HAS_W, HAS_B, ACT)
