@@ -26,10 +26,10 @@ patch() returns a PatchReport: a dict {module name: original class} of what it p
 the model itself), so `len(report)` and `report == {}` work as before, with
 - .patched: that dict; .computes: {module name: what normkit computes for it};
 - .skipped: {module name: why it was left alone} for every norm-like module it did not patch (torch's
-  norm classes and their subclasses, and any other class named *Norm* with an eps or normalized_shape
-  attribute; batch and instance norms aside): an unknown forward, a per-instance forward, timm's fast-norm mode, an op
-  family not in `ops`, already patched;
-- .dry_run; and a readable str(), grouped by class.
+  norm classes and their subclasses, and any other class named *Norm* with an eps or
+  normalized_shape attribute; batch and instance norms aside): an unknown forward, a per-instance
+  forward, timm's fast-norm mode, an op family not in `ops`, already patched;
+- .dry_run (True: the model was not changed); and a readable str(), grouped by class.
 """
 from __future__ import annotations
 
@@ -252,7 +252,8 @@ def _classify(module: nn.Module):
         if isinstance(module, torch_cls):
             if cls.forward is torch_cls.forward:
                 return op, fwd, op
-            return f"a torch.nn.{torch_cls.__name__} subclass with its own forward, whose computation normkit does not know"
+            return (f"a torch.nn.{torch_cls.__name__} subclass with its own forward, whose computation normkit "
+                    "does not know")
     if isinstance(getattr(module, "weight", None), torch.Tensor):
         for names, key, fwd, what in _STYLES.values():
             if key is not None and _methods_key(cls, names) == key:

@@ -11,7 +11,6 @@ import copy
 import importlib
 import pathlib
 import re
-import warnings
 
 import pytest
 import torch
@@ -34,13 +33,7 @@ FWD_TOL = 2e-6 if DEVICE == "cpu" else 1e-5
 GRAD_TOL = 2e-5
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    """No TF32 on a GPU: its rounding (2**-11) would swamp the differences these tests measure."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("exact_fp32")  # no TF32 on a GPU
 
 
 # ----------------------------------------------------------------------------- model builders
