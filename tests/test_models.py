@@ -133,6 +133,25 @@ def _bert():
     return transformers.BertForMaskedLM(cfg).train()
 
 
+def _maskformer():
+    """Swin backbone (LayerNorm), FPN pixel decoder (GroupNorm then ReLU(inplace=True)), DETR decoder."""
+    swin = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1],
+                                   num_heads=[1, 1, 2, 2], window_size=2)
+    detr = transformers.DetrConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                   decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=4,
+                                   dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    cfg = transformers.MaskFormerConfig(backbone_config=swin, decoder_config=detr, fpn_feature_size=32,
+                                        mask_feature_size=32)
+    return transformers.MaskFormerModel(cfg).train()  # the segmentation head's loss needs scipy
+
+
+def _maskformer_run(model, inputs):
+    out = model(pixel_values=inputs["x"])
+    y = torch.cat([out.pixel_decoder_last_hidden_state.flatten(1),
+                   out.transformer_decoder_last_hidden_state.flatten(1)], dim=1)
+    return y, _wide(y).square().mean()
+
+
 def _image_inputs(channels=3, size=16, out_channels=None):
     def make(gen):
         x = torch.randn(2, channels, size, size, generator=gen)
@@ -232,6 +251,8 @@ FAMILIES = {
     "olmo2": Family(_causal_lm("Olmo2Config", "Olmo2ForCausalLM"), norms={"Olmo2RMSNorm": 9}, **_LM),
     "gpt2": Family(_gpt2, norms={"LayerNorm": 5}, **_LM),
     "bert": Family(_bert, _token_inputs, _masked_run, norms={"LayerNorm": 6}),
+    # GroupNorm then ReLU(inplace=True) in a transformers model: the in-place case on every CI run
+    "maskformer": Family(_maskformer, _image_inputs(size=32), _maskformer_run, norms={"LayerNorm": 21, "GroupNorm": 7}),
     "unet2d": Family(_unet, _image_inputs(), _unet_run, norms={"GroupNorm": 21}),
     "autoencoder_kl": Family(_vae, _image_inputs(), _vae_run, norms={"GroupNorm": 24}),
     "vit": Family(_timm_model("vit_tiny_patch16_224", img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=2),
