@@ -136,7 +136,7 @@ def _bert():
 def _maskformer():
     """Swin backbone (LayerNorm), FPN pixel decoder (GroupNorm then ReLU(inplace=True)), DETR decoder."""
     swin = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1],
-                                   num_heads=[1, 1, 2, 2], window_size=2)
+                                   num_heads=[1, 1, 2, 2], window_size=2, drop_path_rate=0.0)
     detr = transformers.DetrConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                                    decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=4,
                                    dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
@@ -311,13 +311,12 @@ class _Check:
     quantity from the four models: patched, plain, control, truth."""
 
     def __init__(self, mode):
-        self.floor, self.failures, self.worst = FLOOR[mode], [], 0.0
+        self.floor, self.failures = FLOOR[mode], []
 
     def close(self, what, patched, plain, control, truth):
         e_patched = ref.rel_err(patched, truth)
         e_torch = max(ref.rel_err(plain, truth), ref.rel_err(control, truth))
         bound = SLACK * e_torch + self.floor
-        self.worst = max(self.worst, e_patched / bound)
         if not e_patched <= bound:
             self.failures.append(f"{what}: patched is {e_patched:.3g} from the truth, unpatched up to {e_torch:.3g} "
                                  f"(bound {bound:.3g})")
@@ -379,6 +378,8 @@ def _check_family(name: str, mode: str):
     batches = [_to(b, d, fam.channels_last) for b, d in ((raw, dtype), (raw, dtype), (flipped, dtype),
                                                           (raw, truth_dtype))]
     autocast = [autocast_dtype is not None] * 3 + [False]
+    with torch.no_grad():  # no dropout or other randomness left on, or the comparisons mean nothing
+        assert ref.rel_err(fam.run(truth, batches[3])[0], fam.run(truth, batches[3])[0]) <= 1e-9, "not deterministic"
     optims = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
     check = _Check(mode)
     for i in range(STEPS + 1):
@@ -412,7 +413,6 @@ def _check_family(name: str, mode: str):
             check.close(f"{n}.{pname} after {STEPS} steps", *(m.get_submodule(n).get_parameter(pname) for m in models))
     assert not check.failures, f"{name} {mode}: " + "; ".join(check.failures[:8]) + \
         (f" (+{len(check.failures) - 8} more)" if len(check.failures) > 8 else "")
-    return check.worst
 
 
 @pytest.mark.parametrize("mode", list(MODES))
