@@ -12,7 +12,7 @@
 #   conv     ResNet-50-GN, seed 004's 1D U-Net and the 4 ResnetBlock2D under torch.compile
 #   unet2d   diffusers' UNet2DModel under torch.compile
 #   smoke    `normkit bench --quick` (timed), then every model eager with fewer steps, then
-#            compiled Llama training and 1D U-Net inference
+#            the compiled 1D U-Net's inference and Llama's decoding (unpatched, normkit)      ~6 min
 #
 # Liger and diffusers (pure Python) are installed from liger_kernel-*.whl / diffusers-*.whl found in
 # .peersA/, .peersB/ or .whl/ (carry the folder that holds them; /work/shared/device/stage_peer_wheels.sh
@@ -68,8 +68,10 @@ case $group in
         echo "normkit bench --quick took $(( $(date +%s) - start )) s" | tee -a "$log"
         cp "$work/quick/summary.md" "$out/quick_summary.md"
         cp "$work/quick/host.csv" "$out/quick_host.csv" 2>/dev/null
-        models eager "${SMOKE_EAGER:-150}" --quick --exec eager "$@"
-        models compile "${SMOKE_COMPILE:-100}" llama,unet1d --quick --exec compile --variants unpatched,normkit "$@"
+        models eager "${SMOKE_EAGER:-110}" unet1d,llama,qwen3,gemma,vit,convnext,resnet50-gn,unet2d \
+            --quick --exec eager "$@"
+        models compile "${SMOKE_COMPILE:-70}" unet1d,llama --modes decode,infer --quick --exec compile \
+            --variants unpatched,normkit "$@"
         ;;
     *) echo "unknown group $group" >&2; exit 2 ;;
 esac
