@@ -217,3 +217,19 @@ def test_report_merges_model_csvs_of_several_groups(tmp_path, capsys):
     assert "# gpu: H200" in (out / "models.csv").read_text()
     assert normkit.cli.main(["bench", "--models", "--report", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "holds no models.csv" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU variant; on a GPU the device script runs the suite")
+def test_compiled_variants_side_by_side_each_compile_a_graph_and_do_not_recompile_while_timed(tmp_path):
+    import torch._dynamo
+    out = tmp_path / "c"
+    try:  # dynamo's "eager" backend: graph capture, guards and recompiles without inductor's slow CPU codegen
+        rc = normkit.cli.main(["bench", "--models", "resnet-blocks", "--modes", "infer", "--exec", "compile",
+                               "--compile-backend", "eager", "--variants", "unpatched,normkit", "--steps", "2",
+                               "--out", str(out), "--no-plots"])
+    finally:
+        torch._dynamo.reset()
+    assert rc == 0
+    rows, _ = model_report.load([out])
+    assert [(r.variant, r.ran, r.note) for r in rows] == [("unpatched", True, ""), ("normkit", True, "")]
+    assert rows[1].patched == rows[1].norms == 4 and rows[1].out_diff <= 1e-5

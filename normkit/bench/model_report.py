@@ -148,13 +148,14 @@ def summary_markdown(rows: list[ModelRow], env: dict) -> str:
         out += ["**CPU run at tiny sizes: the times are CPU timings, there is no host/GPU split, and "
                 "'kernel ms' is the aten ops' self time.**", ""]
     out += _table(["environment", ""], [[k, str(env[k])] for k in ENV_KEYS if env.get(k)])
-    out += ["", "## Problems", ""]
+    out += ["", "## Problems (errors, differences above tolerance)", ""]
     problems = [f"- {' '.join(r.key)}: {r.note}" for r in rows if not r.ran and not r.note.startswith("skipped")]
-    problems += [f"- {' '.join(r.key)}: {r.note}" for r in rows if r.ran and r.note]
     problems += [f"- {' '.join(r.key)}: differs from the unpatched eager model by {_num(r.out_diff, '.2g')} "
                  f"(loss/output), {_num(r.grad_diff, '.2g')} (gradients), above {DIFF_TOL.get(r.dtype, 1e-3):g}"
                  for r in rows if r.ran and r.differs]
     out += problems or ["none"]
+    out += ["", "## Notes on measured cases", ""]
+    out += [f"- {' '.join(r.key)}: {r.note}" for r in rows if r.ran and r.note] or ["none"]
     why: dict = {}
     for r in rows:
         if r.note.startswith("skipped"):

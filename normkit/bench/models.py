@@ -1,14 +1,14 @@
 """`normkit bench --models`: does patching a real model make it faster, and by how much.
 
 For every model (model_zoo.py), mode (train: forward + backward; infer: forward without grad;
-decode: batch-1 greedy decoding with a KV cache), execution (eager, torch.compile) and variant
-(unpatched, normkit.patch, Liger's RMSNorm where Liger patches the model) one case runs:
+decode: batch-1 greedy decoding with a KV cache) and execution (eager, torch.compile), the variants
+(unpatched, normkit.patch, Liger's RMSNorm where Liger patches the model) run side by side:
 
-    copy the model (same random weights for every variant), patch it, [compile it]
-    first step: its loss and gradients (or output) against the unpatched eager model's
-    warm-up, then timed steps back to back   -> ms per step: median, p10, p90
-    steps queued behind a GPU spin           -> host enqueue time per step
-    steps under torch.profiler               -> GPU kernel time per step, the norm kernels' share
+    per variant: copy the model (same random weights), patch it, [compile it], take a first step
+      and compare its loss and gradients (or output) with the unpatched eager model's, warm up
+    rounds, the variants taking turns: timed steps back to back, one step queued behind a GPU spin
+                                             -> ms per step: median, p10, p90; host enqueue time
+    per variant: steps under torch.profiler  -> GPU kernel time per step, the norm kernels' share
 
 Step time is what a training or serving loop sees: CUDA events between steps queued back to back,
 so a host-bound step shows its host time and a GPU-bound one its GPU time. The host enqueue time
@@ -40,8 +40,8 @@ from .impls import compiled_path_problem, dynamo_counts, first_line, fresh_dynam
 from .model_report import ModelRow, finalize, plot, summary_markdown, write_csv
 from .model_zoo import SPECS, Unavailable
 
-NO_GPU_LINE = ("no CUDA GPU: running the models at tiny sizes on the CPU, eager; numbers are CPU timings, "
-               "not GPU step times")
+NO_GPU_LINE = ("no CUDA GPU: running the models at tiny sizes on the CPU (eager unless --exec says otherwise); "
+               "numbers are CPU timings, not GPU step times")
 VARIANTS = ("unpatched", "normkit", "liger")
 EXECS = ("eager", "compile")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -53,13 +53,13 @@ OUT_OF_TIME = "not run: time budget spent"
 @dataclass(frozen=True)
 class Steps:
     warmup: int
-    timed: int
-    host: int  # host enqueue trials (GPU only)
+    rounds: int  # the variants of a model take turns: each round times every variant once
+    per_round: int  # timed steps per variant and round (plus one host trial on a GPU)
     profile: int
 
 
-STEPS = {("cuda", False): Steps(3, 20, 5, 3), ("cuda", True): Steps(1, 6, 2, 1),
-         ("cpu", False): Steps(1, 5, 0, 1), ("cpu", True): Steps(1, 3, 0, 1)}
+STEPS = {("cuda", False): Steps(3, 5, 4, 3), ("cuda", True): Steps(1, 2, 3, 1),
+         ("cpu", False): Steps(1, 2, 3, 1), ("cpu", True): Steps(1, 2, 2, 1)}
 
 
 @dataclass
@@ -228,23 +228,35 @@ def time_steps(work: Work, n: int, device: str) -> list[float]:
     return times
 
 
-def host_enqueue_ms(work: Work, trials: int, step_ms: float, cycles_per_ms: float) -> tuple[float, str]:
-    """(median ms the host takes to queue one step while the GPU spins ahead of it, a warning or "")."""
-    spin_ms = min(5000.0, 1.5 * step_ms + 10.0)  # longer than the step: the host cannot be slower than that
-    times = []
-    for _ in range(trials):
-        work.prepare()
-        torch.cuda.synchronize()
+def spin_ms_for(step_ms: float) -> float:
+    """How long the GPU spins ahead of a step whose host time is measured: longer than the step,
+    since a step's host time cannot exceed its steady-state time unless it waits for the GPU."""
+    return min(5000.0, 1.5 * step_ms + 10.0)
+
+
+def host_trial_ms(work: Work, spin_ms: float, cycles_per_ms: float) -> float:
+    """ms the host takes to queue one step while the GPU spins `spin_ms` ahead of it (0: GPU idle)."""
+    work.prepare()
+    torch.cuda.synchronize()
+    if spin_ms:
         torch.cuda._sleep(int(cycles_per_ms * spin_ms))
-        t0 = time.perf_counter()
-        work.step()
-        times.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    ms = statistics.median(times)
-    if ms >= 0.8 * spin_ms:
-        return ms, (f"queueing a step took {ms:.1f} of the {spin_ms:.0f} ms GPU spin: the step waits for the GPU "
-                    f"(a sync, or a full launch queue), so host time is not the host's alone")
-    return ms, ""
+    t0 = time.perf_counter()
+    work.step()
+    ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
+def host_enqueue_ms(work: Work, trials: list, spin_ms: float, cycles_per_ms: float) -> tuple[float, str]:
+    """(median host ms per step, a note or ""). When queueing took most of the spin, the step waited
+    for the GPU (a sync inside it, or a full launch queue) and the spin measured nothing: the host
+    time is then taken with the GPU idle at the step's start instead, and the note says so."""
+    ms = statistics.median(trials)
+    if ms < 0.8 * spin_ms:
+        return ms, ""
+    idle = statistics.median(host_trial_ms(work, 0.0, cycles_per_ms) for _ in range(len(trials)))
+    return idle, (f"the step waits for the GPU (queueing it took {ms:.1f} of a {spin_ms:.0f} ms GPU spin: a sync, "
+                  f"or a full launch queue); host ms measured from an idle GPU instead")
 
 
 _NORM_WORDS = ("norm", "rsqrt", "welford", "moments", "gammabeta", "computeinternalgradients", "fusedparams")
@@ -314,9 +326,11 @@ def kernel_times(events, device: str) -> tuple[float, float]:
     from torch.autograd import DeviceType
     norm = norm_events(events)
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    if device == "cuda":
-        total = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA)
-        in_norm = sum(k.duration for e in cpu for k in e.kernels if id(e) in norm or is_norm_name(k.name))
+    if device == "cuda":  # by name over every kernel (some are linked to no op), by op for the rest
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        total = sum(e.time_range.elapsed_us() for e in kernels)
+        in_norm = sum(e.time_range.elapsed_us() for e in kernels if is_norm_name(e.name))
+        in_norm += sum(k.duration for e in cpu if id(e) in norm for k in e.kernels if not is_norm_name(k.name))
     else:
         ops = [e for e in cpu if e.name.startswith("aten::")]
         total = sum(e.self_cpu_time_total for e in ops)
@@ -340,63 +354,113 @@ def profile_steps(work: Work, n: int, device: str, ranges: bool) -> tuple[float,
     return kernel_times(prof.events(), device)
 
 
-# ----------------------------------------------------------------------------- one case
+# ----------------------------------------------------------------------------- the variants of one model
 
-def run_case(spec, base, size: dict, mode: str, exe: str, variant: str, batch, ref, s: Settings,
-             dtype: str) -> ModelRow:
-    row = ModelRow(spec.name, mode, exe, variant, s.device, dtype, shape_of(spec, size, mode),
-                   unit=f"{'tokens' if mode == 'decode' else spec.unit}/s",
-                   norms=sum(map(model_zoo.is_norm_module, base.modules())))
-    why = why_variant_unavailable(variant, spec, s.device)
-    if why:
-        row.note = f"skipped: {why}"
-        return row
-    notes, work = [], None
-    try:
-        model = copy.deepcopy(base)
-        row.patched = apply_variant(variant, spec, model)
-        if variant != "unpatched" and not row.patched:
-            notes.append(f"{variant} replaced no norm module: the same model as unpatched")
-        work = Work(spec, model, mode, batch, size, s.device, torch.Generator(s.device).manual_seed(s.seed + 1))
-        before = fresh_dynamo() if exe == "compile" else None
-        if before is not None:
-            work.compile(s.compile_backend)
-        t0 = time.perf_counter()
-        out = work.outputs()
-        _sync(s.device)
-        row.first_call_s = time.perf_counter() - t0
-        row.out_diff, row.grad_diff = compare(mode, out, ref)
-        del out
-        if before is not None:
-            notes.append(compiled_path_problem(before) or "")
-            after_first = dynamo_counts()
-        for _ in range(s.steps.warmup):
-            work.prepare()
-            work.step()
-        times = time_steps(work, s.steps.timed, s.device)
-        row.ms = statistics.median(times)
-        q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
-        row.ms_p10, row.ms_p90, row.steps = q[0], q[-1], len(times)
-        row.throughput = (1 if mode == "decode" else spec.items(size)) / (row.ms / 1e3)
-        if s.device == "cuda" and s.steps.host:
-            row.host_ms, warning = host_enqueue_ms(work, s.steps.host, row.ms, s.spin_cycles_per_ms)
-            notes.append(warning)
-        if s.steps.profile:
-            total, norm = profile_steps(work, s.steps.profile, s.device, ranges=exe == "eager")
-            row.kernel_ms, row.norm_ms = total / s.steps.profile / 1e3, norm / s.steps.profile / 1e3
-            row.norm_share = norm / total if total > 0 else None
-        if before is not None:
-            recompiles = dynamo_counts()[0] - after_first[0]
-            if recompiles:
-                notes.append(f"dynamo compiled {recompiles} more graph(s) after the first step: recompiles while timed")
-    except Exception as e:  # noqa: BLE001 - one case failing must not stop the suite
-        notes.insert(0, f"error: {first_line(e)}")
-    finally:
-        del work
-        if s.device == "cuda":
-            torch.cuda.empty_cache()
-    row.note = "; ".join(n for n in notes if n)
-    return row
+@dataclass
+class _Case:
+    row: ModelRow
+    work: Optional[Work] = None
+    notes: list = None
+    times: list = None
+    host: list = None
+    recompiles: int = 0
+
+    def fail(self, e: BaseException) -> None:
+        self.notes.insert(0, f"error: {first_line(e)}")
+        self.work = None
+
+
+def _start(c: _Case, spec, base, size: dict, batch, ref, s: Settings) -> None:
+    """Copy and patch the model, [compile it,] take its first step against the reference, warm up."""
+    r = c.row
+    model = copy.deepcopy(base)
+    r.patched = apply_variant(r.variant, spec, model)
+    if r.variant != "unpatched" and not r.patched:
+        c.notes.append(f"{r.variant} replaced no norm module: the same model as unpatched")
+    c.work = Work(spec, model, r.mode, batch, size, s.device, torch.Generator(s.device).manual_seed(s.seed + 1))
+    before = dynamo_counts()
+    if r.exec == "compile":
+        c.work.compile(s.compile_backend)
+    t0 = time.perf_counter()
+    out = c.work.outputs()
+    _sync(s.device)
+    r.first_call_s = time.perf_counter() - t0
+    r.out_diff, r.grad_diff = compare(r.mode, out, ref)
+    del out
+    if r.exec == "compile":
+        c.notes.append(compiled_path_problem(before) or "")
+    for _ in range(s.steps.warmup):
+        c.work.prepare()
+        c.work.step()
+
+
+def _round(c: _Case, s: Settings) -> None:
+    """One turn of a variant: timed steps back to back, then one host trial on a GPU."""
+    before = dynamo_counts()[0]
+    c.times += time_steps(c.work, s.steps.per_round, s.device)
+    if s.device == "cuda":
+        c.host.append(host_trial_ms(c.work, spin_ms_for(statistics.median(c.times)), s.spin_cycles_per_ms))
+    c.recompiles += dynamo_counts()[0] - before
+
+
+def _finish(c: _Case, spec, size: dict, s: Settings) -> None:
+    r, times = c.row, c.times
+    r.ms = statistics.median(times)
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
+    r.ms_p10, r.ms_p90, r.steps = q[0], q[-1], len(times)
+    r.throughput = (1 if r.mode == "decode" else spec.items(size)) / (r.ms / 1e3)
+    if c.host:
+        r.host_ms, note = host_enqueue_ms(c.work, c.host, spin_ms_for(r.ms), s.spin_cycles_per_ms)
+        c.notes.append(note)
+    if s.steps.profile:
+        total, norm = profile_steps(c.work, s.steps.profile, s.device, ranges=r.exec == "eager")
+        r.kernel_ms, r.norm_ms = total / s.steps.profile / 1e3, norm / s.steps.profile / 1e3
+        r.norm_share = norm / total if total > 0 else None
+    if c.recompiles:
+        c.notes.append(f"dynamo compiled {c.recompiles} more graph(s) while timed: recompiles")
+
+
+def run_variants(spec, base, size: dict, mode: str, exe: str, variants, batch, ref, s: Settings,
+                 dtype: str) -> list[ModelRow]:
+    """Every variant of one model, mode and execution. The variants are built and warmed up one
+    after another, then take turns in rounds of timed steps, so that a drift of the machine (clocks,
+    other load) over the minutes a model takes falls on all of them alike."""
+    norms = sum(map(model_zoo.is_norm_module, base.modules()))
+    cases = [_Case(ModelRow(spec.name, mode, exe, v, s.device, dtype, shape_of(spec, size, mode),
+                            unit=f"{'tokens' if mode == 'decode' else spec.unit}/s", norms=norms), notes=[], times=[],
+                   host=[]) for v in variants]
+    if exe == "compile":
+        fresh_dynamo()  # one reset per model and mode: the variants' compiled code must live side by side
+    for c in cases:
+        why = why_variant_unavailable(c.row.variant, spec, s.device)
+        if why:
+            c.notes.append(f"skipped: {why}")
+            continue
+        try:
+            _start(c, spec, base, size, batch, ref, s)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not stop the others
+            c.fail(e)
+    live = [c for c in cases if c.work is not None]
+    for _ in range(s.steps.rounds):
+        for c in live:
+            try:
+                if c.work is not None:
+                    _round(c, s)
+            except Exception as e:  # noqa: BLE001
+                c.fail(e)
+    for c in live:
+        try:
+            if c.work is not None:
+                _finish(c, spec, size, s)
+        except Exception as e:  # noqa: BLE001
+            c.fail(e)
+            c.row.ms = None
+    for c in cases:
+        c.row.note = "; ".join(n for n in c.notes if n)
+        c.work = None
+    if s.device == "cuda":
+        torch.cuda.empty_cache()
+    return [c.row for c in cases]
 
 
 # ----------------------------------------------------------------------------- the suite
@@ -470,14 +534,16 @@ def run_suite(models, modes, execs, variants, s: Settings, progress=None, deadli
                           "the unpatched eager reference", here)
             if ref is None:
                 continue
-            for _, _, e, v in here:
+            for e in dict.fromkeys(c[2] for c in here):
+                group = [c for c in here if c[2] == e]
                 if deadline is not None and time.time() > deadline:
-                    skip_all(OUT_OF_TIME, [(name, mode, e, v)])
+                    skip_all(OUT_OF_TIME, group)
                     continue
-                row = run_case(spec, base, size, mode, e, v, batch, ref, s, dtype)
-                rows.append(row)
+                done = run_variants(spec, base, size, mode, e, [c[3] for c in group], batch, ref, s, dtype)
+                rows += done
                 if progress:
-                    progress.step(1, row.line())
+                    for row in done:
+                        progress.step(1, row.line())
             del ref, batch
         del base
         if s.device == "cuda":
@@ -509,7 +575,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--model-dtype", choices=tuple(DTYPES), help="default: each model's own on a GPU, fp32 on a CPU")
     g.add_argument("--batch", type=_positive(int), help="batch size of every model (default: its preset's)")
     g.add_argument("--seq", type=_positive(int), help="tokens per sequence of the HF models' train/infer steps")
-    g.add_argument("--steps", type=_positive(int), help="timed steps per case (default GPU 20, quick 6, CPU 5)")
+    g.add_argument("--steps", type=_positive(int),
+                   help="timed steps per case, taken in rounds in which the variants alternate "
+                        "(default GPU 20 in 5 rounds, quick 6 in 2, CPU 6 in 2)")
     g.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
 
 
@@ -520,7 +588,7 @@ def run(args, device: str, start: float) -> int:
 
     steps = STEPS[(device, args.quick)]
     if args.steps:
-        steps = Steps(steps.warmup, args.steps, steps.host, steps.profile)
+        steps = Steps(steps.warmup, steps.rounds, -(-args.steps // steps.rounds), steps.profile)
     s = Settings(device, args.model_size or ("full" if device == "cuda" else "tiny"), steps, args.model_dtype,
                  args.batch, args.seq, args.compile_backend, args.seed)
     execs = args.execs or (EXECS if device == "cuda" else ("eager",))
@@ -531,8 +599,9 @@ def run(args, device: str, start: float) -> int:
                                                           ("diffusers", "diffusers"))})
     if Path(sys.argv[0]).name in ("normkit", "__main__.py"):  # not when called from Python (tests)
         env["command"] = "normkit " + " ".join(sys.argv[1:])
-    env.update(model_size=s.size, steps=f"{steps.warmup} warm-up, {steps.timed} timed, {steps.host} host, "
-                                          f"{steps.profile} profiled", compile_backend=s.compile_backend)
+    env.update(model_size=s.size, steps=f"{steps.warmup} warm-up, {steps.rounds} rounds of {steps.per_round} timed "
+                                          f"(+1 host trial on a GPU) per variant, {steps.profile} profiled",
+               compile_backend=s.compile_backend)
     if device == "cuda":
         s.spin_cycles_per_ms = spin_cycles_per_ms()
     todo = cases(args.models, args.modes, execs, args.variants)
