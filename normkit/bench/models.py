@@ -492,8 +492,9 @@ def cases(models, modes, execs, variants) -> list[tuple]:
 
 
 def run_suite(models, modes, execs, variants, s: Settings, progress=None, deadline: Optional[float] = None,
-              env: Optional[dict] = None) -> list[ModelRow]:
-    """Every (model, mode, exec, variant) case; a model that cannot be built gives rows that say why."""
+              env: Optional[dict] = None, saved=None) -> list[ModelRow]:
+    """Every (model, mode, exec, variant) case; a model that cannot be built gives rows that say why.
+    saved(rows) is called after each model, mode and execution (a run cut short keeps its rows)."""
     rows = []
     todo = cases(models, modes, execs, variants)
     for name in models:
@@ -544,6 +545,8 @@ def run_suite(models, modes, execs, variants, s: Settings, progress=None, deadli
                 if progress:
                     for row in done:
                         progress.step(1, row.line())
+                if saved:
+                    saved(rows)
             del ref, batch
         del base
         if s.device == "cuda":
@@ -607,7 +610,8 @@ def run(args, device: str, start: float) -> int:
     todo = cases(args.models, args.modes, execs, args.variants)
     progress = _Progress(len(todo))
     deadline = start + args.time_budget if args.time_budget else None
-    rows = run_suite(args.models, args.modes, execs, args.variants, s, progress, deadline, env)
+    rows = run_suite(args.models, args.modes, execs, args.variants, s, progress, deadline, env,
+                     saved=lambda rows: write_csv(out / "models.csv", rows, env))
     progress.close()
     _write(args, out, rows, env)
     errors = [r for r in rows if r.note.startswith("error") and r.variant == "normkit"]
