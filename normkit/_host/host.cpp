@@ -145,8 +145,16 @@ bool tensor_ok(const Tensor& t, c10::Device dev) {
 bool modes_ok() {
   if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return false;
   if (at::impl::PythonTorchFunctionTLS::stack_len() > 0) return false;
-  if (c10::impl::tls_local_dispatch_key_set().included_.has_any(bad_tls_keys)) return false;
-  return !at::autocast::is_autocast_enabled(at::kCUDA);
+  return !c10::impl::tls_local_dispatch_key_set().included_.has_any(bad_tls_keys);
+}
+
+// Under CUDA autocast torch runs the norms in float32: with every tensor already float32 there is
+// nothing to cast and the kernels give what torch's contract asks; otherwise Python casts first.
+bool autocast_ok(const Tensor& x, const Tensor& w, const Tensor& b) {
+  if (!at::autocast::is_autocast_enabled(at::kCUDA)) return true;
+  for (const Tensor* t : {&x, &w, &b})
+    if (t->defined() && t->scalar_type() != at::kFloat) return false;
+  return true;
 }
 
 bool functorch_active() {
@@ -616,7 +624,7 @@ bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCa
   if (pb != Py_None) c.b = THPVariable_Unpack(pb);
   for (const Tensor* p : {&c.w, &c.b})
     if (p->defined() && (!tensor_ok(*p, dev) || p->sizes() != shape || !p->is_contiguous())) return false;
-  return rows_view(c.x, c.ndim, c.M, c.N, c.row_stride) && distinct(c.x, c.w, c.b);
+  return rows_view(c.x, c.ndim, c.M, c.N, c.row_stride) && distinct(c.x, c.w, c.b) && autocast_ok(c.x, c.w, c.b);
 }
 
 Key row_fwd_key(const RowCall& c, bool store_stats) {
@@ -782,7 +790,7 @@ bool parse_gn(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, GnCall
     if (p->defined() && (!tensor_ok(*p, dev) || p->dim() != 1 || p->size(0) != c.C || !p->is_contiguous()))
       return false;
   c.layout = gn_layout(c.x);
-  return c.layout >= 0 && distinct(c.x, c.w, c.b);
+  return c.layout >= 0 && distinct(c.x, c.w, c.b) && autocast_ok(c.x, c.w, c.b);
 }
 
 Key gn_fwd_key(const GnCall& c) {
@@ -942,7 +950,7 @@ void setup(py::tuple activations) {
                                          K::FuncTorchGradWrapper, K::Functionalize, K::Conjugate, K::Negative,
                                          K::ZeroTensor, K::BatchedNestedTensor});
   bad_tls_keys = c10::DispatchKeySet({K::FuncTorchDynamicLayerFrontMode, K::Python, K::PythonDispatcher,
-                                      K::PythonTLSSnapshot});
+                                      K::PythonTLSSnapshot, K::Tracer});  // Tracer: torch.jit.trace
 }
 
 // What needs the driver and a CUDA device: called on the first CUDA call. "" or why it cannot run.

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import _autograd
+from .._layout import as_rows, bcs, flat_param, fresh
 from ..backends import triton as tb
 from ..backends.triton import launch
-from ..reference import activation as _activation
 
 # what each allocation becomes at replay: a temporary in the recorded layout, or one of the op's
 # three outputs (y, mean, rstd forward; dx, dweight, dbias backward), which host.cpp allocates in
@@ -153,6 +154,18 @@ def pointer_slot(t, inputs, allocs, persistent: list):
     return len(inputs) + len(allocs) + len(persistent) - 1, 0
 
 
+def _alloc_of(t, allocs, what: str, taken=()) -> int:
+    """Index of the allocation that t is all of (the buffer itself, or a view of all of it)."""
+    for j, a in enumerate(allocs):
+        if a is t:
+            return j
+    for j, a in enumerate(allocs):
+        if j not in taken and a.device == t.device and a.dtype == t.dtype and a.numel() == t.numel() \
+                and a.data_ptr() == t.data_ptr() and _storage_ptr(a) == _storage_ptr(t):
+            return j
+    raise NotReplayable(f"{what} is not a whole buffer the run allocated")
+
+
 def build_plan(launches, inputs, allocs, outputs):
     """The plan host.cpp replays (see the module docstring), from one recorded run.
     launches: LaunchRecords; inputs: the call's tensors in host.cpp's order (None where absent);
@@ -162,12 +175,8 @@ def build_plan(launches, inputs, allocs, outputs):
     allocs = [a for a in allocs if isinstance(a, torch.Tensor) and a.device == device]  # not host-side scalars
     roles = [ROLE_TEMP] * len(allocs)
     for role, t in outputs:
-        if t is None:
-            continue
-        j = next((j for j, a in enumerate(allocs) if a is t), None)
-        if j is None:
-            raise NotReplayable(f"output {role} is not a buffer the run allocated")
-        roles[j] = role
+        if t is not None:
+            roles[_alloc_of(t, allocs, f"output {role}", [j for j, r in enumerate(roles) if r])] = role
     persistent, plan_launches, kernels = [], [], []
     for rec in launches:
         if rec.num_ctas != 1 or rec.cooperative or rec.pdl or rec.scratch or rec.shared > 227 * 1024:
@@ -234,6 +243,10 @@ class Recorder:
             _recording_lock.release()
         return False
 
+    def output_allocs(self, outs):
+        """The allocations behind the run's outputs (None where an output is None)."""
+        return [None if t is None else self.watch.allocs[_alloc_of(t, self.watch.allocs, "an output")] for t in outs]
+
     def plan(self, inputs, outputs, check=None):
         """(plan, None), or (None, why not); (None, None) if another recording was under way."""
         if self.busy:
@@ -257,166 +270,82 @@ def _require(cond: bool, why: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the calls host.cpp makes
+# Each runs the Python path's own code for one call (normkit._autograd and _layout, the Triton
+# backend), returns what it returns, and with record=True also the plan of that run (or why none).
 
-def _rows(t: torch.Tensor, ndim: int) -> torch.Tensor:
-    """[M, N] view (host.cpp has checked that one exists with unit column stride)."""
-    if t.dim() == 2 and ndim == 1:
-        return t
-    return t.view(math.prod(t.shape[: t.dim() - ndim]), math.prod(t.shape[t.dim() - ndim:]))
-
-
-def _flat(p):
-    return p if p is None or p.dim() == 1 else p.view(-1)
-
-
-def _fresh(t):
-    return t.detach() if t is not None and t._is_view() else t
-
-
-def _run(record: bool, fn, inputs, roles, check):
-    """fn() -> outputs; with record, also the plan of that run (or why there is none)."""
+def _run(record: bool, fn, inputs, check):
+    """fn() -> (out0, out1, out2); with record, the plan of that run too: (outs, plan, why)."""
     if not record:
         return fn(), None, None
     with Recorder() as rec:
         outs = fn()
-    plan, why = rec.plan(inputs, list(zip(roles, outs)), lambda: check(outs))
+    plan, why = rec.plan(inputs, list(zip((1, 2, 3), outs)), lambda: check(*rec.output_allocs(outs)))
     return outs, plan, why
 
 
+def _contiguous_like(a, p, what: str) -> None:
+    _require(a is None or (a.is_contiguous() and a.numel() == p.numel()), f"{what} is not a contiguous buffer "
+             "of its input's size")
+
+
 def row_fwd(x, weight, bias, ndim, eps, rms, act, store_stats, record):
-    """LayerNorm/RMSNorm forward: (y in x's shape, mean [M] or None, rstd [M] or None, plan, why)."""
-    x2, w, b = _rows(x, ndim), _flat(weight), _flat(bias)
+    """LayerNorm/RMSNorm forward: (y in x's shape, mean or None, rstd or None, plan, why)."""
+    shape = tuple(x.shape[x.dim() - ndim:])
 
-    def check(outs):
-        _require(outs[0].is_contiguous() and outs[0].numel() == x.numel(), "y is not a contiguous [M, N] buffer")
+    def fn():
+        y, mean, rstd = tb.row_norm_fwd(as_rows(x, shape), flat_param(weight), flat_param(bias), eps, rms, act,
+                                        store_stats)
+        return fresh(y.view(x.shape)), mean, rstd
 
-    (y, mean, rstd), plan, why = _run(
-        record, lambda: tb.row_norm_fwd(x2, w, b, eps, rms, act, store_stats), (x2, w, b), (1, 2, 3), check)
-    return _fresh(y.view(x.shape)), mean, rstd, plan, why
+    (y, mean, rstd), plan, why = _run(record, fn, (x, weight, bias),
+                                      lambda y2, *_: _contiguous_like(y2, x, "y"))
+    return y, mean, rstd, plan, why
 
 
 def row_bwd(dy, x, weight, bias, mean, rstd, ndim, rms, act, need_dw, need_db, record):
-    """LayerNorm/RMSNorm backward: (dx in x's shape, dweight in weight's shape or None, dbias or None,
-    plan, why). dweight/dbias are computed when need_dw/need_db."""
-    dy2, x2, w = _rows(dy, ndim), _rows(x, ndim), _flat(weight)
-    b = _flat(bias) if act is not None else None  # the kernels take the bias only to recompute act's input
-    dw_dtype = weight.dtype if need_dw else None
-    db_dtype = bias.dtype if need_db else None
+    """LayerNorm/RMSNorm backward (dy with an [M, N] row view): (dx, dweight or None, dbias or None,
+    plan, why); dweight/dbias are computed when need_dw/need_db."""
+    needs = (True, need_dw, need_db)
 
-    def check(outs):
-        _require(outs[0].is_contiguous() and outs[0].numel() == x.numel(), "dx is not a contiguous [M, N] buffer")
-        for g, p in zip(outs[1:], (weight, bias)):
-            _require(g is None or (g.is_contiguous() and g.numel() == p.numel()), "dweight/dbias layout")
+    def check(dx, dw, db):
+        _contiguous_like(dx, x, "dx")
+        _contiguous_like(dw, weight, "dweight")
+        _contiguous_like(db, bias, "dbias")
 
-    extra = {} if act is None else {"bias": b, "activation": act}
-    (dx, dw, db), plan, why = _run(
-        record, lambda: tb.row_norm_bwd(dy2, x2, w, mean, rstd, rms, dw_dtype, db_dtype, **extra),
-        (dy2, x2, w, b, mean, rstd), (1, 2, 3), check)
-    return (_fresh(dx.view(x.shape)), None if dw is None else _fresh(dw.view(weight.shape)),
-            None if db is None else _fresh(db.view(bias.shape)), plan, why)
-
-
-def _bcs(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """[B, C, S] view of t in its layout (host.cpp has checked that t is NCHW or channels_last)."""
-    B, C = t.shape[0], t.shape[1]
-    if not channels_last:
-        return t.view(B, C, -1)
-    return t.permute((0,) + tuple(range(2, t.dim())) + (1,)).reshape(B, -1, C).transpose(1, 2)
-
-
-def _from_bcs(t3: torch.Tensor, shape, channels_last: bool) -> torch.Tensor:
-    if not channels_last:
-        return t3.view(shape)
-    nhwc = t3.transpose(1, 2).view((shape[0],) + tuple(shape[2:]) + (shape[1],))
-    return nhwc.permute((0, nhwc.dim() - 1) + tuple(range(1, nhwc.dim() - 1)))
+    outs, plan, why = _run(record, lambda: _autograd.row_norm_backward(
+        tb, dy, x, weight, bias, mean, rstd, ndim, rms, act, needs), (dy, x, weight, bias if act else None, mean, rstd),
+        check)
+    return (*outs, plan, why)
 
 
 def gn_fwd(x, weight, bias, num_groups, eps, act, channels_last, record):
     """GroupNorm forward: (y in x's shape and memory format, mean [B, G], rstd [B, G], plan, why)."""
-    x3 = _bcs(x, channels_last)
-
-    def check(outs):
-        _require(outs[0].stride() == x3.stride(), "y is not laid out as x")
-
-    (y3, mean, rstd), plan, why = _run(
-        record, lambda: tb.group_norm_fwd(x3, num_groups, weight, bias, eps, act), (x3, weight, bias), (1, 2, 3),
-        check)
-    return _fresh(_from_bcs(y3, x.shape, channels_last)), mean, rstd, plan, why
+    x3 = bcs(x, channels_last)
+    outs, plan, why = _run(record, lambda: _autograd.group_norm_forward(tb, x, weight, bias, num_groups, eps, act),
+                           (x, weight, bias), lambda y3, *_: _require(y3.stride() == x3.stride(), "y is not laid out as x"))
+    return (*outs, plan, why)
 
 
 def gn_bwd(dy, x, weight, bias, mean, rstd, num_groups, act, need_dw, need_db, channels_last, record):
-    """GroupNorm backward; dy has x's layout. (dx, dweight [C] or None, dbias [C] or None, plan, why)."""
-    dy3, x3 = _bcs(dy, channels_last), _bcs(x, channels_last)
-    b = bias if act is not None else None
-    dw_dtype = weight.dtype if need_dw else None
-    db_dtype = bias.dtype if need_db else None
+    """GroupNorm backward, dy in x's layout: (dx, dweight [C] or None, dbias [C] or None, plan, why)."""
+    x3 = bcs(x, channels_last)
 
-    def check(outs):
-        _require(outs[0].stride() == x3.stride(), "dx is not laid out as x")
+    def check(dx3, dw, db):
+        _require(dx3.stride() == x3.stride(), "dx is not laid out as x")
+        _contiguous_like(dw, weight, "dweight")
+        _contiguous_like(db, bias, "dbias")
 
-    (dx3, dw, db), plan, why = _run(
-        record, lambda: tb.group_norm_bwd(dy3, x3, num_groups, weight, b, mean, rstd, act, dw_dtype, db_dtype),
-        (dy3, x3, weight, b, mean, rstd), (1, 2, 3), check)
-    return _fresh(_from_bcs(dx3, x.shape, channels_last)), dw, db, plan, why
+    outs, plan, why = _run(record, lambda: _autograd.group_norm_backward(
+        tb, dy, x, weight, bias, mean, rstd, num_groups, act, (True, need_dw, need_db)),
+        (dy, x, weight, bias if act else None, mean, rstd), check)
+    return (*outs, plan, why)
 
-
-# ----------------------------------------------------------------------------- differentiable backward
 
 def row_vjp(dy, x, weight, bias, ndim, eps, rms, act, needs):
     """(dx, dweight, dbias) in differentiable torch ops: the backward when it is itself recorded
-    (create_graph=True) or runs under a torch.func transform."""
-    fn = _autograd_fn("row_norm_vjp_recompute", "row_norm_vjp_differentiable")
-    if fn is not None:
-        return fn(dy, x, weight, bias, ndim, eps, rms, act, needs)
-    dims = tuple(range(x.dim() - ndim, x.dim()))
-    return _vjp_by_recompute(dy, (x, weight, bias), needs, lambda X, W, B: _affine_act(
-        _normalize(X, dims, eps, rms), W, B, act))
+    (create_graph=True, double backward) or runs under a torch.func transform."""
+    return _autograd.row_norm_vjp_differentiable(dy, x, weight, bias, ndim, eps, rms, act, needs)
 
 
 def gn_vjp(dy, x, weight, bias, num_groups, eps, act, needs):
-    """GroupNorm's (dx, dweight, dbias) in differentiable torch ops, as row_vjp."""
-    fn = _autograd_fn("group_norm_vjp_recompute", "group_norm_vjp_differentiable")
-    if fn is not None:
-        return fn(dy, x, weight, bias, num_groups, eps, act, needs)
-    per_channel = (1, -1) + (1,) * (x.dim() - 2)
-
-    def f(X, W, B):
-        Xg = X.reshape(X.shape[0], num_groups, -1)
-        z = _normalize(Xg, (2,), eps, False).reshape(X.shape)
-        return _affine_act(z, None if W is None else W.reshape(per_channel), None if B is None else B.reshape(per_channel),
-                           act)
-    return _vjp_by_recompute(dy, (x, weight, bias), needs, f)
-
-
-def _autograd_fn(*names):
-    """The lead's closed-form differentiable backward in normkit._autograd, where it exists."""
-    try:
-        from .. import _autograd
-    except ImportError:
-        return None
-    return next((getattr(_autograd, n) for n in names if hasattr(_autograd, n)), None)
-
-
-def _normalize(X, dims, eps, rms):
-    X = X.to(torch.float64 if X.dtype == torch.float64 else torch.float32)
-    if not rms:
-        X = X - X.mean(dims, keepdim=True)
-    return X * torch.rsqrt(X.square().mean(dims, keepdim=True) + eps)
-
-
-def _affine_act(z, w, b, act):
-    if w is not None:
-        z = z * w.to(z.dtype)
-    if b is not None:
-        z = z + b.to(z.dtype)
-    return _activation(z, act)
-
-
-def _vjp_by_recompute(dy, inputs, needs, f):
-    """Stand-in until normkit._autograd's closed form is merged: the forward again in torch ops,
-    differentiated with create_graph (so the result is differentiable again)."""
-    with torch.enable_grad():
-        y = f(*inputs).to(inputs[0].dtype)
-        wanted = [t for t, n in zip(inputs, needs) if n and t is not None]
-        grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
-    return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, needs))
+    return _autograd.group_norm_vjp_differentiable(dy, x, weight, bias, num_groups, eps, act, needs)
