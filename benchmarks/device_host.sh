@@ -21,4 +21,9 @@ if [ "${1:-}" != quick ]; then
         tests/test_patch.py 2>&1 | tail -40 > "$OUT/gpu_suite.log"
     tail -4 "$OUT/gpu_suite.log"
 fi
-timeout 150 python3 benchmarks/profile_host.py --out "$OUT/host" --rounds 9 2>&1 | tee "$OUT/profile_host.log"
+if [ "${1:-}" != quick ]; then  # the bench's own host section (normkit vs torch), on one width per op
+    timeout 240 python3 -m normkit bench --ops ln,rms,gn --dtypes bf16 --widths 4096 --peers torch --quick \
+        --no-plots --out "$OUT/bench" 2>&1 | tail -30 > "$OUT/bench.log"
+    tail -4 "$OUT/bench.log"
+fi
+timeout 200 python3 benchmarks/profile_host.py --out "$OUT/host" --rounds 15 2>&1 | tee "$OUT/profile_host.log"

@@ -68,14 +68,6 @@ def inputs(op, shape):
     return x, w, b
 
 
-class PythonPath:
-    def __enter__(self):
-        self.saved, _host.fast = _host.fast, None
-
-    def __exit__(self, *exc):
-        _host.fast = self.saved
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -104,7 +96,7 @@ def main():
             for _ in range(args.rounds):
                 for name, call in calls.items():
                     if name == "normkit-python":
-                        with PythonPath():
+                        with _host.python_path():
                             times[name].append(per_call_us(call, args.budget))
                     else:
                         times[name].append(per_call_us(call, args.budget))

@@ -22,16 +22,6 @@ def fast():
     return ext
 
 
-class python_path:
-    """The Python host path for the block (what normkit does without the C++ one)."""
-
-    def __enter__(self):
-        self.saved, _host.fast = _host.fast, None
-
-    def __exit__(self, *exc):
-        _host.fast = self.saved
-
-
 def _replays():
     return _host.stats()["replays"]
 
@@ -57,7 +47,7 @@ def _grads(fn, inputs, wanted):
 def _check(fast, fn, inputs, wanted):
     """Three calls through the C++ path (Python run, record, replay) against the Python path; the
     number of plan replays they made."""
-    with python_path():
+    with _host.python_path():
         ref = _grads(fn, inputs, wanted)
     before = _replays()
     for i in range(3):
@@ -154,7 +144,7 @@ def test_output_is_fresh_and_in_place_ops_work(fast):
         y.mul_(2).relu_()  # in place on the output, as ResNets do
         return [y.detach()] + list(torch.autograd.grad(y, (xl, wl, bl), dy))
 
-    with python_path():
+    with _host.python_path():
         ref = run()
     for _ in range(3):
         for g, r in zip(run(), ref):
@@ -171,7 +161,7 @@ def test_gradient_of_a_reduction_has_stride_zero(fast):
         normkit.layer_norm(xl, 256, w, b).sum().backward()  # dy is an expanded scalar
         return xl.grad
 
-    with python_path():
+    with _host.python_path():
         ref = run()
     for _ in range(3):
         _same(run(), ref, "sum().backward()")
@@ -188,7 +178,7 @@ def test_double_backward_takes_the_differentiable_path(fast):
         g, = torch.autograd.grad(y, xl, dy, create_graph=True)
         return torch.autograd.grad((g * v).sum(), (xl, wl))
 
-    with python_path():
+    with _host.python_path():
         ref = run()
     before = _host.stats()["differentiable_backwards"]
     for _ in range(2):
@@ -202,7 +192,7 @@ def test_side_stream(fast):
     new = torch.randn_like(x)
     for _ in range(3):
         normkit.layer_norm(x, 1024, w, b)
-    with python_path():
+    with _host.python_path():
         want = normkit.layer_norm(new, 1024, w, b)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -238,7 +228,7 @@ def test_cuda_graph_capture(fast):
         dy.copy_(torch.randn_like(dy))
     g.replay()
     torch.cuda.synchronize()
-    with python_path():
+    with _host.python_path():
         ry = normkit.layer_norm(x, 2048, w, b)
         rdx, rdw = torch.autograd.grad(ry, (x, w), dy)
         ryg = normkit.group_norm(x.detach().view(8, 64, 32), 8, None, None, activation="silu")
@@ -291,7 +281,7 @@ def test_modes_and_transforms_take_the_python_path(fast):
         assert normkit.layer_norm(x, 256, w, b).dtype == torch.float32  # torch's autocast contract
         assert fast.row_norm(x.float(), 256, w.float(), b.float(), 1e-5, False, None, None).dtype == torch.float32
     out = torch.func.vmap(lambda r: normkit.layer_norm(r, 256, w, b))(x.view(2, 2, 256))
-    with python_path():
+    with _host.python_path():
         _same(out, normkit.layer_norm(x.view(2, 2, 256), 256, w, b), "vmap")
     assert fast.row_norm(x.cpu(), 256, w.cpu(), b.cpu(), 1e-5, False, None, None) is None
     assert fast.row_norm(x.double(), 256, None, None, 1e-5, False, None, None) is None

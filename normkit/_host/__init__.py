@@ -14,6 +14,7 @@ cannot be built, `fast` becomes None and `status` says why. NORMKIT_HOST=0 switc
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -24,22 +25,19 @@ _Tensor = torch.Tensor
 status = "C++ host path: not built yet (it is built on the first call with a CUDA tensor)"
 
 
+def _on_first_cuda_call(op: str):
+    def call(x, *args, **kwargs):
+        if type(x) is _Tensor and x.is_cuda:
+            ext = activate()
+            return getattr(ext, op)(x, *args, **kwargs) if ext is not None else None
+        return None
+    return staticmethod(call)
+
+
 class _Pending:
     """Stands in for the C++ extension until the first CUDA call, which builds or loads it."""
-
-    @staticmethod
-    def row_norm(x, *args, **kwargs):
-        if type(x) is _Tensor and x.is_cuda:
-            ext = activate()
-            return ext.row_norm(x, *args, **kwargs) if ext is not None else None
-        return None
-
-    @staticmethod
-    def group_norm(x, *args, **kwargs):
-        if type(x) is _Tensor and x.is_cuda:
-            ext = activate()
-            return ext.group_norm(x, *args, **kwargs) if ext is not None else None
-        return None
+    row_norm = _on_first_cuda_call("row_norm")
+    group_norm = _on_first_cuda_call("group_norm")
 
 
 fast = _Pending()
@@ -120,3 +118,14 @@ def clear() -> None:
 def stats() -> dict:
     """Counters of the C++ host path (plans, replays, Python runs, records, ...); {} if inactive."""
     return dict(_ext._stats()) if _ext is not None and fast is _ext else {}
+
+
+@contextlib.contextmanager
+def python_path():
+    """Calls in the block take the Python host path (tests and benchmarks compare the two)."""
+    global fast
+    saved, fast = fast, None
+    try:
+        yield
+    finally:
+        fast = saved

@@ -177,12 +177,13 @@ Tensor alloc_strided(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::Scala
 struct DeviceScope {
   const c10::impl::DeviceGuardImplInterface* impl;
   c10::Device prev;
+  bool switched;
   explicit DeviceScope(c10::Device dev)
-      : impl(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)), prev(impl->getDevice()) {
-    if (prev != dev) impl->setDevice(dev);
+      : impl(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)), prev(impl->getDevice()), switched(prev != dev) {
+    if (switched) impl->setDevice(dev);
   }
   ~DeviceScope() {
-    if (impl->getDevice() != prev) impl->uncheckedSetDevice(prev);
+    if (switched) impl->uncheckedSetDevice(prev);
   }
   cu::Stream stream(c10::Device dev) const {
     return static_cast<cu::Stream>(impl->getStream(dev).native_handle());
@@ -236,6 +237,7 @@ struct Key {
     add(bits);
   }
   bool operator==(const Key& o) const { return n == o.n && std::memcmp(v.data(), o.v.data(), 8 * n) == 0; }
+  std::vector<int64_t> list() const { return std::vector<int64_t>(v.begin(), v.begin() + n); }
 };
 struct KeyHash {
   size_t operator()(const Key& k) const {
@@ -520,65 +522,7 @@ bool needs_grad(const Tensor& x, const Tensor& w, const Tensor& b) {
 
 int64_t dtype_code(const Tensor& t) { return t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1; }
 
-// ----------------------------------------------------------------------------- LayerNorm / RMSNorm
-
-struct RowNormBackward : public Node {
-  SavedVariable x_, w_, b_, mean_, rstd_;
-  int64_t ndim_ = 1;
-  double eps_ = 0;
-  bool rms_ = false;
-  int act_ = 0;
-
-  std::string name() const override { return "NormkitRowNormBackward"; }
-  void release_variables() override {
-    x_.reset_data();
-    w_.reset_data();
-    b_.reset_data();
-    mean_.reset_data();
-    rstd_.reset_data();
-  }
-  variable_list apply(variable_list&& grads) override;
-};
-
-struct RowCall {
-  Tensor x, w, b;
-  int64_t ndim, M, N, row_stride;
-  double eps;
-  bool rms;
-  int act;
-};
-
-Key row_fwd_key(const RowCall& c, bool store_stats);
-
-// y (and, with store_stats, mean/rstd) of one forward, through the plan or the Python function.
-void row_forward(const RowCall& c, PyObject* const* objs, bool store_stats, Tensor& y, Tensor& mean, Tensor& rstd) {
-  const c10::Device dev = c.x.device();
-  const Key key = row_fwd_key(c, store_stats);
-  PlanPtr plan;
-  Action action = lookup(key, plan);
-  if (action == Action::kReplay) {
-    Tensor outs[4];
-    const Tensor inputs[3] = {c.x, c.w, c.b};
-    auto make = [&](int role, const AllocSpec& a) {
-      return role == 1 ? alloc(c.x.sizes(), a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
-    };
-    if (replay(*plan, inputs, dev, make, outs)) {
-      y = std::move(outs[1]);
-      mean = std::move(outs[2]);
-      rstd = std::move(outs[3]);
-      return;
-    }
-    action = Action::kPython;
-  }
-  n_python++;
-  const bool record = action == Action::kRecord;
-  py::tuple r = callbacks->row_fwd(py::handle(objs[0]), py::handle(objs[1]), py::handle(objs[2]), c.ndim, c.eps,
-                                   c.rms, act_name(c.act), store_stats, record);
-  y = unwrap(r[0]);
-  mean = unwrap(r[1]);
-  rstd = unwrap(r[2]);
-  if (record) store(key, r[3], r[4], 3, dev.index());
-}
+// ----------------------------------------------------------------------------- ops, shared
 
 bool backend_ok(PyObject* o) {
   if (o == Py_None) return true;
@@ -596,13 +540,103 @@ bool distinct(const Tensor& x, const Tensor& w, const Tensor& b) {  // else the 
   return !((px && (px == pw || px == pb)) || (pw && pw == pb));
 }
 
+bool plain_args(PyObject* x, PyObject* w, PyObject* b) {
+  return plain_tensor(x) && (w == Py_None || plain_tensor(w)) && (b == Py_None || plain_tensor(b));
+}
+
+bool param_ok(const Tensor& p, c10::Device dev, c10::IntArrayRef shape) {
+  return !p.defined() || (tensor_ok(p, dev) && p.sizes() == shape && p.is_contiguous());
+}
+
+// One call of an op through its plan: replay it, or run the Python host function (`python(record)`
+// -> (out1, out2, out3, plan, why)), recording it when the key is due. outs[1..3]: the op's outputs.
+template <class Make, class Python>
+void run(const Key& key, const Tensor* inputs, int n_inputs, c10::Device dev, Make&& make, Python&& python,
+         Tensor (&outs)[4]) {
+  PlanPtr plan;
+  Action action = lookup(key, plan);
+  if (action == Action::kReplay && replay(*plan, inputs, dev, make, outs)) return;
+  const bool record = action == Action::kRecord;
+  n_python++;
+  py::gil_scoped_acquire gil;  // held already in a forward; the backward runs on autograd's thread
+  py::tuple r = python(record);
+  for (int i = 0; i < 3; i++) outs[i + 1] = unwrap(r[i]);
+  if (record) store(key, r[3], r[4], n_inputs, dev.index());
+}
+
+// The backward node of either op: its saved tensors and the differentiable fallback.
+struct NormBackward : public Node {
+  SavedVariable x_, w_, b_, mean_, rstd_;
+  double eps_ = 0;
+  int act_ = 0;
+
+  void release_variables() override {
+    x_.reset_data();
+    w_.reset_data();
+    b_.reset_data();
+    mean_.reset_data();
+    rstd_.reset_data();
+  }
+  // A backward that is itself differentiated (create_graph) or transformed: torch ops, in Python.
+  bool differentiable(const Tensor& dy) const {
+    return c10::GradMode::is_enabled() || functorch_active() || !tensor_ok(dy, dy.device());
+  }
+  template <class Python> variable_list differentiable_grads(const bool (&need)[3], Python&& python) {
+    n_vjp++;
+    variable_list out(3);
+    py::gil_scoped_acquire gil;
+    py::tuple r = python(py::make_tuple(need[0], need[1], need[2]));
+    for (int i = 0; i < 3; i++) out[i] = need[i] ? unwrap(r[i]) : Tensor();
+    return out;
+  }
+};
+
+// The output y gets a node of type N saving what its backward needs.
+template <class N>
+N* attach(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& mean, const Tensor& rstd,
+          double eps, int act) {
+  auto node = make_node<N>();
+  auto* n = static_cast<N*>(node.get());
+  n->set_next_edges(torch::autograd::collect_next_edges(x, w, b));
+  n->x_ = SavedVariable(x, false);
+  n->w_ = SavedVariable(w, false);
+  n->b_ = SavedVariable(b, false);
+  n->mean_ = SavedVariable(mean, false);
+  n->rstd_ = SavedVariable(rstd, false);
+  n->eps_ = eps;
+  n->act_ = act;
+  torch::autograd::set_history(y, node);
+  return n;
+}
+
+int64_t bwd_align(const Tensor* t) {  // dy, x, w, b (with an activation), mean, rstd
+  return aligned(t[0]) | aligned(t[1]) << 1 | aligned(t[2]) << 2 | aligned(t[3]) << 3 | aligned(t[4]) << 4 |
+         aligned(t[5]) << 5;
+}
+
+// ----------------------------------------------------------------------------- LayerNorm / RMSNorm
+
+struct RowNormBackward : public NormBackward {
+  int64_t ndim_ = 1;
+  bool rms_ = false;
+  std::string name() const override { return "NormkitRowNormBackward"; }
+  variable_list apply(variable_list&& grads) override;
+};
+
+struct RowCall {
+  Tensor x, w, b;
+  int64_t ndim, M, N, row_stride;
+  double eps;
+  bool rms;
+  int act;
+};
+
 // Recognises a call this path serves: (x, normalized_shape, weight, bias, eps, rms, activation,
 // backend) as normkit.functional passes them; false for anything else (the Python path runs).
 bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCall& c) {
   if (nargs != 8 || (kwnames && PyTuple_GET_SIZE(kwnames))) return false;
-  PyObject *px = args[0], *pw = args[2], *pb = args[3], *prms = args[5];
-  if (!plain_tensor(px) || (pw != Py_None && !plain_tensor(pw)) || (pb != Py_None && !plain_tensor(pb))) return false;
-  if (!backend_ok(args[7]) || (prms != Py_True && prms != Py_False)) return false;
+  PyObject *pw = args[2], *pb = args[3], *prms = args[5];
+  if (!plain_args(args[0], pw, pb) || !backend_ok(args[7]) || (prms != Py_True && prms != Py_False)) return false;
   c.rms = prms == Py_True;
   c.act = activation_code(args[6]);
   if (c.act < 0 || (c.rms && pb != Py_None)) return false;
@@ -612,9 +646,8 @@ bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCa
     return false;
   }
   int64_t dims[16];
-  if (!read_shape(args[1], dims, c.ndim)) return false;
-  if (!modes_ok() || functorch_active()) return false;
-  c.x = THPVariable_Unpack(px);
+  if (!read_shape(args[1], dims, c.ndim) || !modes_ok() || functorch_active()) return false;
+  c.x = THPVariable_Unpack(args[0]);
   const c10::Device dev = c.x.device();
   const int64_t d = c.x.dim();
   if (c.ndim > d || !tensor_ok(c.x, dev)) return false;
@@ -622,9 +655,8 @@ bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCa
   if (c.x.sizes().slice(d - c.ndim) != shape) return false;
   if (pw != Py_None) c.w = THPVariable_Unpack(pw);
   if (pb != Py_None) c.b = THPVariable_Unpack(pb);
-  for (const Tensor* p : {&c.w, &c.b})
-    if (p->defined() && (!tensor_ok(*p, dev) || p->sizes() != shape || !p->is_contiguous())) return false;
-  return rows_view(c.x, c.ndim, c.M, c.N, c.row_stride) && distinct(c.x, c.w, c.b) && autocast_ok(c.x, c.w, c.b);
+  return param_ok(c.w, dev, shape) && param_ok(c.b, dev, shape) && rows_view(c.x, c.ndim, c.M, c.N, c.row_stride) &&
+         distinct(c.x, c.w, c.b) && autocast_ok(c.x, c.w, c.b);
 }
 
 Key row_fwd_key(const RowCall& c, bool store_stats) {
@@ -641,26 +673,22 @@ PyObject* py_row_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObje
   HANDLE_TH_ERRORS
   RowCall c;
   if (!callbacks || !parse_row(args, nargs, kwnames, c) || !c.x.is_cuda()) Py_RETURN_NONE;
-  PyObject* objs[3] = {args[0], args[2], args[3]};
-  const bool grad = needs_grad(c.x, c.w, c.b);
-  Tensor y, mean, rstd;
-  row_forward(c, objs, grad, y, mean, rstd);
+  const bool grad = needs_grad(c.x, c.w, c.b);  // then the forward keeps its statistics
+  const Tensor inputs[3] = {c.x, c.w, c.b};
+  Tensor outs[4];
+  auto make = [&](int role, const AllocSpec& a) {
+    return role == 1 ? alloc(c.x.sizes(), a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+  };
+  run(row_fwd_key(c, grad), inputs, 3, c.x.device(), make, [&](bool record) {
+    return callbacks->row_fwd(py::handle(args[0]), py::handle(args[2]), py::handle(args[3]), c.ndim, c.eps, c.rms,
+                              act_name(c.act), grad, record);
+  }, outs);
   if (grad) {
-    auto node = make_node<RowNormBackward>();
-    auto* n = static_cast<RowNormBackward*>(node.get());
-    n->set_next_edges(torch::autograd::collect_next_edges(c.x, c.w, c.b));
-    n->x_ = SavedVariable(c.x, false);
-    n->w_ = SavedVariable(c.w, false);
-    n->b_ = SavedVariable(c.b, false);
-    n->mean_ = SavedVariable(mean, false);
-    n->rstd_ = SavedVariable(rstd, false);
+    auto* n = attach<RowNormBackward>(outs[1], c.x, c.w, c.b, outs[2], outs[3], c.eps, c.act);
     n->ndim_ = c.ndim;
-    n->eps_ = c.eps;
     n->rms_ = c.rms;
-    n->act_ = c.act;
-    torch::autograd::set_history(y, node);
   }
-  return THPVariable_Wrap(std::move(y));
+  return THPVariable_Wrap(std::move(outs[1]));
   END_HANDLE_TH_ERRORS
 }
 
@@ -670,83 +698,51 @@ PyObject* py_parse_row(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObj
   RowCall c;
   if (!parse_row(args, nargs, kwnames, c)) Py_RETURN_NONE;
   const bool grad = needs_grad(c.x, c.w, c.b);
-  const Key k = row_fwd_key(c, grad);
-  std::vector<int64_t> key(k.v.begin(), k.v.begin() + k.n);
-  return py::make_tuple(c.ndim, c.M, c.N, c.row_stride, c.eps, c.act, grad, key).release().ptr();
+  return py::make_tuple(c.ndim, c.M, c.N, c.row_stride, c.eps, c.act, grad, row_fwd_key(c, grad).list()).release().ptr();
   END_HANDLE_TH_ERRORS
 }
 
 variable_list RowNormBackward::apply(variable_list&& grads) {
-  variable_list out(3);
   Tensor dy = grads[0];
-  if (!dy.defined()) return out;
+  if (!dy.defined()) return variable_list(3);
   const bool need[3] = {task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2)};
   Tensor x = x_.unpack(), w = w_.unpack(), b = b_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
-  const c10::Device dev = x.device();
-  if (c10::GradMode::is_enabled() || functorch_active() || !tensor_ok(dy, dev)) {
-    // a backward that is itself differentiated (create_graph) or transformed: torch ops
-    n_vjp++;
-    py::gil_scoped_acquire gil;
-    py::tuple r = callbacks->row_vjp(wrap(dy), wrap(x), wrap(w), wrap(b), ndim_, eps_, rms_, act_name(act_),
-                                     py::make_tuple(need[0], need[1], need[2]));
-    for (int i = 0; i < 3; i++) out[i] = need[i] ? unwrap(r[i]) : Tensor();
-    return out;
+  if (differentiable(dy) || dy.device() != x.device()) {
+    return differentiable_grads(need, [&](py::tuple needs) {
+      return callbacks->row_vjp(wrap(dy), wrap(x), wrap(w), wrap(b), ndim_, eps_, rms_, act_name(act_), needs);
+    });
   }
   int64_t M, N, sx, sdy;
   rows_view(x, ndim_, M, N, sx);
-  if (!rows_view(dy, ndim_, M, N, sdy)) {
+  if (!rows_view(dy, ndim_, M, N, sdy)) {  // e.g. the expanded gradient of a sum()
     dy = dy.contiguous();
     rows_view(dy, ndim_, M, N, sdy);
   }
+  const c10::Device dev = x.device();
   const bool want_dw = need[1] && w.defined(), want_db = need[2] && b.defined();
-  const Tensor b_act = act_ ? b : Tensor();  // the kernels take the bias only to recompute act's input
+  const Tensor inputs[6] = {dy, x, w, act_ ? b : Tensor(), mean, rstd};  // the bias only recomputes act's input
   Key key;
-  for (int64_t v : {int64_t(2), int64_t(dev.index()), dtype_code(x), dtype_code(dy), dtype_code(w), dtype_code(b_act),
-                    want_db ? dtype_code(b) : int64_t(-1), int64_t(rms_), int64_t(act_), int64_t(want_dw),
-                    int64_t(want_db), M, N, sx, sdy})
+  for (int64_t v : {int64_t(2), int64_t(dev.index()), dtype_code(x), dtype_code(dy), dtype_code(w),
+                    dtype_code(inputs[3]), want_db ? dtype_code(b) : int64_t(-1), int64_t(rms_), int64_t(act_),
+                    int64_t(want_dw), int64_t(want_db), M, N, sx, sdy, bwd_align(inputs)})
     key.add(v);
-  key.add(aligned(dy) | aligned(x) << 1 | aligned(w) << 2 | aligned(b_act) << 3 | aligned(mean) << 4 |
-          aligned(rstd) << 5);
-  const Tensor inputs[6] = {dy, x, w, b_act, mean, rstd};
-  PlanPtr plan;
-  Action action = lookup(key, plan);
-  if (action == Action::kReplay) {
-    Tensor outs[4];
-    auto make = [&](int role, const AllocSpec& a) {
-      return alloc(role == 1 ? x.sizes() : role == 2 ? w.sizes() : b.sizes(), a.dtype);
-    };
-    if (replay(*plan, inputs, dev, make, outs)) {
-      for (int i = 0; i < 3; i++) out[i] = need[i] ? std::move(outs[i + 1]) : Tensor();
-      return out;
-    }
-    action = Action::kPython;
-  }
-  n_python++;
-  const bool record = action == Action::kRecord;
-  py::gil_scoped_acquire gil;
-  py::tuple r = callbacks->row_bwd(wrap(dy), wrap(x), wrap(w), wrap(b), wrap(mean), wrap(rstd), ndim_, rms_,
-                                   act_name(act_), want_dw, want_db, record);
-  for (int i = 0; i < 3; i++) out[i] = need[i] ? unwrap(r[i]) : Tensor();
-  if (record) store(key, r[3], r[4], 6, dev.index());
-  return out;
+  Tensor outs[4];
+  auto make = [&](int role, const AllocSpec& a) {
+    return alloc(role == 1 ? x.sizes() : role == 2 ? w.sizes() : b.sizes(), a.dtype);
+  };
+  run(key, inputs, 6, dev, make, [&](bool record) {
+    return callbacks->row_bwd(wrap(dy), wrap(x), wrap(w), wrap(b), wrap(mean), wrap(rstd), ndim_, rms_,
+                              act_name(act_), want_dw, want_db, record);
+  }, outs);
+  return {need[0] ? outs[1] : Tensor(), need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor()};
 }
 
 // ----------------------------------------------------------------------------- GroupNorm
 
-struct GroupNormBackward : public Node {
-  SavedVariable x_, w_, b_, mean_, rstd_;
+struct GroupNormBackward : public NormBackward {
   int64_t groups_ = 1;
-  double eps_ = 0;
-  int act_ = 0, layout_ = 0;
-
+  int layout_ = 0;
   std::string name() const override { return "NormkitGroupNormBackward"; }
-  void release_variables() override {
-    x_.reset_data();
-    w_.reset_data();
-    b_.reset_data();
-    mean_.reset_data();
-    rstd_.reset_data();
-  }
   variable_list apply(variable_list&& grads) override;
 };
 
@@ -766,18 +762,16 @@ struct GnCall {
 // (x, num_groups, weight, bias, eps, activation, backend) as normkit.functional passes them.
 bool parse_gn(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, GnCall& c) {
   if (nargs != 7 || (kwnames && PyTuple_GET_SIZE(kwnames))) return false;
-  PyObject *px = args[0], *pw = args[2], *pb = args[3];
-  if (!plain_tensor(px) || (pw != Py_None && !plain_tensor(pw)) || (pb != Py_None && !plain_tensor(pb))) return false;
-  if (!backend_ok(args[6]) || !PyLong_CheckExact(args[1])) return false;
+  PyObject *pw = args[2], *pb = args[3];
+  if (!plain_args(args[0], pw, pb) || !backend_ok(args[6]) || !PyLong_CheckExact(args[1])) return false;
   c.groups = PyLong_AsLongLong(args[1]);
   if (PyErr_Occurred()) {
     PyErr_Clear();
     return false;
   }
   c.act = activation_code(args[5]);
-  if (c.act < 0 || !read_eps(args[4], c.eps)) return false;
-  if (!modes_ok() || functorch_active()) return false;
-  c.x = THPVariable_Unpack(px);
+  if (c.act < 0 || !read_eps(args[4], c.eps) || !modes_ok() || functorch_active()) return false;
+  c.x = THPVariable_Unpack(args[0]);
   const c10::Device dev = c.x.device();
   if (c.x.dim() < 2 || !tensor_ok(c.x, dev)) return false;
   c.B = c.x.size(0);
@@ -786,11 +780,10 @@ bool parse_gn(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, GnCall
   if (c.groups <= 0 || c.C % c.groups) return false;
   if (pw != Py_None) c.w = THPVariable_Unpack(pw);
   if (pb != Py_None) c.b = THPVariable_Unpack(pb);
-  for (const Tensor* p : {&c.w, &c.b})
-    if (p->defined() && (!tensor_ok(*p, dev) || p->dim() != 1 || p->size(0) != c.C || !p->is_contiguous()))
-      return false;
+  const int64_t C = c.C;
   c.layout = gn_layout(c.x);
-  return c.layout >= 0 && distinct(c.x, c.w, c.b) && autocast_ok(c.x, c.w, c.b);
+  return param_ok(c.w, dev, C) && param_ok(c.b, dev, C) && c.layout >= 0 && distinct(c.x, c.w, c.b) &&
+         autocast_ok(c.x, c.w, c.b);
 }
 
 Key gn_fwd_key(const GnCall& c) {
@@ -807,54 +800,21 @@ PyObject* py_group_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyOb
   HANDLE_TH_ERRORS
   GnCall c;
   if (!callbacks || !parse_gn(args, nargs, kwnames, c) || !c.x.is_cuda()) Py_RETURN_NONE;
-  const c10::Device dev = c.x.device();
-  const bool grad = needs_grad(c.x, c.w, c.b);
-  const Key key = gn_fwd_key(c);
-  Tensor y, mean, rstd;
-  PlanPtr plan;
-  Action action = lookup(key, plan);
-  bool done = false;
-  if (action == Action::kReplay) {
-    Tensor outs[4];
-    const Tensor inputs[3] = {c.x, c.w, c.b};
-    auto make = [&](int role, const AllocSpec& a) {
-      return role == 1 ? alloc_like(c.x, c.layout, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
-    };
-    done = replay(*plan, inputs, dev, make, outs);
-    if (done) {
-      y = std::move(outs[1]);
-      mean = std::move(outs[2]);
-      rstd = std::move(outs[3]);
-    } else {
-      action = Action::kPython;
-    }
-  }
-  if (!done) {
-    n_python++;
-    const bool record = action == Action::kRecord;
-    py::tuple r = callbacks->gn_fwd(py::handle(args[0]), py::handle(args[2]), py::handle(args[3]), c.groups, c.eps,
-                                    act_name(c.act), bool(c.layout), record);
-    y = unwrap(r[0]);
-    mean = unwrap(r[1]);
-    rstd = unwrap(r[2]);
-    if (record) store(key, r[3], r[4], 3, dev.index());
-  }
-  if (grad) {
-    auto node = make_node<GroupNormBackward>();
-    auto* n = static_cast<GroupNormBackward*>(node.get());
-    n->set_next_edges(torch::autograd::collect_next_edges(c.x, c.w, c.b));
-    n->x_ = SavedVariable(c.x, false);
-    n->w_ = SavedVariable(c.w, false);
-    n->b_ = SavedVariable(c.b, false);
-    n->mean_ = SavedVariable(mean, false);
-    n->rstd_ = SavedVariable(rstd, false);
+  const Tensor inputs[3] = {c.x, c.w, c.b};
+  Tensor outs[4];
+  auto make = [&](int role, const AllocSpec& a) {
+    return role == 1 ? alloc_like(c.x, c.layout, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+  };
+  run(gn_fwd_key(c), inputs, 3, c.x.device(), make, [&](bool record) {
+    return callbacks->gn_fwd(py::handle(args[0]), py::handle(args[2]), py::handle(args[3]), c.groups, c.eps,
+                             act_name(c.act), bool(c.layout), record);
+  }, outs);
+  if (needs_grad(c.x, c.w, c.b)) {
+    auto* n = attach<GroupNormBackward>(outs[1], c.x, c.w, c.b, outs[2], outs[3], c.eps, c.act);
     n->groups_ = c.groups;
-    n->eps_ = c.eps;
-    n->act_ = c.act;
     n->layout_ = c.layout;
-    torch::autograd::set_history(y, node);
   }
-  return THPVariable_Wrap(std::move(y));
+  return THPVariable_Wrap(std::move(outs[1]));
   END_HANDLE_TH_ERRORS
 }
 
@@ -862,66 +822,45 @@ PyObject* py_parse_gn(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObje
   HANDLE_TH_ERRORS
   GnCall c;
   if (!parse_gn(args, nargs, kwnames, c)) Py_RETURN_NONE;
-  const Key k = gn_fwd_key(c);
-  std::vector<int64_t> key(k.v.begin(), k.v.begin() + k.n);
-  return py::make_tuple(c.groups, c.B, c.C, c.S, c.eps, c.act, c.layout, needs_grad(c.x, c.w, c.b), key)
+  return py::make_tuple(c.groups, c.B, c.C, c.S, c.eps, c.act, c.layout, needs_grad(c.x, c.w, c.b),
+                        gn_fwd_key(c).list())
       .release()
       .ptr();
   END_HANDLE_TH_ERRORS
 }
 
 variable_list GroupNormBackward::apply(variable_list&& grads) {
-  variable_list out(3);
   Tensor dy = grads[0];
-  if (!dy.defined()) return out;
+  if (!dy.defined()) return variable_list(3);
   const bool need[3] = {task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2)};
   Tensor x = x_.unpack(), w = w_.unpack(), b = b_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
-  const c10::Device dev = x.device();
-  if (c10::GradMode::is_enabled() || functorch_active() || !tensor_ok(dy, dev)) {
-    n_vjp++;
-    py::gil_scoped_acquire gil;
-    py::tuple r = callbacks->gn_vjp(wrap(dy), wrap(x), wrap(w), wrap(b), groups_, eps_, act_name(act_),
-                                    py::make_tuple(need[0], need[1], need[2]));
-    for (int i = 0; i < 3; i++) out[i] = need[i] ? unwrap(r[i]) : Tensor();
-    return out;
+  if (differentiable(dy) || dy.device() != x.device()) {
+    return differentiable_grads(need, [&](py::tuple needs) {
+      return callbacks->gn_vjp(wrap(dy), wrap(x), wrap(w), wrap(b), groups_, eps_, act_name(act_), needs);
+    });
   }
   if (gn_layout(dy) != layout_ || dy.sizes() != x.sizes()) {  // the kernels walk dy with x's strides
     Tensor d2 = alloc_like(x, layout_, dy.scalar_type());
     d2.copy_(dy);
     dy = d2;
   }
-  const int64_t B = x.size(0), C = x.size(1), S = spatial(x);
+  const c10::Device dev = x.device();
   const bool want_dw = need[1] && w.defined(), want_db = need[2] && b.defined();
-  const Tensor b_act = act_ ? b : Tensor();
+  const Tensor inputs[6] = {dy, x, w, act_ ? b : Tensor(), mean, rstd};
   Key key;
-  for (int64_t v : {int64_t(4), int64_t(dev.index()), dtype_code(x), dtype_code(dy), dtype_code(w), dtype_code(b_act),
-                    want_db ? dtype_code(b) : int64_t(-1), int64_t(act_), int64_t(want_dw), int64_t(want_db), B, C, S,
-                    groups_, int64_t(layout_)})
+  for (int64_t v : {int64_t(4), int64_t(dev.index()), dtype_code(x), dtype_code(dy), dtype_code(w),
+                    dtype_code(inputs[3]), want_db ? dtype_code(b) : int64_t(-1), int64_t(act_), int64_t(want_dw),
+                    int64_t(want_db), x.size(0), x.size(1), spatial(x), groups_, int64_t(layout_), bwd_align(inputs)})
     key.add(v);
-  key.add(aligned(dy) | aligned(x) << 1 | aligned(w) << 2 | aligned(b_act) << 3 | aligned(mean) << 4 |
-          aligned(rstd) << 5);
-  const Tensor inputs[6] = {dy, x, w, b_act, mean, rstd};
-  PlanPtr plan;
-  Action action = lookup(key, plan);
-  if (action == Action::kReplay) {
-    Tensor outs[4];
-    auto make = [&](int role, const AllocSpec& a) {
-      return role == 1 ? alloc_like(x, layout_, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
-    };
-    if (replay(*plan, inputs, dev, make, outs)) {
-      for (int i = 0; i < 3; i++) out[i] = need[i] ? std::move(outs[i + 1]) : Tensor();
-      return out;
-    }
-    action = Action::kPython;
-  }
-  n_python++;
-  const bool record = action == Action::kRecord;
-  py::gil_scoped_acquire gil;
-  py::tuple r = callbacks->gn_bwd(wrap(dy), wrap(x), wrap(w), wrap(b), wrap(mean), wrap(rstd), groups_,
-                                  act_name(act_), want_dw, want_db, bool(layout_), record);
-  for (int i = 0; i < 3; i++) out[i] = need[i] ? unwrap(r[i]) : Tensor();
-  if (record) store(key, r[3], r[4], 6, dev.index());
-  return out;
+  Tensor outs[4];
+  auto make = [&](int role, const AllocSpec& a) {
+    return role == 1 ? alloc_like(x, layout_, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+  };
+  run(key, inputs, 6, dev, make, [&](bool record) {
+    return callbacks->gn_bwd(wrap(dy), wrap(x), wrap(w), wrap(b), wrap(mean), wrap(rstd), groups_, act_name(act_),
+                             want_dw, want_db, bool(layout_), record);
+  }, outs);
+  return {need[0] ? outs[1] : Tensor(), need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor()};
 }
 
 // ----------------------------------------------------------------------------- module
