@@ -108,16 +108,17 @@ def main():
     stats = _host.stats()
     print(f"host path counters: {stats}")
     if args.out:
-        write(args.out, rows, stats)
+        import triton
+
+        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "host path": _host.status, "command": "PYTHONPATH=. python benchmarks/profile_host.py --out DIR"}
+        write(args.out, rows, stats, env)
 
 
-def write(out: Path, rows, stats):
-    import triton
-
+def write(out: Path, rows, stats, env: dict):
+    """host.csv and host.md from the rows (dicts of op, shape, dtype, mode, impl, us_per_call, us_min, us_max)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "host path": _host.status, "command": "PYTHONPATH=. python benchmarks/profile_host.py --out DIR"}
     header = "".join(f"# {k}: {v}\n" for k, v in env.items())
     cols = list(rows[0])
     (out / "host.csv").write_text(header + ",".join(cols) + "\n" + "".join(
