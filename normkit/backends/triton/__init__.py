@@ -145,6 +145,8 @@ def clear_caches() -> None:
     _triton_missing.cache_clear()
     _plan.cache_clear()
     _gn_plan.cache_clear()
+    from ... import _host
+    _host.clear()  # launch plans recorded with the old configurations
 
 
 def _scratch(cfg, groups_upper: int, device):
