@@ -6,6 +6,7 @@ layout allows (unit stride inside a row, one stride between rows); otherwise x i
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional, Sequence, Union
@@ -125,22 +126,39 @@ def _forward_only_check(backend, op, *tensors) -> None:
 
 
 def _autocast(op: str, *tensors):
-    """torch's autocast contract for the norms: under CUDA autocast, layer_norm, rms_norm and
-    group_norm run in float32 (every floating input that is not float64 is cast) and return float32.
-    CPU autocast leaves them alone. Returns the tensors, cast where torch casts them."""
+    """torch's autocast contract for the norms: where torch registers an autocast kernel for the op on
+    x's device type (CUDA: layer_norm, group_norm, and rms_norm from torch 2.12 on), it runs in float32
+    (every floating input that is not float64 is cast) and returns float32; elsewhere (CPU) autocast
+    leaves the op alone. Returns the tensors, cast where torch casts them."""
     x = tensors[0]
-    if x.device.type not in _AUTOCAST_FP32 or not torch.is_autocast_enabled(x.device.type):
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type) or not _autocast_upcasts(op, device_type):
         return tensors
     return tuple(t.float() if (t is not None and t.is_floating_point() and t.dtype != torch.float64
-                               and t.device.type == x.device.type) else t for t in tensors)
+                               and t.device.type == device_type) else t for t in tensors)
 
 
-_AUTOCAST_FP32 = ("cuda",)  # device types whose autocast runs the norms in float32 (torch's lists)
+@functools.lru_cache(maxsize=None)
+def _autocast_upcasts(op: str, device_type: str) -> bool:
+    """Whether this torch build gives aten::`op` an autocast kernel on `device_type` (the norms are
+    only ever on autocast's float32 list): read from the dispatcher, so it follows torch's version."""
+    key = "Autocast" + {"cuda": "CUDA", "cpu": "CPU", "xpu": "XPU", "mps": "MPS"}.get(device_type, device_type.upper())
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+    except RuntimeError:  # a dispatch key this build does not know
+        return False
 
 
 def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op):
     """Checked arguments -> y, through the custom op (compile, modes, subclasses), the autograd
-    function (gradients, torch.func, forward AD) or straight to the kernels (inference)."""
+    function (gradients, torch.func, forward AD) or straight to the kernels (inference). The host
+    path is asked again here: the public functions ask it first, but a call it declined there may
+    be its case now (inputs cast by autocast, or a row_norm_as_written call)."""
+    fast = _host.fast
+    if fast is not None and not _is_compiling():
+        y = fast.row_norm(x, shape, weight, bias, eps, rms, activation, backend_name)
+        if y is not None:
+            return y
     if _library.needed(x, weight, bias):
         return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
     backend = backends.resolve(backend_name, x, op)
@@ -241,6 +259,10 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     num_groups, eps = _check_group_inputs(x, num_groups, weight, bias, eps)
     _check_activation(activation)
     x, weight, bias = _autocast("group_norm", x, weight, bias)
+    if fast is not None and not _is_compiling() and torch.is_autocast_enabled(x.device.type):  # cast above
+        y = fast.group_norm(x, num_groups, weight, bias, eps, activation, backend)
+        if y is not None:
+            return y
     if _library.needed(x, weight, bias):
         return _library.group_norm(x, num_groups, weight, bias, eps, backend, activation=activation)
     be = backends.resolve(backend, x, "group_norm")
