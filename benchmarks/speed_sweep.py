@@ -4,9 +4,10 @@ the current paths, checked against the float64 oracle and timed in one run.
   PYTHONPATH=. python benchmarks/speed_sweep.py --out DIR [--parts check,rows,small,gn] [--dtypes bf16,fp32]
 
 Parts: check (oracle + determinism of every new path, awkward shapes), rows (LN/RMS fwd/bwd at
-M = 2^26 / N, N >= 2048: Triton as routed before this change, cluster kernel shape variants, the
-CUDA backend's OneFlow-style kernels, torch eager), gn (GroupNorm NCHW/channels_last: Triton,
-the cluster forward, torch eager). Kernels are timed behind a GPU spin (normkit.bench.timing)
+M = 2^26 / N: the Triton kernels (CUDA routes off), cluster kernel shape variants, the CUDA
+backend's OneFlow-style kernels, torch eager), gn (GroupNorm NCHW/channels_last: Triton, torch
+eager). Runs S4-1/S4-2 also timed a GroupNorm NCHW forward on the cluster kernel (a group as a
+row; removed after measuring slower than the Triton looped path: commit 5d3a120 has it). Kernels are timed behind a GPU spin (normkit.bench.timing)
 over a ring of inputs > 4x L2, backend entry points called directly; the copy ceiling is measured
 in the same run. Writes DIR/{env.txt,check.csv,rows.csv,gn.csv} and prints a short table last.
 """
@@ -70,19 +71,18 @@ def _version(dist):
 class Routing:
     """Context: the Triton backend's routing and the cluster kernel shape, as a variant says."""
 
-    def __init__(self, cuda_rows=None, shapes=None, gn_min=None, cluster_widths=None, triton_rows=None):
-        self.cuda_rows, self.shapes, self.gn_min = cuda_rows, shapes, gn_min
+    def __init__(self, cuda_rows=None, shapes=None, cluster_widths=None, triton_rows=None):
+        self.cuda_rows, self.shapes = cuda_rows, shapes
         self.cluster_widths, self.triton_rows = cluster_widths, triton_rows
+        self.tables = (tc.CUDA_OVERRIDES, cc.CLUSTER_KERNELS, cc.CLUSTER_SHAPES, cc.CLUSTER_WIDTHS, tc.OVERRIDES)
 
     def __enter__(self):
-        self.saved = (dict(tc.CUDA_OVERRIDES), dict(cc.CLUSTER_KERNELS), dict(tc.GN_CUDA_FWD_MIN_GROUP),
-                      dict(cc.CLUSTER_WIDTHS), dict(tc.OVERRIDES))
+        self.saved = [dict(t) for t in self.tables]
         if self.cuda_rows is not None:
             tc.CUDA_OVERRIDES.update(self.cuda_rows)
-        if self.shapes is not None:
+        if self.shapes is not None:  # this shape at every width
             cc.CLUSTER_KERNELS.update(self.shapes)
-        if self.gn_min is not None:
-            tc.GN_CUDA_FWD_MIN_GROUP.update(self.gn_min)
+            cc.CLUSTER_SHAPES.clear()
         if self.cluster_widths is not None:
             cc.CLUSTER_WIDTHS.clear()
             cc.CLUSTER_WIDTHS.update(self.cluster_widths)
@@ -92,8 +92,7 @@ class Routing:
         return self
 
     def __exit__(self, *exc):
-        for target, saved in zip((tc.CUDA_OVERRIDES, cc.CLUSTER_KERNELS, tc.GN_CUDA_FWD_MIN_GROUP, cc.CLUSTER_WIDTHS,
-                                  tc.OVERRIDES), self.saved):
+        for target, saved in zip(self.tables, self.saved):
             target.clear()
             target.update(saved)
         _clear()
@@ -102,7 +101,6 @@ class Routing:
 def _clear():
     tb.clear_caches()
     cluster.prepare.cache_clear()
-    cluster.prepare_gn.cache_clear()
 
 
 def all_routes(direction, eb, n):
@@ -150,8 +148,6 @@ def prebuild(dtypes, widths):
                         continue
                     for rms in (False, True):
                         specs.append(kernels.row_cluster(direction, dtype, dtype, None, rms, plan, direction == "bwd"))
-                    if direction == "fwd" and n <= 65536:
-                        specs += [kernels.gn_fwd_cluster(dtype, dtype, act, plan) for act in (None, "silu")]
     t0 = time.time()
     cb.prebuild(specs)
     log(f"prebuilt {len(set(specs))} cluster kernels in {time.time() - t0:.0f} s")
@@ -218,17 +214,14 @@ def check_gn():
                 y_ref = ref.group_norm(x, G, w, b, 1e-5, act)[0]
                 label = dict(part="gn", dtype=dname, op="gn", M=B, N=C * H * W, act=act or "-", shape=f"{B}x{C}x{H}x{W}/g{G}")
                 try:
-                    with Routing(gn_min={2: 1, 4: 1}):
-                        x3 = x.view(B, C, H * W)
-                        took = cluster.gn_why_not(x3, w, b) is None
-                        y, mean, rstd = tb.group_norm_fwd(x3, G, w, b, 1e-5, act)
+                    x3 = x.view(B, C, H * W)
+                    y, mean, rstd = tb.group_norm_fwd(x3, G, w, b, 1e-5, act)
                     torch.cuda.synchronize()
                     e = rel(y.view_as(x), y_ref)
                     m_ref = x.double().view(B, G, -1).mean(-1)
                     e_m = rel(mean, m_ref)
                     ok = e <= tol[dtype] and e_m <= 1e-5
-                    row = dict(label, route="triton-routed", cluster_fwd=took, err_y=f"{e:.2e}", err_mean=f"{e_m:.2e}",
-                               ok=ok)
+                    row = dict(label, route="triton", err_y=f"{e:.2e}", err_mean=f"{e_m:.2e}", ok=ok)
                 except Exception as ex:  # noqa: BLE001
                     row = dict(label, ok=False, error=f"{type(ex).__name__}: {str(ex)[:300]}")
                     traceback.print_exc()
@@ -279,6 +272,20 @@ def timed(timer, calls):
     return ms
 
 
+def measure(timer, copy, routing, sets, call, nbytes, label) -> dict:
+    """One timed implementation: the label with ms, GB/s and fraction of copy (or the error)."""
+    try:
+        with routing:
+            calls = [functools.partial(call, *s) for s in sets]
+            calls[0]()
+            torch.cuda.synchronize()
+            ms = timed(timer, calls)
+        gbps = nbytes / (ms * 1e6)
+        return dict(label, ms=f"{ms:.4f}", gbps=f"{gbps:.0f}", frac=f"{gbps / copy:.3f}")
+    except Exception as e:  # noqa: BLE001
+        return dict(label, error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
 def ring(make, nbytes):
     return [make() for _ in range(max(2, -(-RING_BYTES // max(nbytes, 1))))]
 
@@ -304,19 +311,9 @@ def time_rows(timer, copy, out, dtypes, widths, ops=("ln", "rms"), path=None):
                     passes = 2 if direction == "fwd" else 3
                     nbytes = passes * M * N * eb
                     for impl, routing, call in _row_impls(direction, eb, N, rms, dtype):
-                        try:
-                            with routing:
-                                calls = [functools.partial(call, *s) for s in sets]
-                                calls[0]()
-                                torch.cuda.synchronize()
-                                ms = timed(timer, calls)
-                            gbps = nbytes / (ms * 1e6)
-                            out.append(dict(op=op, dtype=dname, M=M, N=N, dir=direction, impl=impl, ms=f"{ms:.4f}",
-                                            gbps=f"{gbps:.0f}", frac=f"{gbps / copy:.3f}"))
-                        except Exception as e:  # noqa: BLE001
-                            out.append(dict(op=op, dtype=dname, M=M, N=N, dir=direction, impl=impl,
-                                            error=f"{type(e).__name__}: {str(e)[:200]}"))
-                        r = out[-1]
+                        r = measure(timer, copy, routing, sets, call, nbytes,
+                                    dict(op=op, dtype=dname, M=M, N=N, dir=direction, impl=impl))
+                        out.append(r)
                         log(f"{op} {dname} N={N} {direction} {impl:<28} {r.get('gbps', r.get('error'))} {r.get('frac', '')}")
                 del sets
                 torch.cuda.empty_cache()
@@ -401,15 +398,8 @@ def time_gn(timer, copy, out, dtypes, path=None):
                 sets = ring(make, 3 * numel * eb)
                 label = "x".join(map(str, shape)) + f"/g{G}" + ("/cl" if cl else "")
                 for act in (None, "silu"):
-                    impls = [("triton", Routing(gn_min={2: 1 << 62, 4: 1 << 62}), "fwd",
+                    impls = [("triton", Routing(), "fwd",
                               lambda x, x3, w, b, dy, dy3: tb.group_norm_fwd(x3, G, w, b, 1e-5, act))]
-                    if not cl:
-                        for shp in SHAPES[("fwd", eb)][:3]:
-                            if cc.plan_cluster("fwd", numel // (B * G), eb, shp) is None:
-                                continue
-                            impls.append((f"cluster{shp}".replace(" ", ""),
-                                          Routing(gn_min={2: 1, 4: 1}, shapes={("fwd", eb): shp}), "fwd",
-                                          lambda x, x3, w, b, dy, dy3: tb.group_norm_fwd(x3, G, w, b, 1e-5, act)))
                     acts = {None: lambda t: t, "silu": F.silu}
                     impls.append(("torch", Routing(), "fwd",
                                   lambda x, x3, w, b, dy, dy3: acts[act](F.group_norm(x, G, w, b, 1e-5))))
@@ -425,19 +415,9 @@ def time_gn(timer, copy, out, dtypes, path=None):
                     impls.append(("torch", Routing(), "bwd", _torch_gn_bwd(G, act)))
                     for impl, routing, direction, call in impls:
                         passes = 2 if direction == "fwd" else 3
-                        try:
-                            with routing:
-                                calls = [functools.partial(call, *s) for s in sets]
-                                calls[0]()
-                                torch.cuda.synchronize()
-                                ms = timed(timer, calls)
-                            gbps = passes * numel * eb / (ms * 1e6)
-                            out.append(dict(op="gn" if act is None else f"gn+{act}", dtype=dname, shape=label,
-                                            mib=f"{numel * eb / 2**20:.1f}", dir=direction, impl=impl, ms=f"{ms:.4f}",
-                                            gbps=f"{gbps:.0f}", frac=f"{gbps / copy:.3f}"))
-                        except Exception as e:  # noqa: BLE001
-                            out.append(dict(op="gn", dtype=dname, shape=label, dir=direction, impl=impl,
-                                            error=f"{type(e).__name__}: {str(e)[:200]}"))
+                        out.append(measure(timer, copy, routing, sets, call, passes * numel * eb,
+                                           dict(op="gn" if act is None else f"gn+{act}", dtype=dname, shape=label,
+                                                mib=f"{numel * eb / 2**20:.1f}", dir=direction, impl=impl)))
                         r = out[-1]
                         log(f"{r['op']} {dname} {label} {direction} {impl:<22} {r.get('gbps', r.get('error'))} "
                             f"{r.get('frac', '')}")

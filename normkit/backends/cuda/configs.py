@@ -36,18 +36,24 @@ CLUSTER_MIN_CAPABILITY = (9, 0)
 CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable sizes)
 # (direction, element bytes) -> (threads, items, stages[, recompute]): a CTA holds threads * items
 # packs of 16 bytes of a row (its slice); a row wider than that is spread over a cluster, and
-# past CLUSTER_MAX CTAs the CTAs grow (threads x 2). Small CTAs, several per SM, so one CTA's
-# barrier waits overlap another's loads and stores (measured, run S4-1: one 512-thread CTA per SM
-# reached 0.45-0.66 of copy, four 128-thread ones 0.88-0.95). Backward with recompute: the dx step
-# reads the stage again instead of keeping xhat and g in registers.
-CLUSTER_KERNELS = {("fwd", 2): (128, 8, 3), ("fwd", 4): (128, 8, 3), ("bwd", 2): (128, 4, 3, True),
-                   ("bwd", 4): (128, 8, 3, True)}
+# past CLUSTER_MAX CTAs the CTAs grow (threads x 2). Backward with recompute: the dx step reads
+# the stage again instead of keeping xhat and g in registers. CLUSTER_SHAPES: the shape measured
+# best per padded width (H200, benchmarks/speed_sweep.py runs S4-1/S4-2), over these defaults.
+CLUSTER_KERNELS = {("fwd", 2): (256, 8, 3), ("fwd", 4): (512, 8, 2), ("bwd", 2): (512, 2, 2),
+                   ("bwd", 4): (512, 4, 2)}
+CLUSTER_SHAPES = {
+    ("fwd", 2, 262144): (512, 8, 3),
+    ("bwd", 2, 131072): (256, 4, 3, True), ("bwd", 2, 262144): (256, 4, 3, True),
+    ("fwd", 4, 131072): (512, 8, 3),
+    ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
+}
 CLUSTER_SMEM_MAX = 220 * 1024
 CLUSTER_MIN_THREADS = 128
 CLUSTER_MAX_THREADS = 512  # block kernels: 128 registers per thread at most (see row_norm.cu)  # dynamic shared memory of the stages (the kernel has ~7 KB static)
-# the widths (padded to a power of two) the CUDA backend runs on clusters, per (direction, bytes)
-CLUSTER_WIDTHS = {("fwd", 2): (8192, 262144), ("fwd", 4): (4096, 262144), ("bwd", 2): (8192, 262144),
-                  ("bwd", 4): (4096, 262144)}
+# the widths (padded to a power of two) the CUDA backend runs on clusters rather than on the
+# OneFlow-style kernels, per (direction, bytes): where the clusters measured faster (S4-1/S4-2)
+CLUSTER_WIDTHS = {("fwd", 2): (16384, 262144), ("fwd", 4): (16384, 131072), ("bwd", 2): (16384, 262144),
+                  ("bwd", 4): (8192, 131072)}
 
 # ---- GroupNorm
 GN_REDUCE_BLOCK = (32, 8)  # gn_reduce: 32 lanes along the unit-stride axis
@@ -180,8 +186,11 @@ class ClusterPlan:
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> ClusterPlan | None:
     """The cluster kernel's plan for rows of `cols` columns, or None when they cannot take it
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
-    shape: (threads, items, stages[, recompute]), default CLUSTER_KERNELS'."""
-    threads, items, stages, *rest = shape or CLUSTER_KERNELS[(direction, elem_bytes)]
+    shape: (threads, items, stages[, recompute]); default: CLUSTER_SHAPES' for the width, else
+    CLUSTER_KERNELS'."""
+    shape = shape or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
+        or CLUSTER_KERNELS[(direction, elem_bytes)]
+    threads, items, stages, *rest = shape
     recompute = bool(rest and rest[0]) and direction == "bwd"
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:

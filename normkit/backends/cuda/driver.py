@@ -70,6 +70,16 @@ def _to_ctype(spec, pname, ctype, a):
     raise ValueError(f"kernel {spec.name}: parameter {pname!r} has unknown C type {ctype!r}")
 
 
+def needs_smem_opt_in(dynamic: int, static: int, granted: int | None = None) -> bool:
+    """Whether `dynamic` bytes of dynamic shared memory need a larger opt-in than `granted`: the
+    default 48 KB covers static plus dynamic. (Counting only the dynamic bytes, a kernel with
+    exactly 48 KB of stages and 2 KB of static shared memory could not launch, and its occupancy
+    query said 0, which sent every such call to the fallback path: runs S4-1/S4-2.)"""
+    if granted is not None:  # the dynamic bytes an earlier opt-in granted
+        return dynamic > granted
+    return dynamic + static > SMEM_DEFAULT_LIMIT
+
+
 def check_launch_dims(spec: KernelSpec, grid, block, smem: int) -> None:
     """The launch configuration is within CUDA's limits (checked before the driver sees it)."""
     grid, block = tuple(grid), tuple(block)
@@ -178,7 +188,7 @@ class Kernel:
     device: int
     module: object
     function: object
-    smem_limit: int = SMEM_DEFAULT_LIMIT
+    smem_granted: int | None = None  # dynamic shared memory opted in to (None: the default 48 KB in all)
     _occupancy: dict = field(default_factory=dict)
     _nonportable: bool = False
 
@@ -192,8 +202,8 @@ class Kernel:
         return nbytes + self.static_smem <= max_smem_optin(self.device)
 
     def allow_smem(self, nbytes: int) -> None:
-        """Opt in to `nbytes` of dynamic shared memory (needed above 48 KB)."""
-        if nbytes <= self.smem_limit:
+        """Opt in to `nbytes` of dynamic shared memory (needed once static + dynamic pass 48 KB)."""
+        if not needs_smem_opt_in(nbytes, self.static_smem, self.smem_granted):
             return
         if not self.smem_fits(nbytes):
             raise CudaBackendError(f"kernel {self.spec.name}: needs {nbytes} + {self.static_smem} bytes of shared "
@@ -202,7 +212,7 @@ class Kernel:
         attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         check(drv.cuFuncSetAttribute(self.function, attr, nbytes),
               f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes}) for kernel {self.spec.name}")
-        self.smem_limit = nbytes
+        self.smem_granted = nbytes
 
     def occupancy(self, block_threads: int, smem: int = 0) -> int:
         """Resident blocks per SM at this block size and dynamic shared memory (0: cannot launch)."""

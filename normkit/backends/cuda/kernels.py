@@ -31,8 +31,6 @@ PARAM_GRAD_PARAMS = _p("dy:ptr dy_stride:i64 x:ptr x_stride:i64 weight:ptr bias:
 ROW_FWD_CLUSTER_PARAMS = _p("x:ptr x_stride:i64 y:ptr y_stride:i64 weight:ptr bias:ptr mean:ptr rstd:ptr "
                             "rows:i64 cols:i32 slice:i32 eps:f32")
 ROW_BWD_CLUSTER_PARAMS = ROW_BWD_PARAMS + _p("slice:i32")
-GN_FWD_CLUSTER_PARAMS = _p("x:ptr y:ptr weight:ptr bias:ptr mean:ptr rstd:ptr rows:i64 S:i32 Cg:i32 G:i32 slice:i32 "
-                           "eps:f32")
 COL_SUM_PARAMS = _p("a_part:ptr a:ptr b_part:ptr b:ptr parts:i64 cols:i32")
 GN_REDUCE_PARAMS = _p("x:ptr xB:i64 xC:i64 xS:i64 dy:ptr dB:i64 dC:i64 dS:i64 weight:ptr bias:ptr "
                       "mean:ptr rstd:ptr p1:ptr p2:ptr coef:ptr C:i32 S:i32 G:i32 chunk:i32 chunks:i32")
@@ -99,13 +97,6 @@ def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: conf
     return KernelSpec("row_cluster.cu",
                       f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}>",
                       ROW_BWD_CLUSTER_PARAMS)
-
-
-def gn_fwd_cluster(dtype, wdtype, activation, plan: configs.ClusterPlan) -> KernelSpec:
-    """GroupNorm forward of contiguous x on the row cluster kernel (a group is a row)."""
-    name = (f"nk::gn_fwd_cluster<{_ctype(dtype)}, {_ctype(wdtype)}, {_act(activation)}, "
-            f"{plan.threads}, {plan.items}, {plan.stages}>")
-    return KernelSpec("row_cluster.cu", name, GN_FWD_CLUSTER_PARAMS)
 
 
 def col_sum(a_dtype, b_dtype) -> KernelSpec:
@@ -242,8 +233,6 @@ def catalog() -> list[KernelSpec]:
             for params in ((False, True) if direction == "bwd" else (False,)):
                 specs.append(row_cluster(direction, dtype, torch.float32, act, rms, plan, params))
         specs.append(row_cluster(direction, torch.float16, torch.float16, "gelu", False, plan, direction == "bwd"))
-        if direction == "fwd":
-            specs.append(gn_fwd_cluster(dtype, torch.float32, "mish", plan))
     specs += [llmc(n) for n in LLMC]
     specs += [seed004_group_norm_mish(1 << k) for k in range(5, 11)]
     return list(dict.fromkeys(specs))

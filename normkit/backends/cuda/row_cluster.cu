@@ -41,26 +41,19 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
   return r;
 }
-__device__ __forceinline__ unsigned special_ctarank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ unsigned special_nctarank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ unsigned special_clusterid() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ unsigned special_nclusterid() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
-  return r;
-}
+// the CTA's rank in its cluster, the cluster's size, the cluster's index and the number of clusters
+#define NK_SPECIAL_REGISTER(fn, reg)                     \
+  __device__ __forceinline__ unsigned fn() {            \
+    unsigned r;                                         \
+    asm volatile("mov.u32 %0, %%" reg ";" : "=r"(r));   \
+    return r;                                           \
+  }
+NK_SPECIAL_REGISTER(special_ctarank, "cluster_ctarank")
+NK_SPECIAL_REGISTER(special_nctarank, "cluster_nctarank")
+NK_SPECIAL_REGISTER(special_clusterid, "clusterid.x")
+NK_SPECIAL_REGISTER(special_nclusterid, "nclusterid.x")
+#undef NK_SPECIAL_REGISTER
+
 // every thread of every CTA of the cluster: arrive (release), then wait (acquire)
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -144,6 +137,15 @@ struct Stream {
     bulk_load(slice_at(st, 0), a + row * a_stride + s.c0, bytes, &bars[st]);
     if (ARRAYS > 1) bulk_load(slice_at(st, 1), b + row * b_stride + s.c0, bytes, &bars[st]);
   }
+  // every thread: thread 0 sets up the stage barriers and issues the first STAGES rows
+  __device__ void start(const Slice& s, i64 rows, const T* a, i64 a_stride, const T* b, i64 b_stride) const {
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < STAGES; ++st) barrier_init(&bars[st], 1);
+      barrier_init_fence();
+      for (int it = 0; it < STAGES; ++it) issue(s, rows, it, a, a_stride, b, b_stride);
+    }
+    __syncthreads();
+  }
   __device__ void wait(const Slice& s, int it) const {
     if (s.n > 0) barrier_wait(&bars[it % STAGES], unsigned(it / STAGES) & 1u);
   }
@@ -203,12 +205,7 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   const cl::Slice s(cols, slice);
   const cl::Stream<T, STAGES, 1> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int st = 0; st < STAGES; ++st) cl::barrier_init(&bars[st], 1);
-    cl::barrier_init_fence();
-    for (int it = 0; it < STAGES; ++it) stream.issue(s, rows, it, x, x_stride, x, x_stride);
-  }
-  __syncthreads();
+  stream.start(s, rows, x, x_stride, x, x_stride);
   // the next row's shift (its first element), loaded a row ahead so its latency is hidden
   float shift_next = (!RMS && s.cluster < rows) ? to_float(x[s.cluster * x_stride]) : 0.f;
   int valid = 0;  // this thread's packs inside the slice
@@ -278,36 +275,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-// GroupNorm of contiguous (NCHW) x: group (b, g) is row b * G + g of an [B * G, Cg * S] matrix,
-// and column c of a row belongs to channel g * Cg + c / S (S % P == 0: a pack is one channel's).
-template <typename T, typename W, typename ACT>
-struct GroupAffineActStore {
-  T* ptr;
-  const W* w;
-  const W* b;
-  int S, Cg, G;
-  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
-    const int ch = int(row % G) * Cg + col / S;
-    const float wv = w != nullptr ? to_float(w[ch]) : 1.f;
-    const float bv = b != nullptr ? to_float(b[ch]) : 0.f;
-    float y[P];
-#pragma unroll
-    for (int i = 0; i < P; ++i) y[i] = ACT::fwd(xhat[i] * wv + bv);
-    store_floats<P>(ptr + row * i64(Cg) * S + col, y);
-  }
-};
-
-template <typename T, typename W, typename ACT, int THREADS, int ITEMS, int STAGES>
-__global__ void __launch_bounds__(THREADS, 1)
-    gn_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w, const W* __restrict__ b,
-                   float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int S, int Cg, int G, int slice,
-                   float eps) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, false, THREADS, ITEMS, STAGES>(x, i64(Cg) * S, GroupAffineActStore<T, W, ACT>{y, w, b, S, Cg, G},
-                                                mean, rstd, rows, Cg * S, slice, eps);
-#endif
-}
-
 // ================================================================== backward
 
 // RECOMPUTE: the dx step reads x and dy from the stage again and recomputes xhat and g instead of
@@ -330,12 +297,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const cl::Slice s(cols, slice);
   const cl::Stream<T, STAGES, 2> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int st = 0; st < STAGES; ++st) cl::barrier_init(&bars[st], 1);
-    cl::barrier_init_fence();
-    for (int it = 0; it < STAGES; ++it) stream.issue(s, rows, it, x, x_stride, dy, dy_stride);
-  }
-  __syncthreads();
+  stream.start(s, rows, x, x_stride, dy, dy_stride);
   const float inv_cols = 1.f / float(cols);
   int valid = 0;
 #pragma unroll

@@ -122,8 +122,8 @@ def _plan(direction: str, n: int, dtype: torch.dtype, device: torch.device, flag
     (config, constexprs, device index, SM count). flags: (rms, has_w, has_b, activation, extra)."""
     device_index, arch, sms = _device_facts(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0)
     rms, has_w, has_b, activation, extra = flags
+    cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0, "rms" if rms else "ln")
     constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b)
     if direction == "fwd":
         constexprs["STORE_STATS"] = extra
@@ -273,9 +273,6 @@ def group_norm_fwd(x, num_groups, weight, bias, eps: float, activation=None):
     if staged is not None:
         _staged(staged, device_index, x, None, y, weight, bias, mean, rstd, num_groups, activation, eps)
         return y, mean, rstd
-    if cg * S >= configs.GN_CUDA_FWD_MIN_GROUP[x.element_size()] and _gn_on_clusters(x, cg, weight, bias, activation,
-                                                                                      y, mean, rstd, num_groups, eps):
-        return y, mean, rstd
     cfg, constexprs, device_index, sms = _gn_plan("fwd", cg, S, x.dtype, device,
                                                   (weight is not None, bias is not None, activation, None), units)
     sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
@@ -323,22 +320,6 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
         _launch_persistent(_kernels().gn_bwd, cfg, args, constexprs, units, device_index, sms)
     _reduce_partials(dw_part, dw, db_part, db, B * cfg.ks, C, device_index)
     return dx, dw, db
-
-
-def _gn_on_clusters(x, cg, weight, bias, activation, y, mean, rstd, num_groups, eps) -> bool:
-    """GroupNorm forward of NCHW x on the CUDA backend's row cluster kernel (a group is a row),
-    when the call can take it; False: the Triton kernels run."""
-    if x.device.type != "cuda":
-        return False
-    cluster = _cuda_cluster()
-    if cluster.gn_why_not(x, weight, bias) is not None:
-        return False
-    wdtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
-    prepared = cluster.prepare_gn(cg, x.shape[2], x.dtype, wdtype, activation, _device_facts(x.device)[0])
-    if prepared is None:
-        return False
-    cluster.launch_gn_fwd(prepared, x, y, weight, bias, mean, rstd, num_groups, eps)
-    return True
 
 
 def _staged_plan(direction: str, x, cg: int):

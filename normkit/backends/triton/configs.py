@@ -65,8 +65,8 @@ _TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 OVERRIDES: dict = {}
 # (direction, elem bytes) -> padded widths whose rows run on the CUDA backend's thread-block
 # cluster kernels (normkit/backends/cuda/cluster.py) when the call can take them (16-byte aligned
-# rows, x's dtype or fp32 parameters); the Triton row above is the path otherwise. A measured
-# table lists them under "cuda"; CUDA_OVERRIDES (the bench's variants) wins over it.
+# rows, x's dtype or fp32 parameters). A measured table lists them under "cuda", per direction,
+# element bytes and op ("ln", "rms"); CUDA_OVERRIDES (the bench's variants; both ops) wins over it.
 CUDA_OVERRIDES: dict = {}
 
 
@@ -81,25 +81,28 @@ def tuned_table(arch: str) -> dict:
     table = {(d, int(b), int(n)): tuple(v) for d, by_bytes in raw["configs"].items()
              for b, by_n in by_bytes.items() for n, v in by_n.items()}
     for d, by_bytes in raw.get("cuda", {}).items():
-        for b, widths in by_bytes.items():
-            table[("cuda", d, int(b))] = frozenset(int(n) for n in widths)
+        for b, by_op in by_bytes.items():
+            for op, widths in by_op.items():
+                table[("cuda", d, int(b), op)] = frozenset(int(n) for n in widths)
     return table
 
 
-def _cuda_route(direction: str, elem_bytes: int, key: int, arch: str) -> bool:
+def _cuda_route(direction: str, elem_bytes: int, key: int, arch: str, op: str) -> bool:
     widths = CUDA_OVERRIDES.get((direction, elem_bytes))
     if widths is None:
-        widths = tuned_table(arch).get(("cuda", direction, elem_bytes), ()) if arch else ()
+        widths = tuned_table(arch).get(("cuda", direction, elem_bytes, op), ()) if arch else ()
     return key in widths
 
 
 @functools.lru_cache(maxsize=None)
-def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpreted: bool = False) -> RowConfig:
+def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpreted: bool = False,
+               op: str = "") -> RowConfig:
+    """The configuration for rows of n columns; op ("ln" or "rms") only selects the CUDA route."""
     padded = triton.next_power_of_2(max(n, 1))
     elem_bytes = 2 if elem_bytes <= 2 else 4
     key = max(padded, 32)  # the narrowest tabulated width; narrower rows pack more rows per tile
     row = None
-    cuda = not interpreted and _cuda_route(direction, elem_bytes, key, arch)
+    cuda = not interpreted and _cuda_route(direction, elem_bytes, key, arch, op)
     if padded <= MAX_TILED_N:
         row = OVERRIDES.get((direction, elem_bytes, key))
         row = row or (tuned_table(arch).get((direction, elem_bytes, key)) if arch else None)
@@ -128,10 +131,6 @@ GN_WARPS_PER_SM = 32  # persistent programs per SM = this / num_warps (at most 8
 # (direction, element bytes) -> (tile elements, num_warps)
 GN_LOOPED_TILE = {("fwd", 2): (8192, 8), ("fwd", 4): (4096, 8), ("bwd", 2): (4096, 8), ("bwd", 4): (4096, 8)}
 GN_LOOPED_STAGES = 1
-# NCHW forward: groups of at least this many elements (per element bytes) run on the CUDA
-# backend's thread-block cluster kernel (a contiguous group is one row; cuda/cluster.py) when the
-# call can take it (sm_90, 16-byte aligned, positions a whole number of 16-byte packs)
-GN_CUDA_FWD_MIN_GROUP = {2: 1 << 62, 4: 1 << 62}
 GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
 
 
