@@ -50,7 +50,7 @@ def markdown(data: dict, browser: str, command: str) -> str:
             lines.append(f"| {r['variant']} | n/a: {r['skipped']} | | | | |")
             continue
         t = r["time"]
-        of_copy = f"{r['ofCopy']:.0%}" if "ofCopy" in r else ""
+        of_copy = f"{100 * r['ofCopy']:.2g}%" if "ofCopy" in r else ""
         lines.append(f"| {r['variant']} | {_num(r['gbs'])} | {of_copy} | "
                      f"{_check(r.get('check'))} | {_check(r.get('offsetCheck'))} | "
                      f"{_num(t['median'] * 1e3)} [{_num(t['min'] * 1e3)}, {_num(t['max'] * 1e3)}] |")
