@@ -338,7 +338,10 @@ class NormKit {
       this.#checkBuffer(fn, name, args[name], paramLen * 4, what, limit);
       flags |= FLAGS[name];
     }
-    if (args.stats !== undefined) this.#checkBuffer(fn, "stats", args.stats, rows * 8, `${rows} (mean, rstd) f32 pairs`, limit);
+    if (args.stats !== undefined) {
+      this.#checkBuffer(fn, "stats", args.stats, rows * 8, `${rows} (mean, rstd) f32 pairs`, limit);
+      if (args.stats === args.x || args.stats === args.y) throw new TypeError(`${fn}: stats: expected a buffer other than x and y`);
+    }
     if (args.encoder !== undefined && !(typeof GPUCommandEncoder !== "undefined" && args.encoder instanceof GPUCommandEncoder)) {
       throw new TypeError(`${fn}: encoder: expected a GPUCommandEncoder or undefined, got ${show(args.encoder)}`);
     }
