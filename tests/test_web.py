@@ -22,7 +22,7 @@ import torch
 from normkit import reference as ref
 from normkit.backends.webgpu import shaders
 from normkit.web import export
-from normkit.web.browser import BrowserError, Chromium, PageError, find_chromium, serve, webgpu_adapter
+from normkit.web.browser import BrowserError, Chromium, PageError, find_chromium, serve
 
 from helpers import TOL, assert_close, missing_tool
 

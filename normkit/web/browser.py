@@ -251,14 +251,3 @@ def serve(folder: Path):
         server.shutdown()
         server.server_close()
 
-
-def webgpu_adapter(browser: Chromium) -> dict | None:
-    """The page's WebGPU adapter as {vendor, architecture, description, features}, or None."""
-    return browser.evaluate("""(async () => {
-        if (!navigator.gpu) return null;
-        const a = await navigator.gpu.requestAdapter();
-        if (!a) return null;
-        const i = a.info || {};
-        return {vendor: i.vendor, architecture: i.architecture, description: i.description,
-                features: [...a.features].sort()};
-    })()""")

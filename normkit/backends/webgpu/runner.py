@@ -2,7 +2,8 @@
 
 runner() returns the process-wide Runner, creating the device on first use; every failure to get
 one (wgpu missing, no adapter) is a WebGPUUnavailable with one sentence saying why, remembered so
-later calls answer at once. Runner.run() normalizes the rows of a 2-D numpy array; Runner.time()
+later calls answer at once. Runner.run() normalizes the rows of a 2-D numpy array, Runner.group_norm()
+the groups of a [B, C, S] (or channels_last [B, S, C]) one; Runner.time()
 times a variant for the ladder.
 """
 from __future__ import annotations
