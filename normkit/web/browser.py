@@ -250,4 +250,3 @@ def serve(folder: Path):
     finally:
         server.shutdown()
         server.server_close()
-
