@@ -6,8 +6,10 @@ dynamic shapes), an autograd formula (register_autograd), and a DTensor sharding
 sequence-parallel norm (rows sharded across ranks, weight replicated) returns its weight gradient
 as a Partial sum that DTensor reduces across ranks.
 
-Plain eager calls do not come here: they use functional._RowNormFunction, which calls the same
-backend entry points with less host overhead (see `needed`). The ops mutate nothing.
+Plain eager calls do not come here: they use the autograd.Functions of _autograd.py, which call the
+same backend entry points with less host overhead and carry the torch.func rules (see `needed`).
+The ops mutate nothing. A backward that autograd records (create_graph=True) is taken through the
+differentiable backward of _autograd.py, as in eager.
 
 Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims stay visible:
   row_norm_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?) -> (y, mean, rstd)
@@ -27,7 +29,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, functional
+from . import _autograd, backends
+from ._layout import as_rows, bcs, flat_param, fresh, from_bcs, is_channels_last
 
 __all__ = ["needed", "row_norm", "row_norm_with_stats", "row_norm_grads", "group_norm"]
 
@@ -84,10 +87,9 @@ def _row_norm_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bia
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     lead = tuple(x.shape[: x.dim() - normalized_ndim])
     y, mean, rstd = _resolve(backend, x, "rms_norm" if rms else "layer_norm").row_norm_fwd(
-        functional._as_rows(x, shape), functional._flat_param(weight), functional._flat_param(bias), eps, rms,
-        **_extra_fwd(activation))
-    mean = _absent(rstd) if mean is None else mean.view(lead)
-    return y.view(x.shape), mean, rstd.view(lead)
+        as_rows(x, shape), flat_param(weight), flat_param(bias), eps, rms, **_extra_fwd(activation))
+    mean = _absent(rstd) if mean is None else fresh(mean.view(lead))
+    return fresh(y.view(x.shape)), mean, fresh(rstd.view(lead))
 
 
 @_row_norm_fwd.register_fake
@@ -106,12 +108,12 @@ def _row_norm_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional[
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     be = _resolve(backend, x, "rms_norm backward" if rms else "layer_norm backward", backward=True)
     dx, dw, db = be.row_norm_bwd(
-        functional._as_rows(dy, shape), functional._as_rows(x, shape), functional._flat_param(weight),
+        as_rows(dy, shape), as_rows(x, shape), flat_param(weight),
         None if rms else mean.reshape(-1), rstd.reshape(-1), rms, dweight_dtype, dbias_dtype,
-        **_extra_bwd(functional._flat_param(bias), activation))
-    dw = _absent(x, dweight_dtype) if dw is None else dw.view(shape)
-    db = _absent(x, dbias_dtype) if db is None else db.view(shape)
-    return dx.view(x.shape), dw, db
+        **_extra_bwd(flat_param(bias), activation))
+    dw = _absent(x, dweight_dtype) if dw is None else fresh(dw.view(shape))
+    db = _absent(x, dbias_dtype) if db is None else fresh(db.view(shape))
+    return fresh(dx.view(x.shape)), dw, db
 
 
 @_row_norm_bwd.register_fake
@@ -125,18 +127,21 @@ def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight
 def _row_norm_setup(ctx, inputs, output):
     x, normalized_ndim, weight, bias, eps, rms, activation, backend = inputs
     _, mean, rstd = output
-    # bias is needed again only to recompute the pre-activation value
-    ctx.save_for_backward(x, weight, bias if activation is not None else None, mean, rstd)
-    ctx.args = (normalized_ndim, rms, activation, backend,
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.args = (normalized_ndim, eps, rms, activation, backend,
                 None if weight is None else weight.dtype, None if bias is None else bias.dtype)
 
 
 def _row_norm_backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    normalized_ndim, rms, activation, backend, w_dtype, b_dtype = ctx.args
-    _, _, need_dw, need_db = ctx.needs_input_grad[:4]
-    dx, dw, db = _row_norm_bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation,
-                               w_dtype if need_dw else None, b_dtype if need_db else None, backend)
+    normalized_ndim, eps, rms, activation, backend, w_dtype, b_dtype = ctx.args
+    need_dx, _, need_dw, need_db = ctx.needs_input_grad[:4]
+    if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
+        dx, dw, db = _autograd.row_norm_vjp_differentiable(dy, x, weight, bias, normalized_ndim, eps, rms, activation,
+                                                      (need_dx, need_dw, need_db))
+        return (dx, None, dw, db, None, None, None, None)
+    dx, dw, db = _row_norm_bwd(dy, x, normalized_ndim, weight, bias if activation is not None else None, mean, rstd,
+                               rms, activation, w_dtype if need_dw else None, b_dtype if need_db else None, backend)
     return (dx, None, dw if need_dw else None, db if need_db else None, None, None, None, None)
 
 
@@ -168,11 +173,7 @@ def row_norm_grads(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional
 
 # ----------------------------------------------------------------------------- group norm
 # x is [B, C, *spatial]; the backends take [B, C, S] in NCHW or channels_last layout, and the
-# output keeps that layout (functional's _bcs / _from_bcs, shared with the eager path).
-
-def _layout(x: Tensor) -> bool:
-    return functional._is_channels_last(x)
-
+# output keeps that layout (_layout.bcs / from_bcs, shared with the eager path).
 
 def _like_layout(x: Tensor, channels_last: bool, dtype=None) -> Tensor:
     """An empty tensor of x's shape in the layout the kernels write: NCHW or channels innermost."""
@@ -187,14 +188,14 @@ def _like_layout(x: Tensor, channels_last: bool, dtype=None) -> Tensor:
 def _group_norm_fwd(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                     activation: Optional[str], backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
     y3, mean, rstd = _resolve(backend, x, "group_norm").group_norm_fwd(
-        functional._bcs(x, _layout(x)), num_groups, weight, bias, eps, activation)
-    return functional._from_bcs(y3, x.shape), mean, rstd
+        bcs(x, is_channels_last(x)), num_groups, weight, bias, eps, activation)
+    return fresh(from_bcs(y3, x.shape)), fresh(mean), fresh(rstd)
 
 
 @_group_norm_fwd.register_fake
 def _(x, num_groups, weight, bias, eps, activation, backend):
     stats = (x.shape[0], num_groups)
-    return _like_layout(x, _layout(x)), x.new_empty(stats, dtype=_stat_dtype(x)), \
+    return _like_layout(x, is_channels_last(x)), x.new_empty(stats, dtype=_stat_dtype(x)), \
         x.new_empty(stats, dtype=_stat_dtype(x))
 
 
@@ -202,13 +203,13 @@ def _(x, num_groups, weight, bias, eps, activation, backend):
 def _group_norm_bwd(dy: Tensor, x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
                     mean: Tensor, rstd: Tensor, activation: Optional[str], dweight_dtype: Optional[torch.dtype],
                     dbias_dtype: Optional[torch.dtype], backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
-    channels_last = _layout(x)
+    channels_last = is_channels_last(x)
     dx3, dw, db = _resolve(backend, x, "group_norm backward", backward=True).group_norm_bwd(
-        functional._bcs(dy, channels_last), functional._bcs(x, channels_last), num_groups, weight, bias, mean, rstd,
+        bcs(dy, channels_last), bcs(x, channels_last), num_groups, weight, bias, mean, rstd,
         activation, dweight_dtype, dbias_dtype)
-    dw = _absent(x, dweight_dtype) if dw is None else dw
-    db = _absent(x, dbias_dtype) if db is None else db
-    return functional._from_bcs(dx3, x.shape), dw, db
+    dw = _absent(x, dweight_dtype) if dw is None else fresh(dw)
+    db = _absent(x, dbias_dtype) if db is None else fresh(db)
+    return fresh(from_bcs(dx3, x.shape)), dw, db
 
 
 @_group_norm_bwd.register_fake
@@ -216,23 +217,27 @@ def _(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, db
     c = x.shape[1]
     dw = _absent(x, dweight_dtype) if dweight_dtype is None else x.new_empty((c,), dtype=dweight_dtype)
     db = _absent(x, dbias_dtype) if dbias_dtype is None else x.new_empty((c,), dtype=dbias_dtype)
-    return _like_layout(x, _layout(x)), dw, db
+    return _like_layout(x, is_channels_last(x)), dw, db
 
 
 def _group_norm_setup(ctx, inputs, output):
     x, num_groups, weight, bias, eps, activation, backend = inputs
     _, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias if activation is not None else None, mean, rstd)
-    ctx.args = (num_groups, activation, backend,
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.args = (num_groups, eps, activation, backend,
                 None if weight is None else weight.dtype, None if bias is None else bias.dtype)
 
 
 def _group_norm_backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    num_groups, activation, backend, w_dtype, b_dtype = ctx.args
-    _, _, need_dw, need_db = ctx.needs_input_grad[:4]
-    dx, dw, db = _group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation,
-                                 w_dtype if need_dw else None, b_dtype if need_db else None, backend)
+    num_groups, eps, activation, backend, w_dtype, b_dtype = ctx.args
+    need_dx, _, need_dw, need_db = ctx.needs_input_grad[:4]
+    if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
+        dx, dw, db = _autograd.group_norm_vjp_differentiable(dy, x, weight, bias, num_groups, eps, activation,
+                                                        (need_dx, need_dw, need_db))
+        return (dx, None, dw, db, None, None, None)
+    dx, dw, db = _group_norm_bwd(dy, x, num_groups, weight, bias if activation is not None else None, mean, rstd,
+                                 activation, w_dtype if need_dw else None, b_dtype if need_db else None, backend)
     return (dx, None, dw if need_dw else None, db if need_db else None, None, None, None)
 
 

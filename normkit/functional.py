@@ -6,13 +6,16 @@ layout allows (unit stride inside a row, one stride between rows); otherwise x i
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _library, backends
+from . import _host, _library, backends
+from ._autograd import GroupNormFn, RowNormFn, transforms_active
+from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last
 from .reference import ACTIVATIONS, default_rms_eps
 
 __all__ = [
@@ -100,64 +103,15 @@ def _check_inputs(x, normalized_shape, weight, bias, eps):
     return shape, _check_eps(eps)
 
 
-# ----------------------------------------------------------------------------- rows
+# ----------------------------------------------------------------------------- dispatch
 
-def _as_rows(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """[M, N] view of t (N = prod(shape) of its trailing dims) with unit column stride,
-    copying only when no such view exists."""
-    if len(shape) == 1 and t.dim() == 2 and (t.stride(1) == 1 or shape[0] <= 1):
-        return t
-    m, n = math.prod(t.shape[: t.dim() - len(shape)]), math.prod(shape)
-    try:
-        rows = t.view(m, n)
-    except RuntimeError:  # leading dims cannot merge into one row stride
-        rows = t.reshape(m, n)
-    if n > 1 and rows.stride(1) != 1:
-        rows = rows.contiguous()
-    return rows
-
-
-def _flat_param(p):
-    if p is None or (p.dim() == 1 and p.is_contiguous()):
-        return p
-    return p.reshape(-1).contiguous()
+# the layout helpers under their historical names (tests and the bench import them from here)
+_as_rows, _flat_param, _bcs, _from_bcs, _is_channels_last = as_rows, flat_param, bcs, from_bcs, is_channels_last
+_is_compiling = torch.compiler.is_compiling
 
 
 def _param_grad_dtype(p, wanted: bool):
     return p.dtype if (p is not None and wanted) else None
-
-
-# ----------------------------------------------------------------------------- autograd
-
-class _RowNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, shape, eps, rms, activation, backend):
-        x2d = _as_rows(x, shape)
-        w, b = _flat_param(weight), _flat_param(bias)
-        y, mean, rstd = backend.row_norm_fwd(x2d, w, b, eps, rms, activation)
-        # the bias is needed again only to recompute the pre-activation value
-        ctx.save_for_backward(x2d, w, b if activation is not None else None, mean, rstd)
-        ctx.meta = (x.shape, shape, rms, activation, backend, _spec(weight), _spec(bias))
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2d, w, b, mean, rstd = ctx.saved_tensors
-        x_shape, shape, rms, activation, backend, w_spec, b_spec = ctx.meta
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        extra = {} if activation is None else {"bias": b, "activation": activation}
-        dx, dw, db = backend.row_norm_bwd(
-            _as_rows(dy, shape), x2d, w, mean, rstd, rms,
-            w_spec[1] if need_dw else None, b_spec[1] if need_db else None, **extra,
-        )
-        dx = dx.view(x_shape) if need_dx else None
-        dw = dw.view(w_spec[0]) if dw is not None else None
-        db = db.view(b_spec[0]) if db is not None else None
-        return dx, dw, db, None, None, None, None, None
-
-
-def _spec(p):
-    return None if p is None else (p.shape, p.dtype)
 
 
 def _needs_autograd(*tensors) -> bool:
@@ -171,17 +125,63 @@ def _forward_only_check(backend, op, *tensors) -> None:
             "bias requires grad; call it under torch.no_grad() or on detached tensors, or use backend='torch'")
 
 
+def _autocast(op: str, *tensors):
+    """torch's autocast contract for the norms: where torch registers an autocast kernel for the op on
+    x's device type (CUDA: layer_norm, group_norm, and rms_norm from torch 2.12 on), it runs in float32
+    (every floating input that is not float64 is cast) and returns float32; elsewhere (CPU) autocast
+    leaves the op alone. Returns the tensors, cast where torch casts them."""
+    x = tensors[0]
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type) or not _autocast_upcasts(op, device_type):
+        return tensors
+    return tuple(t.float() if (t is not None and t.is_floating_point() and t.dtype != torch.float64
+                               and t.device.type == device_type) else t for t in tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_upcasts(op: str, device_type: str) -> bool:
+    """Whether this torch build gives aten::`op` an autocast kernel on `device_type` (the norms are
+    only ever on autocast's float32 list): read from the dispatcher, so it follows torch's version."""
+    key = "Autocast" + {"cuda": "CUDA", "cpu": "CPU", "xpu": "XPU", "mps": "MPS"}.get(device_type, device_type.upper())
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+    except RuntimeError:  # a dispatch key this build does not know
+        return False
+
+
 def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op):
-    if _library.needed(x, weight, bias):  # torch.compile, DTensor, dispatch modes: the custom op
+    """Checked arguments -> y, through the custom op (compile, modes, subclasses), the autograd
+    function (gradients, torch.func, forward AD) or straight to the kernels (inference). The host
+    path is asked again here: the public functions ask it first, but a call it declined there may
+    be its case now (inputs cast by autocast, or a row_norm_as_written call)."""
+    fast = _host.fast
+    if fast is not None and not _is_compiling():
+        y = fast.row_norm(x, shape, weight, bias, eps, rms, activation, backend_name)
+        if y is not None:
+            return y
+    if _library.needed(x, weight, bias):
         return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
     backend = backends.resolve(backend_name, x, op)
-    if _needs_autograd(x, weight, bias):
+    if _needs_autograd(x, weight, bias) or transforms_active():
         _forward_only_check(backend, op, x, weight, bias)
-        return _RowNormFunction.apply(x, weight, bias, shape, eps, rms, activation, backend)
+        return RowNormFn.apply(x, weight, bias, len(shape), eps, rms, activation, backend)[0]
     # inference: no statistics to keep, so the kernel need not write them
-    y, _, _ = backend.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), _flat_param(bias), eps, rms,
+    y, _, _ = backend.row_norm_fwd(as_rows(x, shape), flat_param(weight), flat_param(bias), eps, rms,
                                    activation, store_stats=False)
     return y if x.dim() == 2 and len(shape) == 1 else y.view(x.shape)
+
+
+def row_norm_as_written(x, normalized_shape, weight, bias, eps, rms: bool, *, activation=None, backend=None):
+    """LayerNorm/RMSNorm without torch's autocast contract for F.layer_norm / F.rms_norm: computes in
+    float32 and rounds to x's dtype whatever autocast says. For modules that write their norm out
+    in explicit float32 ops (HF's RMSNorm classes), which autocast does not upcast as a whole."""
+    if rms:
+        _check_tensor(x, "x")
+        eps = default_rms_eps(x.dtype) if eps is None else eps
+    shape, eps = _check_inputs(x, normalized_shape, weight, None if rms else bias, eps)
+    _check_activation(activation)
+    return _row_norm(x, shape, weight, None if rms else bias, eps, rms, activation, backend,
+                     "rms_norm" if rms else "layer_norm")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -194,9 +194,16 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
     activation: None, "silu", "mish", "gelu", "gelu_tanh" or "relu", applied after the affine
     transform in the same kernel (forward and backward).
     backend: None picks Triton for CUDA tensors and torch otherwise; a name forces that backend.
+    Under CUDA autocast it computes in float32 and returns float32, as torch's layer_norm does.
     """
+    fast = _host.fast
+    if fast is not None and not _is_compiling():
+        y = fast.row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend)
+        if y is not None:
+            return y
     shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps)
     _check_activation(activation)
+    x, weight, bias = _autocast("layer_norm", x, weight, bias)
     return _row_norm(x, shape, weight, bias, eps, False, activation, backend, "layer_norm")
 
 
@@ -206,41 +213,21 @@ def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torc
     """RMSNorm over the trailing `normalized_shape` dims, as torch.nn.functional.rms_norm.
 
     eps=None means torch's default: the machine epsilon of the compute type (float32, or float64).
-    activation and backend are as in layer_norm.
+    activation and backend are as in layer_norm; float32 under CUDA autocast, as torch's rms_norm.
     """
+    fast = _host.fast
+    if fast is not None and not _is_compiling():
+        y = fast.row_norm(x, normalized_shape, weight, None, eps, True, activation, backend)
+        if y is not None:
+            return y
     _check_tensor(x, "x")
     shape, eps = _check_inputs(x, normalized_shape, weight, None, default_rms_eps(x.dtype) if eps is None else eps)
     _check_activation(activation)
+    x, weight = _autocast("rms_norm", x, weight)
     return _row_norm(x, shape, weight, None, eps, True, activation, backend, "rms_norm")
 
 
 # ----------------------------------------------------------------------------- group norm
-
-def _bcs(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """[B, C, S] view of a [B, C, *spatial] tensor in the given layout, copying only if t is in
-    neither: NCHW ([B, C, S] contiguous) or channels_last (channels innermost)."""
-    B, C = t.shape[0], t.shape[1]
-    if not channels_last:
-        return t.contiguous().view(B, C, -1)
-    perm = (0,) + tuple(range(2, t.dim())) + (1,)
-    return t.permute(perm).contiguous().view(B, -1, C).transpose(1, 2)
-
-
-def _is_channels_last(x: torch.Tensor) -> bool:
-    """Channels innermost in memory (torch's channels_last for 4-D, its analogue for any rank)."""
-    if x.dim() < 3 or x.is_contiguous() or x.shape[1] == 1:
-        return False
-    return x.permute((0,) + tuple(range(2, x.dim())) + (1,)).is_contiguous()
-
-
-def _from_bcs(y3: torch.Tensor, shape) -> torch.Tensor:
-    """Back from [B, C, S] to [B, C, *spatial], keeping y3's memory layout."""
-    if y3.is_contiguous():
-        return y3.view(shape)
-    B, C = shape[0], shape[1]
-    nhwc = y3.transpose(1, 2).view((B,) + tuple(shape[2:]) + (C,))
-    return nhwc.permute((0, nhwc.dim() - 1) + tuple(range(1, nhwc.dim() - 1)))
-
 
 def _check_group_inputs(x, num_groups, weight, bias, eps):
     _check_tensor(x, "x")
@@ -257,42 +244,33 @@ def _check_group_inputs(x, num_groups, weight, bias, eps):
     return int(num_groups), _check_eps(eps)
 
 
-class _GroupNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, num_groups, eps, activation, backend):
-        x3 = _bcs(x, _is_channels_last(x))
-        y3, mean, rstd = backend.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)
-        ctx.save_for_backward(x3, weight, bias if activation is not None else None, mean, rstd)
-        ctx.meta = (x.shape, num_groups, activation, backend, _spec(weight), _spec(bias))
-        return _from_bcs(y3, x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x3, w, b, mean, rstd = ctx.saved_tensors
-        shape, num_groups, activation, backend, w_spec, b_spec = ctx.meta
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx, dw, db = backend.group_norm_bwd(_bcs(dy, not x3.is_contiguous()), x3, num_groups, w, b, mean, rstd,
-                                            activation, w_spec[1] if need_dw else None,
-                                            b_spec[1] if need_db else None)
-        return (_from_bcs(dx, shape) if need_dx else None), dw, db, None, None, None, None
-
-
 def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *, activation: Optional[str] = None,
                backend: Optional[str] = None) -> torch.Tensor:
     """GroupNorm of x (B, C, *spatial) as torch.nn.functional.group_norm, then `activation`
     (None, "silu", "mish", "gelu", "gelu_tanh", "relu") in the same kernel. NCHW and channels_last
-    inputs are read in place, and the output keeps the input's memory format."""
+    inputs are read in place, and the output keeps the input's memory format. Under CUDA autocast it
+    computes in float32 and returns float32, as torch's group_norm does."""
+    fast = _host.fast
+    if fast is not None and not _is_compiling():
+        y = fast.group_norm(x, num_groups, weight, bias, eps, activation, backend)
+        if y is not None:
+            return y
     num_groups, eps = _check_group_inputs(x, num_groups, weight, bias, eps)
     _check_activation(activation)
+    x, weight, bias = _autocast("group_norm", x, weight, bias)
+    if fast is not None and not _is_compiling() and torch.is_autocast_enabled(x.device.type):  # cast above
+        y = fast.group_norm(x, num_groups, weight, bias, eps, activation, backend)
+        if y is not None:
+            return y
     if _library.needed(x, weight, bias):
         return _library.group_norm(x, num_groups, weight, bias, eps, backend, activation=activation)
     be = backends.resolve(backend, x, "group_norm")
-    if _needs_autograd(x, weight, bias):
+    if _needs_autograd(x, weight, bias) or transforms_active():
         _forward_only_check(be, "group_norm", x, weight, bias)
-        return _GroupNormFunction.apply(x, weight, bias, num_groups, eps, activation, be)
-    y3, _, _ = be.group_norm_fwd(_bcs(x, _is_channels_last(x)), num_groups, weight, bias, eps, activation)
-    return _from_bcs(y3, x.shape)
+        return GroupNormFn.apply(x, weight, bias, num_groups, eps, activation, be)[0]
+    y3, _, _ = be.group_norm_fwd(bcs(x, is_channels_last(x)), num_groups, weight, bias, eps, activation)
+    return from_bcs(y3, x.shape)
 
 
 # ----------------------------------------------------------------------------- kernel-level API

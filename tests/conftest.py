@@ -38,6 +38,8 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(tb, "_empty", nan_empty)
     monkeypatch.setattr(tb, "_empty_like", nan_empty_like)
+    from normkit import _host
+    monkeypatch.setattr(_host, "fast", None)  # replayed launch plans allocate their own (unpoisoned) buffers
 
 
 @pytest.fixture

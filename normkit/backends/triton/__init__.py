@@ -122,8 +122,8 @@ def _plan(direction: str, n: int, dtype: torch.dtype, device: torch.device, flag
     (config, constexprs, device index, SM count). flags: (rms, has_w, has_b, activation, extra)."""
     device_index, arch, sms = _device_facts(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0)
     rms, has_w, has_b, activation, extra = flags
+    cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0, "rms" if rms else "ln")
     constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b)
     if direction == "fwd":
         constexprs["STORE_STATS"] = extra
@@ -145,6 +145,8 @@ def clear_caches() -> None:
     _triton_missing.cache_clear()
     _plan.cache_clear()
     _gn_plan.cache_clear()
+    from ... import _host
+    _host.clear()  # launch plans recorded with the old configurations
 
 
 def _scratch(cfg, groups_upper: int, device):
@@ -167,6 +169,10 @@ def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_
         return y, mean, rstd
     cfg, constexprs, device_index, sms = _plan(
         "fwd", N, x.dtype, device, (rms, weight is not None, bias is not None, activation, store_stats))
+    prepared = _on_clusters("fwd", x, (), weight, bias, activation, rms) if cfg.cuda else None
+    if prepared is not None:
+        _cuda_cluster().launch_fwd(prepared, x, y, weight, bias, mean, rstd, eps)
+        return y, mean, rstd
     row_blocks = -(-M // cfg.block_m)
     sync, scratch = _scratch(cfg, sms * 32 // cfg.split + 1, device)
     args = (x, y, weight, bias, mean, rstd, sync, scratch, M, N, x.stride(0), N, eps)
@@ -190,6 +196,14 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
     bias = bias if activation is not None else None  # the bias only matters to recompute the pre-activation
     cfg, constexprs, device_index, sms = _plan(
         "bwd", N, x.dtype, device, (rms, weight is not None, bias is not None, activation, (want_dw, want_db)))
+    prepared = _on_clusters("bwd", x, (dy,), weight, bias, activation, rms, want_dw or want_db) if cfg.cuda else None
+    if prepared is not None:
+        parts = prepared.grid_clusters(M)
+        dw_part = _empty((parts, N), dtype=torch.float32, device=device) if want_dw else None
+        db_part = _empty((parts, N), dtype=torch.float32, device=device) if want_db else None
+        _cuda_cluster().launch_bwd(prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part)
+        _reduce_partials(dw_part, dw, db_part, db, parts, N, device_index)
+        return dx, dw, db
     row_blocks = -(-M // cfg.block_m)
     # the partial buffers need the group count, which needs the compiled kernel: size them for
     # the upper bound and hand the kernel exactly as many programs as groups fit
@@ -202,6 +216,23 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
     groups = _launch_persistent(_kernels().bwd, cfg, args, constexprs, row_blocks, device_index, sms) // cfg.split
     _reduce_partials(dw_part, dw, db_part, db, groups, N, device_index)
     return dx, dw, db
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_cluster():
+    from ..cuda import cluster
+    return cluster
+
+
+def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_params=False):
+    """For widths the table routes to the CUDA backend's cluster kernels: the prepared kernel if
+    this call can take it, else None (the Triton kernels run)."""
+    cluster = _cuda_cluster()
+    if cluster.why_not(x, rows_like, weight, bias) is not None:
+        return None
+    wdtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
+    return cluster.prepare(direction, x.shape[1], x.dtype, wdtype, activation, rms, want_params,
+                           _device_facts(x.device)[0])
 
 
 def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: int) -> None:
