@@ -76,15 +76,23 @@ def _original_forward(self, x):
     return type(self)._normkit_original.forward(self, x)
 
 
+# HF's RMSNorm classes write the norm out in explicit fp32 ops, which autocast leaves alone: their
+# replacements compute in fp32 and round to x's dtype whatever autocast says (row_norm_as_written),
+# not with torch's autocast contract for F.rms_norm.
+
+def _hf_rms_norm(self, x, weight, eps):
+    return F.row_norm_as_written(x, x.shape[-1:], weight, None, eps, True, backend=self._normkit_backend)
+
+
 def _llama_forward(self, hidden_states):
     # HF rounds the normalized fp32 value to x's dtype and then multiplies by the weight (result in
     # the promoted dtype). For fp32 x that rounding is a no-op, so the weight fuses into the kernel;
     # for bf16/fp16 x normkit rounds the same way and torch does the multiply, as HF does.
     x, w = hidden_states, self.weight
     if x.dtype == torch.float32 and w.dtype in _KERNEL_DTYPES:
-        return F.rms_norm(x, w.shape, w, self.variance_epsilon, backend=self._normkit_backend)
+        return _hf_rms_norm(self, x, w, self.variance_epsilon)
     if x.dtype in _LOW_PRECISION:
-        return w * F.rms_norm(x, w.shape, None, self.variance_epsilon, backend=self._normkit_backend)
+        return w * _hf_rms_norm(self, x, None, self.variance_epsilon)
     return _original_forward(self, x)  # HF computes float64 input in fp32; normkit would not
 
 
@@ -93,7 +101,7 @@ def _gemma_forward(self, x):
     # The gradient reaches self.weight through the (1 + w.float()) expression.
     if x.dtype not in _KERNEL_DTYPES:
         return _original_forward(self, x)
-    return F.rms_norm(x, self.weight.shape, 1.0 + self.weight.float(), self.eps, backend=self._normkit_backend)
+    return _hf_rms_norm(self, x, 1.0 + self.weight.float(), self.eps)
 
 
 def _olmo2_forward(self, hidden_states):
@@ -101,7 +109,7 @@ def _olmo2_forward(self, hidden_states):
     x, w = hidden_states, self.weight
     if x.dtype not in _KERNEL_DTYPES or w.dtype not in _KERNEL_DTYPES:
         return _original_forward(self, x)
-    return F.rms_norm(x, w.shape, w, self.variance_epsilon, backend=self._normkit_backend)
+    return _hf_rms_norm(self, x, w, self.variance_epsilon)
 
 
 # ----------------------------------------------------------------------------- recognising forwards
