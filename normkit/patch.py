@@ -20,7 +20,9 @@ What is patched, and only when its forward is known to compute exactly what the 
     llama   (Llama, Qwen2/3, Mistral, Mixtral, Phi-3, ...): weight * normed(x in fp32).to(x.dtype)
     gemma   (Gemma 1/2/3, Qwen3-Next, ...): (normed(x in fp32) * (1 + weight.float())).type_as(x)
     olmo2   (OLMo 2/3, GPT-OSS, ...): (weight * normed(x in fp32)).to(x.dtype)
-  (float64 input runs the class's own forward: HF computes it in fp32, normkit would not).
+  They compute in fp32 and round as HF does whatever autocast says (HF writes them in explicit fp32
+  ops, which autocast leaves alone); float64 input runs the class's own forward (HF computes it in
+  fp32, normkit would not).
 
 patch() returns a PatchReport: a dict {module name: original class} of what it patched ("" names
 the model itself), so `len(report)` and `report == {}` work as before, with
