@@ -132,7 +132,7 @@ def _autocast(op: str, *tensors):
     leaves the op alone. Returns the tensors, cast where torch casts them."""
     x = tensors[0]
     device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type) or not _autocast_upcasts(op, device_type):
+    if not _autocast_upcasts(op, device_type) or not torch.is_autocast_enabled(device_type):
         return tensors
     return tuple(t.float() if (t is not None and t.is_floating_point() and t.dtype != torch.float64
                                and t.device.type == device_type) else t for t in tensors)
@@ -141,7 +141,10 @@ def _autocast(op: str, *tensors):
 @functools.lru_cache(maxsize=None)
 def _autocast_upcasts(op: str, device_type: str) -> bool:
     """Whether this torch build gives aten::`op` an autocast kernel on `device_type` (the norms are
-    only ever on autocast's float32 list): read from the dispatcher, so it follows torch's version."""
+    only ever on autocast's float32 list): read from the dispatcher, so it follows torch's version.
+    False for device types autocast does not know (meta, ...)."""
+    if not torch.amp.autocast_mode.is_autocast_available(device_type):
+        return False
     key = "Autocast" + {"cuda": "CUDA", "cpu": "CPU", "xpu": "XPU", "mps": "MPS"}.get(device_type, device_type.upper())
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
@@ -258,8 +261,9 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
             return y
     num_groups, eps = _check_group_inputs(x, num_groups, weight, bias, eps)
     _check_activation(activation)
-    x, weight, bias = _autocast("group_norm", x, weight, bias)
-    if fast is not None and not _is_compiling() and torch.is_autocast_enabled(x.device.type):  # cast above
+    cast, weight, bias = _autocast("group_norm", x, weight, bias)
+    x, was_cast = cast, cast is not x
+    if fast is not None and was_cast and not _is_compiling():  # a call the host path may serve now
         y = fast.group_norm(x, num_groups, weight, bias, eps, activation, backend)
         if y is not None:
             return y
