@@ -140,16 +140,17 @@ def row_norm_vjp_differentiable(dy, x, weight, bias, normalized_ndim: int, eps: 
     k = normalized_ndim
     lead = tuple(x.shape[: x.dim() - k])
     n = math.prod(x.shape[x.dim() - k:])
-    flat = lambda p: None if p is None else p.to(acc).reshape(n)  # noqa: E731
+    flat = lambda p: None if p is None else p.to(acc).reshape(p.shape[: p.dim() - k] + (n,))  # noqa: E731
     w = flat(weight)
     with _no_autocast(x):
         dx, gx, g = _vjp_terms(x.to(acc).reshape(lead + (n,)), dy.to(acc).reshape(lead + (n,)),
                                w + weight_offset if weight_offset and w is not None else w,
                                flat(bias), -1, eps, rms, activation)
-        rows = tuple(range(len(lead)))
+        # sums over the rows; per-head parameters ([heads, *shape]) keep the heads dim
+        rows = lambda p: tuple(range(len(lead) - (p.dim() - k)))  # noqa: E731
         return (dx.reshape(x.shape).to(x.dtype) if needs[0] else None,
-                gx.sum(rows).reshape(weight.shape).to(weight.dtype) if needs[1] else None,
-                g.sum(rows).reshape(bias.shape).to(bias.dtype) if needs[2] and bias is not None else None)
+                gx.sum(rows(weight)).reshape(weight.shape).to(weight.dtype) if needs[1] else None,
+                g.sum(rows(bias)).reshape(bias.shape).to(bias.dtype) if needs[2] and bias is not None else None)
 
 
 def group_norm_vjp_differentiable(dy, x, weight, bias, num_groups: int, eps: float, activation, needs):
@@ -209,7 +210,8 @@ def row_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, normalized_ndim: int, 
     r = rstd.to(acc).reshape(lead + (1,))
     xhat = (X if rms else X - mean.to(acc).reshape(lead + (1,))) * r
     t_xhat = None if tx is None else _normalized_tangent(xhat, r, tx.to(acc).reshape(lead + (n,)), not rms)
-    flat = lambda p: None if p is None else p.to(acc).reshape(n)  # noqa: E731
+    k = normalized_ndim
+    flat = lambda p: None if p is None else p.to(acc).reshape(p.shape[: p.dim() - k] + (n,))  # noqa: E731
     w = flat(weight)
     w = w + weight_offset if weight_offset and w is not None else w
     t = _affine_tangent(xhat, t_xhat, w, flat(bias), flat(tw), flat(tb), activation)
@@ -251,6 +253,18 @@ def check_backend(backend, opts: RowOptions, residual) -> None:
         _fused_entry(backend, "row_norm_fwd_fused", opts, residual)
 
 
+def param_rows(p, shape):
+    """A weight/bias as the kernels take it: contiguous [N], or [heads, N] for per-head parameters
+    of shape (heads, *shape)."""
+    if p is None or p.dim() == len(shape):
+        return flat_param(p)
+    return p.reshape(p.shape[0], -1).contiguous()
+
+
+def _per_head(weight, bias, shape) -> bool:
+    return any(p is not None and p.dim() > len(shape) for p in (weight, bias))
+
+
 def _rows(backend, t, shape, like=None):
     """t's rows as `backend` takes them (two-stride and column-strided views where it can)."""
     return row_view(t, shape, getattr(backend, "STRIDED_ROWS", False), None if like is None else like.shape[:-1])
@@ -264,14 +278,15 @@ def row_norm_forward_fused(backend, x, weight, bias, normalized_ndim: int, eps: 
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     lead = tuple(x.shape[: x.dim() - normalized_ndim])
     rows = _rows(backend, x, shape)
-    if residual is None and scale is None and opts == PLAIN:
+    if residual is None and scale is None and opts == PLAIN and not _per_head(weight, bias, shape):
         extra = {} if activation is None else {"activation": activation}
         y, mean, rstd = backend.row_norm_fwd(rows, flat_param(weight), flat_param(bias), eps, rms,
                                              store_stats=store_stats, **extra)
         h = amax = None
     else:
         y, mean, rstd, h, amax = _fused_entry(backend, "row_norm_fwd_fused", opts, residual)(
-            rows, flat_param(weight), flat_param(bias), eps, rms, activation=activation, store_stats=store_stats,
+            rows, param_rows(weight, shape), param_rows(bias, shape), eps, rms, activation=activation,
+            store_stats=store_stats,
             residual=None if residual is None else _rows(backend, residual, shape, rows),
             h_dtype=opts.residual_dtype, store_h=store_h, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype,
             out_scale=scale if scale is not None else opts.out_scale, want_amax=opts.return_amax)
@@ -300,20 +315,22 @@ def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized
     rows = _rows(backend, x, shape)
     mean_rows = None if mean is None else mean.reshape(-1)
     dw_dtype, db_dtype = param_dtypes or (weight.dtype if need_dw else None, bias.dtype if need_db else None)
-    if dh is None and second is None and weight_offset == 0.0 and first == x.dtype:
+    if dh is None and second is None and weight_offset == 0.0 and first == x.dtype and \
+            not _per_head(weight, bias, shape):
         extra = {} if activation is None else {"bias": flat_param(bias), "activation": activation}
         dx, dw, db = backend.row_norm_bwd(_rows(backend, dy, shape, rows), rows, flat_param(weight), mean_rows,
                                           rstd.reshape(-1), rms, dw_dtype, db_dtype, **extra)
         dres = None
     else:
         dx, dres, dw, db = _fused_entry(backend, "row_norm_bwd_fused", RowOptions(weight_offset=weight_offset), dh)(
-            _rows(backend, dy, shape, rows), rows, flat_param(weight), mean_rows, rstd.reshape(-1), rms, dw_dtype,
-            db_dtype, bias=flat_param(bias), activation=activation, weight_offset=weight_offset,
+            _rows(backend, dy, shape, rows), rows, param_rows(weight, shape), mean_rows, rstd.reshape(-1), rms,
+            dw_dtype, db_dtype, bias=param_rows(bias, shape), activation=activation, weight_offset=weight_offset,
             dh=None if dh is None else _rows(backend, dh, shape, rows), dx_dtype=first, dres_dtype=second)
     dx = fresh(dx.view(x.shape))
     dres = fresh(dres.view(x.shape)) if dres is not None else (dx if need_dr else None)
-    return (dx if need_dx else None), dres, (None if dw is None else dw.view(shape)), \
-        (None if db is None else db.view(shape))
+    pshape = next((tuple(p.shape) for p in (weight, bias) if p is not None), shape)
+    return (dx if need_dx else None), dres, (None if dw is None else dw.view(pshape)), \
+        (None if db is None else db.view(pshape))
 
 
 def row_norm_backward(backend, dy, x, weight, bias, mean, rstd, normalized_ndim: int, rms: bool, activation, needs):
@@ -407,10 +424,12 @@ class RowNormFn(torch.autograd.Function):
 
 
 def _batched_param(p, bdim, like_ndim, inner_shape, batch):
-    """A [V, *inner] parameter (batched or not) viewed to broadcast against [V, *lead, *inner]."""
+    """A [V, *inner] parameter (batched or not) viewed to broadcast against [V, *lead, *inner].
+    inner_shape None: the parameter's own (unbatched) shape."""
     if p is None:
         return None
     p = p.movedim(bdim, 0) if bdim is not None else p.expand((batch,) + tuple(p.shape))
+    inner_shape = tuple(p.shape[1:]) if inner_shape is None else inner_shape
     return p.reshape((batch,) + (1,) * (like_ndim - 1 - len(inner_shape)) + tuple(inner_shape))
 
 
@@ -427,8 +446,8 @@ def _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, norma
         h = (x.to(acc) + residual.to(acc)).to(opts.residual_dtype)
     xa = (x if h is None else h).to(acc)
     z, rstd = _normalize(xa, dims, eps, rms)
-    w = _batched_param(weight, wd, x.dim(), shape, V)
-    b = _batched_param(bias, bd, x.dim(), shape, V)
+    w = _batched_param(weight, wd, x.dim(), None, V)
+    b = _batched_param(bias, bd, x.dim(), None, V)
     if w is not None:
         z = z * (w.to(acc) + opts.weight_offset)
     if b is not None:

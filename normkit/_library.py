@@ -142,7 +142,7 @@ def _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dwei
     dx_dtype = dx_dtype or x.dtype
     dres_dtype = None if dres_dtype == dx_dtype else dres_dtype  # then dres is dx: the caller uses dx
     dx, dres, dw, db = _autograd.row_norm_backward_fused(
-        be, dy, x, weight, bias if activation is not None else None, None if rms else mean, rstd, normalized_ndim,
+        be, dy, x, weight, bias, None if rms else mean, rstd, normalized_ndim,
         rms, activation, (True, dweight_dtype is not None, dbias_dtype is not None, dres_dtype is not None),
         weight_offset=weight_offset, dh=dh, x_dtype=dx_dtype, residual_dtype=dres_dtype,
         param_dtypes=(dweight_dtype, dbias_dtype))
@@ -151,8 +151,8 @@ def _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dwei
     return dx, (_absent(x) if dres is None else dres), dw, db
 
 
-def _bwd_fake(x, normalized_ndim, dweight_dtype, dbias_dtype, dx_dtype=None, dres_dtype=None):
-    shape = x.shape[x.dim() - normalized_ndim:]
+def _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_dtype=None, dres_dtype=None):
+    shape = next((p.shape for p in (weight, bias) if p is not None), x.shape[x.dim() - normalized_ndim:])
     dw = _absent(x, dweight_dtype) if dweight_dtype is None else x.new_empty(shape, dtype=dweight_dtype)
     db = _absent(x, dbias_dtype) if dbias_dtype is None else x.new_empty(shape, dtype=dbias_dtype)
     dx_dtype = dx_dtype or x.dtype
@@ -172,7 +172,7 @@ def _row_norm_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional[
 
 @_row_norm_bwd.register_fake
 def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend):
-    dx, _, dw, db = _bwd_fake(x, normalized_ndim, dweight_dtype, dbias_dtype)
+    dx, _, dw, db = _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype)
     return dx, dw, db
 
 
@@ -189,7 +189,7 @@ def _row_norm_fused_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Opt
 @_row_norm_fused_bwd.register_fake
 def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend,
       weight_offset, dh, dx_dtype, dres_dtype):
-    return _bwd_fake(x, normalized_ndim, dweight_dtype, dbias_dtype, dx_dtype, dres_dtype)
+    return _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_dtype, dres_dtype)
 
 
 def _row_norm_setup(ctx, inputs, output):
@@ -222,7 +222,7 @@ def _row_norm_backward(ctx, dy, *grads):
     else:
         w_dtype = weight.dtype if needs[1] else None
         b_dtype = bias.dtype if needs[2] else None
-        act_bias = bias if activation is not None else None
+        act_bias = bias if activation is not None or (bias is not None and bias.dim() > normalized_ndim) else None
         if ctx.fused:
             first = x_dtype if needs[0] else r_dtype
             dx, dres, dw, db = _row_norm_fused_bwd(dy, z, normalized_ndim, weight, act_bias, mean, rstd, rms,

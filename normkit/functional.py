@@ -97,17 +97,19 @@ def _check_activation(activation) -> None:
         raise ValueError(f"activation: expected None or one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
 
 
-def _check_param(p, arg: str, shape, x: torch.Tensor, device) -> None:
+def _check_param(p, arg: str, shape, x: torch.Tensor, device, expected=None) -> None:
     if p is None:
         return
     _check_tensor(p, arg)
     if p.shape != shape:
-        raise ValueError(f"{arg}: expected shape {tuple(shape)}, got {tuple(p.shape)}")
+        raise ValueError(f"{arg}: expected shape {expected or tuple(shape)}, got {tuple(p.shape)}")
     if p.device != device:
         raise ValueError(f"{arg}: expected a tensor on x's device {device}, got one on {p.device}")
 
 
-def _check_inputs(x, normalized_shape, weight, bias, eps):
+def _check_inputs(x, normalized_shape, weight, bias, eps, per_head: bool = False):
+    """(normalized shape, eps). per_head: weight/bias may also have shape (x.shape[-k-1], *shape),
+    one row of parameters per index of the dim before the normalized ones (per-head q/k norms)."""
     _check_tensor(x, "x")
     shape = _normalized_shape(normalized_shape)
     if x.shape[x.dim() - len(shape):] != shape or x.dim() < len(shape):
@@ -115,8 +117,13 @@ def _check_inputs(x, normalized_shape, weight, bias, eps):
                          f"got {shape}")
     if weight is not None or bias is not None:
         device = x.device
-        _check_param(weight, "weight", shape, x, device)
-        _check_param(bias, "bias", shape, x, device)
+        heads = tuple(x.shape[x.dim() - len(shape) - 1:]) if per_head and x.dim() > len(shape) else None
+        for p, arg in ((weight, "weight"), (bias, "bias")):
+            if p is not None and heads is not None and p.dim() == len(heads):
+                _check_param(p, arg, heads, x, device, f"{tuple(shape)} or, one row per head, {heads}")
+            else:
+                _check_param(p, arg, shape, x, device, f"{tuple(shape)}" + (f" or, one row per head, {heads}"
+                                                                            if heads is not None else ""))
     return shape, _check_eps(eps)
 
 
@@ -219,6 +226,16 @@ def _check_fusion(x, shape, weight, residual, prenorm, residual_dtype, weight_of
     return (PLAIN if opts == PLAIN else opts), scale
 
 
+def _same_param_rows(weight, bias, shape):
+    """With one parameter per head and the other not, the other is expanded to per head (autograd
+    sums its gradient back): the kernels take both in one layout."""
+    if weight is None or bias is None or weight.dim() == bias.dim():
+        return weight, bias
+    if weight.dim() > bias.dim():
+        return weight, bias.expand(weight.shape)
+    return weight.expand(bias.shape), bias
+
+
 def _outputs(y, h, amax, prenorm: bool, return_amax: bool):
     if not prenorm and not return_amax:
         return y
@@ -246,7 +263,8 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
     """Checked arguments -> y (or the tuple of _outputs), through the custom op (compile, modes,
     subclasses), the autograd function (gradients, torch.func, forward AD) or straight to the
     kernels (inference)."""
-    plain = residual is None and scale is None and opts is PLAIN
+    plain = residual is None and scale is None and opts is PLAIN and (weight is None or weight.dim() == len(shape)) \
+        and (bias is None or bias.dim() == len(shape))  # not per-head parameters
     if _library.needed(x, weight, bias, residual, scale):
         if plain:
             return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
@@ -278,7 +296,8 @@ def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, bac
     if rms:
         _check_tensor(x, "x")
         eps = default_rms_eps(x.dtype) if eps is None else eps
-    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps)
+    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps, per_head=True)
+    weight, bias = _same_param_rows(weight, bias, shape)
     _check_activation(activation)
     if residual is None and prenorm is False and residual_dtype is None and out_dtype is None and \
             out_scale is None and return_amax is False and weight_offset == 0:
@@ -321,7 +340,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
     Under CUDA autocast it returns float32, as torch's layer_norm does (read x's dtype, write fp32).
     """
     if residual is None and out_dtype is None and weight_offset == 0 and prenorm is False and \
-            return_amax is False and residual_dtype is None and out_scale is None:
+            return_amax is False and residual_dtype is None and out_scale is None and \
+            (weight is None or weight.dim() == (1 if type(normalized_shape) is int else len(normalized_shape))):
         fast = _host.fast
         if fast is not None and not _is_compiling():
             y = fast.row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend)
@@ -343,7 +363,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torc
     as torch's rms_norm.
     """
     if residual is None and out_dtype is None and weight_offset == 0 and prenorm is False and \
-            return_amax is False and residual_dtype is None and out_scale is None:
+            return_amax is False and residual_dtype is None and out_scale is None and \
+            (weight is None or weight.dim() == (1 if type(normalized_shape) is int else len(normalized_shape))):
         fast = _host.fast
         if fast is not None and not _is_compiling():
             y = fast.row_norm(x, normalized_shape, weight, None, eps, True, activation, backend)
@@ -404,7 +425,8 @@ def _stats_shape(x: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
 def _fwd_with_stats(x, normalized_shape, weight, bias, eps, rms, activation, residual, residual_dtype, weight_offset,
                     out_dtype, out_scale, return_amax, backend, op):
     """The kernel-level forward: (y, mean or None, rstd, h or None, amax or None)."""
-    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps)
+    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps, per_head=True)
+    weight, bias = _same_param_rows(weight, bias, shape)
     _check_activation(activation)
     opts, scale = _check_fusion(x, shape, weight, residual, False, residual_dtype, weight_offset, out_dtype, out_scale,
                                 return_amax)

@@ -50,14 +50,28 @@ def _xhat(x, mean, rstd):
     return (xf if mean is None else xf - mean[..., None]) * rstd[..., None]
 
 
+def _param(p, like, acc):
+    """A weight/bias laid out to broadcast against rows `like`: [N], or per-head [H, N] (row r uses
+    row r % H) repeated over the rows."""
+    if p is None or p.dim() == 1:
+        return None if p is None else p.to(acc)
+    return p.to(acc).repeat(like[..., 0].numel() // p.shape[0], 1).view(like.shape)
+
+
 def _affine(xhat, weight, bias, acc, weight_offset=0.0):
     z = xhat
     if weight is not None:
-        w = weight.to(acc)
+        w = _param(weight, xhat, acc)
         z = z * (w + weight_offset if weight_offset else w)
     if bias is not None:
-        z = z + bias.to(acc)
+        z = z + _param(bias, xhat, acc)
     return z
+
+
+def _param_sum(t, heads: int):
+    """Sum of t over its rows, per parameter row: [N], or [heads, N] for per-head parameters."""
+    n = t.shape[-1]
+    return t.reshape(-1, n).sum(0) if heads == 1 else t.reshape(-1, heads, n).sum(0)
 
 
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
@@ -106,7 +120,9 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
                        weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None):
     acc = _acc(x)
     N = x.shape[-1]
-    xhat = _xhat(x, None if rms else mean.to(acc), rstd.to(acc))
+    lead = x.shape[:-1]  # the statistics come flat, one per row
+    rstd = rstd.reshape(lead)
+    xhat = _xhat(x, None if rms else mean.reshape(lead).to(acc), rstd.to(acc))
     dyf = dy.to(acc)
     if activation is not None:  # dy through the activation's derivative at the pre-activation value
         dyf = _ACTIVATION_GRADS[activation](dyf, _affine(xhat, weight, bias, acc, weight_offset))
@@ -118,9 +134,10 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     dx = dx * rstd.to(acc)[..., None]
     if dh is not None:  # the residual stream's own gradient joins dx
         dx = dx + dh.to(acc)
-    rows = tuple(range(x.dim() - 1))
-    dw = (dyf * xhat).sum(dim=rows).to(dweight_dtype) if dweight_dtype is not None else None
-    db = dyf.sum(dim=rows).to(dbias_dtype) if dbias_dtype is not None else None
+    p = weight if weight is not None else bias
+    heads = p.shape[0] if p is not None and p.dim() == 2 else 1
+    dw = _param_sum(dyf * xhat, heads).to(dweight_dtype) if dweight_dtype is not None else None
+    db = _param_sum(dyf, heads).to(dbias_dtype) if dbias_dtype is not None else None
     dres = dx.to(dres_dtype).contiguous() if dres_dtype is not None else None
     return dx.to(dx_dtype or x.dtype).contiguous(), dres, dw, db
 

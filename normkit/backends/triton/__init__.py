@@ -101,10 +101,12 @@ def _sync_buffer(device: torch.device, groups: int) -> torch.Tensor:
     return buf
 
 
-def _launch_persistent(kernel, cfg, args, constexprs, row_blocks: int, device_index: int, sms: int) -> int:
+def _launch_persistent(kernel, cfg, args, constexprs, row_blocks: int, device_index: int, sms: int,
+                       unit: int = 1) -> int:
     """Launch with programs_per_sm programs per SM, at most what can be resident at once (split
     rows wait on each other, so all their programs must run side by side), at most one group per
-    row block, and a whole number of groups. Returns the number of programs."""
+    row block, and a whole number of groups, a multiple of `unit` (per-head weight gradients:
+    row_blocks is then per unit). Returns the number of programs."""
     from .launch import resident_programs_per_sm
 
     def grid(compiled):
@@ -114,7 +116,7 @@ def _launch_persistent(kernel, cfg, args, constexprs, row_blocks: int, device_in
             if per_sm < 1:
                 raise RuntimeError(f"normkit: Triton config {cfg} does not fit on one SM of device {device_index}")
             programs = sms * per_sm
-        return (max(1, min(programs // cfg.split, row_blocks)) * cfg.split,)
+        return (max(1, min(programs // (cfg.split * unit), row_blocks)) * unit * cfg.split,)
 
     return kernel(grid, args, constexprs, cfg.options, device_index)[0]
 
@@ -126,11 +128,17 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     """Everything about a launch that depends only on its kind, computed once:
     (config, constexprs, device index, SM count). itemsize: the widest element the launch moves
     (a bf16 -> fp32 launch is configured as fp32, so it runs exactly as fp32 -> fp32 does).
-    flags: (rms, has_w, has_b, activation, extra); fusion: the fused epilogue's constexprs."""
+    flags: (rms, has_w, has_b, activation, extra[, per-head parameters]); fusion: the fused
+    epilogue's constexprs."""
     device_index, arch, sms = _device_facts(device)
     cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0)
-    rms, has_w, has_b, activation, extra = flags
-    constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b)
+    rms, has_w, has_b, activation, extra, *per_row = flags
+    per_row = bool(per_row and per_row[0])
+    if per_row and cfg.split > 1:  # per-head weight rows: no split rows (their programs must not wait on heads)
+        chunk, num_warps = configs.LOOPED[direction]
+        cfg = configs.RowConfig(1, min(chunk, cfg.block_n * cfg.split), 1, num_warps, configs.LOOPED_PROGRAMS_PER_SM,
+                                looped=True)
+    constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b, PER_ROW_W=per_row)
     if direction == "fwd":
         constexprs["STORE_STATS"] = extra
     else:
@@ -210,8 +218,9 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     scale_ptr = isinstance(out_scale, torch.Tensor)
     fusion = (has_res, h is not None, h_dtype, out_dtype if fp8 else None, scale_ptr, want_amax)
     itemsize = max(t.element_size() for t in (x, y, h, residual) if t is not None)
+    w_rows = _param_rows(weight, bias)
     cfg, constexprs, device_index, sms = _plan(
-        "fwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, store_stats),
+        "fwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, store_stats, w_rows > 1),
         fusion if fusion != _NO_FWD_FUSION else ())
     row_blocks = -(-M // cfg.block_m)
     sync, scratch = _scratch(cfg, sms * 32 // cfg.split + 1, device)
@@ -220,7 +229,7 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     scale = 1.0 if scale_ptr or out_scale is None else float(out_scale)
     args = (x, residual, y.view(torch.uint8) if fp8 else y, h, weight, bias, mean, rstd, amax,
             out_scale if scale_ptr else None, sync, scratch, M, N, inner, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps,
-            float(weight_offset), scale)
+            w_rows, float(weight_offset), scale)
     if cfg.looped or cfg.programs_per_sm == 0:
         _kernels().fwd((row_blocks,), args, constexprs, cfg.options, device_index)
     else:
@@ -230,6 +239,13 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _NO_FWD_FUSION = (False, False, None, None, False, False)
+
+
+def _param_rows(weight, bias) -> int:
+    """Rows of the weight/bias: 1, or the heads of per-head parameters ([heads, N]; row r of x uses
+    parameter row r % heads)."""
+    p = weight if weight is not None else bias
+    return p.shape[0] if p is not None and p.dim() == 2 else 1
 
 
 def _amax_out(bits):
@@ -253,20 +269,23 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     dx = _out(x, dx_dtype or x.dtype)
     dres = _out(x, dres_dtype) if dres_dtype is not None else None
     want_dw, want_db = dweight_dtype is not None, dbias_dtype is not None
-    dw = _empty((N,), dtype=dweight_dtype, device=device) if want_dw else None
-    db = _empty((N,), dtype=dbias_dtype, device=device) if want_db else None
+    w_rows = _param_rows(weight, bias)
+    pshape = (w_rows, N) if w_rows > 1 else (N,)
+    dw = _empty(pshape, dtype=dweight_dtype, device=device) if want_dw else None
+    db = _empty(pshape, dtype=dbias_dtype, device=device) if want_db else None
     if M == 0:  # no rows: the weight gradients are exact zeros
         return dx, dres, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)
     bias = bias if activation is not None else None  # the bias only matters to recompute the pre-activation
     itemsize = max(t.element_size() for t in (x, dy, dx, dres, dh) if t is not None)
     fusion = (dh is not None, dres is not None)
     cfg, constexprs, device_index, sms = _plan(
-        "bwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, (want_dw, want_db)),
+        "bwd", N, itemsize, device,
+        (rms, weight is not None, bias is not None, activation, (want_dw, want_db), w_rows > 1),
         fusion if any(fusion) else ())
-    row_blocks = -(-M // cfg.block_m)
+    row_blocks = -(-(M // w_rows) // cfg.block_m)  # per head: a group walks the rows of one head
     # the partial buffers need the group count, which needs the compiled kernel: size them for
     # the upper bound and hand the kernel exactly as many programs as groups fit
-    groups_upper = max(1, min(sms * max(cfg.programs_per_sm, 1) // cfg.split, row_blocks))
+    groups_upper = max(1, min(sms * max(cfg.programs_per_sm, 1) // (cfg.split * w_rows), row_blocks)) * w_rows
     sync, scratch = _scratch(cfg, groups_upper, device)
     dw_part = _empty((groups_upper, N), dtype=torch.float32, device=device) if want_dw else None
     db_part = _empty((groups_upper, N), dtype=torch.float32, device=device) if want_db else None
@@ -274,9 +293,11 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     _, sx_o, sx_i, sx_c = _strides(x)
     _, sdh_o, sdh_i, sdh_c = _strides(dh) if dh is not None else (1, 0, 0, 0)
     args = (dy, x, dh, weight, bias, mean, rstd, dx, dres, dw_part, db_part, sync, scratch,
-            M, N, inner, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, float(weight_offset))
-    groups = _launch_persistent(_kernels().bwd, cfg, args, constexprs, row_blocks, device_index, sms) // cfg.split
-    _reduce_partials(dw_part, dw, db_part, db, groups, N, device_index)
+            M, N, inner, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, w_rows, float(weight_offset))
+    groups = _launch_persistent(_kernels().bwd, cfg, args, constexprs, row_blocks, device_index, sms,
+                                w_rows) // cfg.split
+    # partial row g belongs to head g % w_rows: [groups / heads, heads * N] sums to [heads, N]
+    _reduce_partials(dw_part, dw, db_part, db, groups // w_rows, N * w_rows, device_index)
     return dx, dres, dw, db
 
 

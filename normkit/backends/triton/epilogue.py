@@ -99,8 +99,9 @@ def _fp8_encode(v, MBITS: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, 
     q = (a * inv_ulp + 12582912.0) - 12582912.0  # a / ulp < 2**(MBITS + 1): + 1.5 * 2**23 rounds it half-even
     r = q * ulp
     normal = (r.to(tl.int32, bitcast=True) >> (23 - MBITS)) - ((127 - BIAS) << MBITS)
-    code = tl.where(r < MIN_NORMAL, q.to(tl.int32), normal)
-    code = tl.where(a != a, 0x7F, code)
+    nan = a != a
+    code = tl.where(r < MIN_NORMAL, tl.where(nan, 0.0, q).to(tl.int32), normal)
+    code = tl.where(nan, 0x7F, code)
     return (code | (sign << 7)).to(tl.uint8)
 
 

@@ -86,30 +86,41 @@ def _group_exit(SYNC, group, num_groups, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _load_vec(P, cols, col_mask, PRESENT: tl.constexpr):
-    if PRESENT:
-        return tl.load(P + cols, mask=col_mask, other=0.0).to(tl.float32)
+def _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                 PER_ROW: tl.constexpr):
+    """(w, b) as fp32 tiles that broadcast over a tile's rows: the effective weight w_offset + w
+    (Gemma's 1 + w) and the bias, [1, BLOCK_N]; with per-head parameters ([W_ROWS, N], row r uses
+    row r % W_ROWS: q/k norms with one weight per head), one row each, [BLOCK_M, BLOCK_N]."""
+    if PER_ROW:
+        offs = (rows % W_ROWS)[:, None] * N + cols[None, :]
     else:
-        return 0.0
-
-
-@triton.jit
-def _load_weight(W, cols, col_mask, w_offset, HAS_W: tl.constexpr):
-    """The effective weight w_offset + w (Gemma's 1 + w), fp32."""
+        offs = cols[None, :]
+    w = 0.0
+    b = 0.0
     if HAS_W:
-        return tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
-    else:
-        return 0.0
+        w = tl.load(W + offs, mask=col_mask[None, :], other=0.0).to(tl.float32) + w_offset
+    if HAS_B:
+        b = tl.load(B + offs, mask=col_mask[None, :], other=0.0).to(tl.float32)
+    return w, b
 
 
 @triton.jit
 def _epilogue(xhat, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr):
     y = xhat
     if HAS_W:
-        y = y * w[None, :]
+        y = y * w
     if HAS_B:
-        y = y + b[None, :]
+        y = y + b
     return act_fwd(y, ACT)
+
+
+@triton.jit
+def _head_rows(jb, head, rows_per_head, W_ROWS, BLOCK_M: tl.constexpr):
+    """(rows, mask) of block jb of one head's rows: the backward walks the rows of a head together
+    so that a program's weight-gradient partials belong to one head. Plain parameters (W_ROWS == 1,
+    a constant once specialized): block jb of all rows."""
+    j = (jb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return j * W_ROWS + head, j < rows_per_head
 
 
 # ----------------------------------------------------------------------------- row addressing
@@ -169,8 +180,9 @@ def _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H: tl.con
 
 @triton.jit
 def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, it, M, N, INNER,
-              sx_o, sx_i, sr_o, sr_i, eps, w_offset, scale, amax, cols, col_mask,
-              IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr,
+              sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, amax, cols, col_mask,
+              IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
+              STORE_STATS: tl.constexpr,
               ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr,
               FP8: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               SPLIT: tl.constexpr):
@@ -205,8 +217,8 @@ def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, i
             xc = tl.where(mask, xs - mean_s[:, None], 0.0)
         rstd = tl.rsqrt(m2 / N + eps)
     # weights are loaded late: they are not live (registers) while the statistics are computed
-    y = _epilogue(xc * rstd[:, None], _load_weight(W, cols, col_mask, w_offset, HAS_W),
-                  _load_vec(B, cols, col_mask, HAS_B), HAS_W, HAS_B, ACT)
+    w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+    y = _epilogue(xc * rstd[:, None], w, b, HAS_W, HAS_B, ACT)
     amax = _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H, FP8, WANT_AMAX)
     if STORE_STATS:
         first = row_mask & ((rows * 0 + k) == 0)  # vector form: the interpreter rejects a scalar mask term
@@ -219,8 +231,9 @@ def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, i
 @triton.jit
 def row_norm_fwd_kernel(
     X, R, Y, H, W, B, MEAN, RSTD, AMAX, SCALE, SYNC, SCRATCH,
-    M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, w_offset, scale,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr,
+    M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS, w_offset, scale,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
+    STORE_STATS: tl.constexpr,
     ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
     SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
@@ -233,16 +246,16 @@ def row_norm_fwd_kernel(
     if LOOPED:
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         amax = _fwd_looped(X, R, Y, H, W, B, rows, rows < M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps,
-                           w_offset, scale, MEAN, RSTD, IS_RMS, HAS_W, HAS_B, STORE_STATS, ACT, HAS_RES, STORE_H,
-                           H_ROUND, FP8, WANT_AMAX, BLOCK_M, BLOCK_N)
+                           W_ROWS, w_offset, scale, MEAN, RSTD, IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT,
+                           HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, BLOCK_M, BLOCK_N)
     elif not PERSISTENT:  # one row block per program
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
         rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         x = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND)
         amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, pid, 0, 0, M, N, INNER,
-                         sx_o, sx_i, sr_o, sr_i, eps, w_offset, scale, amax, cols, col_mask,
-                         IS_RMS, HAS_W, HAS_B, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX,
+                         sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, amax, cols, col_mask,
+                         IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX,
                          BLOCK_M, BLOCK_N, 1)
     else:  # groups of SPLIT programs walk row blocks group, group + G, ...
         group = pid // SPLIT
@@ -261,8 +274,8 @@ def row_norm_fwd_kernel(
             x_next = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
                              HAS_RES, H_ROUND)
             amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k,
-                             (block - group) // num_groups, M, N, INNER, sx_o, sx_i, sr_o, sr_i, eps, w_offset, scale,
-                             amax, cols, col_mask, IS_RMS, HAS_W, HAS_B, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND,
+                             (block - group) // num_groups, M, N, INNER, sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset,
+                             scale, amax, cols, col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND,
                              FP8, WANT_AMAX, BLOCK_M, BLOCK_N, SPLIT)
         if SPLIT > 1:
             _group_exit(SYNC, group, num_groups, SPLIT)
@@ -271,9 +284,9 @@ def row_norm_fwd_kernel(
 
 
 @triton.jit
-def _fwd_looped(X, R, Y, H, W, B, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, w_offset,
-                scale, MEAN, RSTD, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                STORE_STATS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr,
+def _fwd_looped(X, R, Y, H, W, B, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS,
+                w_offset, scale, MEAN, RSTD, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                PER_ROW_W: tl.constexpr, STORE_STATS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr,
                 H_ROUND: tl.constexpr, FP8: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """One program walks its rows in BLOCK_N chunks: statistics, then normalize. Returns amax."""
@@ -311,8 +324,8 @@ def _fwd_looped(X, R, Y, H, W, B, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr
             xhat = x * rstd[:, None]
         else:
             xhat = ((x - shift[:, None]) - mean_s[:, None]) * rstd[:, None]
-        y = _epilogue(xhat, _load_weight(W, cols, col_mask, w_offset, HAS_W), _load_vec(B, cols, col_mask, HAS_B),
-                      HAS_W, HAS_B, ACT)
+        w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+        y = _epilogue(xhat, w, b, HAS_W, HAS_B, ACT)
         amax = _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H, FP8, WANT_AMAX)
     if STORE_STATS:
         tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -335,12 +348,12 @@ def _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.co
     if ACT != 0:
         z = xhat
         if HAS_W:
-            z = z * w[None, :]
+            z = z * w
         if HAS_B:
-            z = z + b[None, :]
+            z = z + b
         g = tl.where(mask, act_grad(z, dy, ACT), 0.0)
     if HAS_W:
-        wg = g * w[None, :]
+        wg = g * w
     else:
         wg = g
     return xhat, g, wg
@@ -371,48 +384,54 @@ def _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o,
 @triton.jit
 def row_norm_bwd_kernel(
     DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, SYNC, SCRATCH,
-    M, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, w_offset,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr,
+    M, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, W_ROWS, w_offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, WANT_DW: tl.constexpr,
     WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
 ):
     """Persistent: group g (SPLIT programs; one program unless the row is split) handles row blocks
     g, g + G, g + 2G, ... and writes its fp32 partial sums of dweight/dbias to row g of
     DW_PART/DB_PART ([G, N]); col_sum_kernel then adds the G partials in a fixed order.
+    With per-head parameters (W_ROWS heads; G a multiple of W_ROWS) group g walks only the rows of
+    head g % W_ROWS, so DW_PART is [G / W_ROWS, W_ROWS * N] and the same reduction gives [W_ROWS, N].
     No float atomics anywhere: gradients are bitwise reproducible."""
     pid = tl.program_id(0)
-    num_blocks = tl.cdiv(M, BLOCK_M)
     group = pid // SPLIT
     k = pid % SPLIT
     num_groups = tl.num_programs(0) // SPLIT
     part_row = group.to(tl.int64) * N
+    head = group % W_ROWS
+    rows_per_head = M // W_ROWS
+    blocks_per_head = tl.cdiv(rows_per_head, BLOCK_M)
+    step = num_groups // W_ROWS
     if LOOPED:
-        _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_row, pid, num_groups, num_blocks,
-                    M, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, w_offset,
-                    IS_RMS, HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, HAS_DH, HAS_DRES, BLOCK_M, BLOCK_N)
+        _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_row, group // W_ROWS, step,
+                    blocks_per_head, head, rows_per_head, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o,
+                    sdh_i, sdh_c, W_ROWS, w_offset, IS_RMS, HAS_W, HAS_B, PER_ROW_W, WANT_DW, WANT_DB, ACT, HAS_DH,
+                    HAS_DRES, BLOCK_M, BLOCK_N)
     else:
         cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        w = _load_weight(W, cols, col_mask, w_offset, HAS_W)
-        b = _load_vec(B, cols, col_mask, HAS_B)
+        rows, row_mask = _head_rows(group // W_ROWS, head, rows_per_head, W_ROWS, BLOCK_M)
+        w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        rows = (group * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        x_next = _load_tile(X, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c)
-        dy_next = _load_tile(DY, rows, rows < M, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
-        for block in range(group, num_blocks, num_groups):
-            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            row_mask = rows < M
+        x_next = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+        dy_next = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+        for jb in range(group // W_ROWS, blocks_per_head, step):
+            rows, row_mask = _head_rows(jb, head, rows_per_head, W_ROWS, BLOCK_M)
             mask = row_mask[:, None] & col_mask[None, :]
             if SPLIT > 1:
                 # prefetch the next tiles now: their loads overlap the wait at the group barrier
                 x, dy = x_next, dy_next
-                nxt = rows + num_groups * BLOCK_M
-                x_next = _load_tile(X, nxt, nxt < M, cols, col_mask, INNER, sx_o, sx_i, sx_c)
-                dy_next = _load_tile(DY, nxt, nxt < M, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+                nxt, nxt_mask = _head_rows(jb + step, head, rows_per_head, W_ROWS, BLOCK_M)
+                x_next = _load_tile(X, nxt, nxt_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+                dy_next = _load_tile(DY, nxt, nxt_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             else:
                 x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
                 dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+            if PER_ROW_W:
+                w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             mean = rstd
             if not IS_RMS:
@@ -423,7 +442,7 @@ def row_norm_bwd_kernel(
             if not IS_RMS:
                 c2 = tl.sum(wg, axis=1)
             if SPLIT > 1:
-                slot = _publish_and_wait(SYNC, SCRATCH, group, k, (block - group) // num_groups,
+                slot = _publish_and_wait(SYNC, SCRATCH, group, k, (jb - group // W_ROWS) // step,
                                          c1, c2, SPLIT, BLOCK_M)
                 c1 = tl.sum(_read_partials(slot, False, SPLIT, BLOCK_M), axis=0)
                 c2 = tl.sum(_read_partials(slot, True, SPLIT, BLOCK_M), axis=0)
@@ -443,11 +462,11 @@ def row_norm_bwd_kernel(
 
 
 @triton.jit
-def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_row, pid, num_progs, num_blocks,
-                M, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, w_offset,
-                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr,
-                WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_row, first, step, num_blocks, head,
+                rows_per_head, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, W_ROWS, w_offset,
+                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
+                WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr,
+                HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program walks each of its rows in BLOCK_N chunks twice (row sums, then dx), adding its
     weight-gradient sums into its own partial row, which only it ever touches."""
     num_chunks = tl.cdiv(N, BLOCK_N)
@@ -457,9 +476,8 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_ro
             tl.store(DW_PART + part_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
         if WANT_DB:
             tl.store(DB_PART + part_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
-    for block in range(pid, num_blocks, num_progs):
-        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_mask = rows < M
+    for jb in range(first, num_blocks, step):
+        rows, row_mask = _head_rows(jb, head, rows_per_head, W_ROWS, BLOCK_M)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         mean = rstd
         if not IS_RMS:
@@ -472,8 +490,8 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_ro
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
             dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
-            xhat, g, wg = _bwd_terms(x, dy, _load_weight(W, cols, col_mask, w_offset, HAS_W),
-                                     _load_vec(B, cols, col_mask, HAS_B), mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
+            w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
             c1 += tl.sum(xhat * wg, axis=1)
             if not IS_RMS:
                 c2 += tl.sum(wg, axis=1)
@@ -486,8 +504,8 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_ro
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
             dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
-            xhat, g, wg = _bwd_terms(x, dy, _load_weight(W, cols, col_mask, w_offset, HAS_W),
-                                     _load_vec(B, cols, col_mask, HAS_B), mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
+            w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
             dx = _dx(xhat, wg, rstd, c1, c2, IS_RMS)
             _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
                       HAS_DH, HAS_DRES)
