@@ -52,9 +52,9 @@ def row_view(t: torch.Tensor, shape: tuple[int, ...], strided: bool = True, lead
                 view_strides = (rows[0][1] * want[1], rows[0][1])
             elif len(rows) == 2 and rows[1][0] == want[1]:
                 view_strides = (rows[0][1], rows[1][1])
-    if view_strides is not None:
-        return t.as_strided(tuple(want) + (n,), view_strides + (col_stride if n > 1 else 1,))
-    return t.contiguous().view((lead if lead is not None else (m,)) + (n,))
+    if view_strides is not None:  # view() computes exactly these strides (and works on tensor subclasses)
+        return t.view(tuple(want) + (n,))
+    return t.contiguous().view(tuple(lead if lead is not None else (m,)) + (n,))
 
 
 def as_rows(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -211,7 +211,7 @@ def _row_norm_backward(ctx, dy, *grads):
     """Both forward ops' autograd: grads are (dmean, drstd) or (dh, dmean, drstd, damax)."""
     z, weight, bias, mean, rstd = ctx.saved_tensors
     normalized_ndim, eps, rms, activation, backend, opts, x_dtype, r_dtype = ctx.args
-    dh = grads[0] if ctx.fused else None
+    dh = grads[0] if ctx.fused and r_dtype is not None else None  # an absent h (empty) has an empty gradient
     n = ctx.needs_input_grad
     needs = (n[0], n[2], n[3], ctx.fused and n[8])
     if dy is None and dh is None:
