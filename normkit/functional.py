@@ -288,6 +288,23 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
     return _outputs(y, h, amax, prenorm, opts.return_amax)
 
 
+def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax) -> bool:
+    """No fused option asked for (the defaults; weight_offset's is the int 0: a float default would
+    be a symbolic input that torch.compile(dynamic=True) specializes by restarting its trace)."""
+    return residual is None and prenorm is False and residual_dtype is None and weight_offset == 0 and \
+        out_dtype is None and out_scale is None and return_amax is False
+
+
+def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend):
+    """The C++ host path's output for a call without fused options, or None."""
+    fast = _host.fast
+    if fast is None or _is_compiling():
+        return None
+    if weight is not None and weight.dim() != (1 if type(normalized_shape) is int else len(normalized_shape)):
+        return None  # per-head weights: not a call the host path knows
+    return fast.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend)
+
+
 def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
                     residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast: bool):
     op = "rms_norm" if rms else "layer_norm"
@@ -297,8 +314,7 @@ def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, bac
     shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps, per_head=True)
     weight, bias = _same_param_rows(weight, bias, shape)
     _check_activation(activation)
-    if residual is None and prenorm is False and residual_dtype is None and out_dtype is None and \
-            out_scale is None and return_amax is False and weight_offset == 0:
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
         opts, scale = PLAIN, None  # the common call: nothing fused, nothing more to check
     else:
         opts, scale = _check_fusion(x, shape, weight, residual, prenorm, residual_dtype, weight_offset, out_dtype,
@@ -337,14 +353,10 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
     backend: None picks Triton for CUDA tensors and torch otherwise; a name forces that backend.
     Under CUDA autocast it returns float32, as torch's layer_norm does (read x's dtype, write fp32).
     """
-    if residual is None and out_dtype is None and weight_offset == 0 and prenorm is False and \
-            return_amax is False and residual_dtype is None and out_scale is None and \
-            (weight is None or weight.dim() == (1 if type(normalized_shape) is int else len(normalized_shape))):
-        fast = _host.fast
-        if fast is not None and not _is_compiling():
-            y = fast.row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend)
-            if y is not None:
-                return y
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
+        y = _via_host(x, normalized_shape, weight, bias, eps, False, activation, backend)
+        if y is not None:
+            return y
     return _fused_row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm,
                            residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
 
@@ -360,14 +372,10 @@ def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torc
     activation, the fused epilogues and backend are as in layer_norm; float32 under CUDA autocast,
     as torch's rms_norm.
     """
-    if residual is None and out_dtype is None and weight_offset == 0 and prenorm is False and \
-            return_amax is False and residual_dtype is None and out_scale is None and \
-            (weight is None or weight.dim() == (1 if type(normalized_shape) is int else len(normalized_shape))):
-        fast = _host.fast
-        if fast is not None and not _is_compiling():
-            y = fast.row_norm(x, normalized_shape, weight, None, eps, True, activation, backend)
-            if y is not None:
-                return y
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
+        y = _via_host(x, normalized_shape, weight, None, eps, True, activation, backend)
+        if y is not None:
+            return y
     return _fused_row_norm(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm,
                            residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
 

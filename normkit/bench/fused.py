@@ -130,11 +130,15 @@ def torch_call(p):
     return call
 
 
-def liger_call(p):
+def _rms_residual_only(p, what: str):
     from .impls import Unsupported
-    f = p.spec.fusion
-    if f.base != "rms" or not f.residual:
-        raise Unsupported("Liger fuses the residual add into RMSNorm only (LigerFusedAddRMSNorm)")
+    if p.spec.fusion.base != "rms" or not p.spec.fusion.residual:
+        raise Unsupported(f"it fuses the residual add into RMSNorm only ({what})")
+    return p.spec.fusion
+
+
+def liger_call(p):
+    f = _rms_residual_only(p, "LigerFusedAddRMSNorm")
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
     eps = p.spec.eps
 
@@ -145,10 +149,7 @@ def liger_call(p):
 
 
 def quack_call(p):
-    from .impls import Unsupported
-    f = p.spec.fusion
-    if f.base != "rms" or not f.residual:
-        raise Unsupported("quack fuses the residual add into RMSNorm only (rmsnorm(residual=, prenorm=))")
+    f = _rms_residual_only(p, "rmsnorm(residual=, prenorm=)")
     from quack.rmsnorm import rmsnorm
     eps = p.spec.eps
     return lambda x, w, b, r=None: rmsnorm(x, w, residual=r, eps=eps, prenorm=f.prenorm)
