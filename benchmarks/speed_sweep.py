@@ -182,7 +182,7 @@ def _check_row_case(out, dname, dtype, op, rms, M, N, act, wd, tol, offset):
                     y, mean, rstd = tb.row_norm_fwd(x, w, b, eps, rms, act)
                     res = [tb.row_norm_bwd(dy, x, w, mean, rstd, rms, torch.float32, None if rms else torch.float32,
                                            bias=b, activation=act) for _ in range(2)]
-                    took = tb._plan("fwd", N, dtype, x.device, (rms, True, b is not None, act, True))[0].cuda
+                    took = tb._plan("fwd", N, x.element_size(), x.device, (rms, True, b is not None, act, True))[0].cuda
                     took_b = took
             torch.cuda.synchronize()
             (dx, dw, db), (dx2, dw2, db2) = res

@@ -12,15 +12,22 @@ the kernels for differentiable torch ops, where the kernels cannot give what aut
   statistics;
 - a vmap over weights (model ensembles): the batched affine is applied with torch ops.
 The differentiable backward serves the custom ops' autograd (_library.py) and the C++ host path too.
+
+LayerNorm/RMSNorm carry the fused options (RowOptions): a residual add whose sum h is normalized and
+returned (the autograd output h, whose gradient joins dx and dresidual), a weight offset, the
+output dtype (float8 with a scale; the backward treats the cast as the identity, as
+TransformerEngine's fused norms do) and the output's amax (not differentiable).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ._layout import acc_dtype, as_rows, bcs, flat_param, fresh, from_bcs, is_channels_last
+from ._layout import acc_dtype, bcs, flat_param, fresh, from_bcs, is_channels_last, row_view
 
 _interpreter_stack = torch._C._functorch.peek_interpreter_stack
 
@@ -29,6 +36,28 @@ def transforms_active() -> bool:
     """A torch.func transform (vmap, grad, jvp, ...) is running, or forward-mode AD is on: the
     call must go through the autograd.Functions below, whose rules these need."""
     return _interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """The fused options of a LayerNorm/RMSNorm call that are not tensors (hashable). The residual
+    and a tensor out_scale travel as tensor inputs; residual_dtype is set exactly when there is a
+    residual. out_dtype None means x's dtype."""
+    residual_dtype: Optional[torch.dtype] = None
+    weight_offset: float = 0.0
+    out_dtype: Optional[torch.dtype] = None
+    out_scale: Optional[float] = None  # a float scale for float8 outputs
+    return_amax: bool = False
+
+    def named(self, residual) -> str:
+        """The options that are set, by their argument names (for errors)."""
+        names = [n for n, on in (("residual", residual is not None), ("weight_offset", self.weight_offset != 0.0),
+                                 ("out_dtype", self.out_dtype is not None), ("return_amax", self.return_amax)) if on]
+        return ", ".join(f"{n}=" for n in names)
+
+
+PLAIN = RowOptions()
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 # ----------------------------------------------------------------------------- activations
@@ -102,22 +131,26 @@ def _vjp_terms(X, G, w, b, dims, eps, rms, activation):
 
 
 def row_norm_vjp_differentiable(dy, x, weight, bias, normalized_ndim: int, eps: float, rms: bool, activation,
-                                needs):
+                                needs, *, weight_offset: float = 0.0):
     """(dx, dweight, dbias), each None where `needs` says so, as a composition of differentiable
     torch ops on the saved inputs (statistics recomputed from x): autograd differentiates it again
-    (double backward), vmap batches it, forward-mode AD runs through it."""
+    (double backward), vmap batches it, forward-mode AD runs through it. x is what was normalized
+    (h when the forward added a residual); the weight acts as weight_offset + weight."""
     acc = acc_dtype(x)
     k = normalized_ndim
     lead = tuple(x.shape[: x.dim() - k])
     n = math.prod(x.shape[x.dim() - k:])
-    flat = lambda p: None if p is None else p.to(acc).reshape(n)  # noqa: E731
+    flat = lambda p: None if p is None else p.to(acc).reshape(p.shape[: p.dim() - k] + (n,))  # noqa: E731
+    w = flat(weight)
     with _no_autocast(x):
-        dx, gx, g = _vjp_terms(x.to(acc).reshape(lead + (n,)), dy.to(acc).reshape(lead + (n,)), flat(weight),
+        dx, gx, g = _vjp_terms(x.to(acc).reshape(lead + (n,)), dy.to(acc).reshape(lead + (n,)),
+                               w + weight_offset if weight_offset and w is not None else w,
                                flat(bias), -1, eps, rms, activation)
-        rows = tuple(range(len(lead)))
+        # sums over the rows; per-head parameters ([heads, *shape]) keep the heads dim
+        rows = lambda p: tuple(range(len(lead) - (p.dim() - k)))  # noqa: E731
         return (dx.reshape(x.shape).to(x.dtype) if needs[0] else None,
-                gx.sum(rows).reshape(weight.shape).to(weight.dtype) if needs[1] else None,
-                g.sum(rows).reshape(bias.shape).to(bias.dtype) if needs[2] and bias is not None else None)
+                gx.sum(rows(weight)).reshape(weight.shape).to(weight.dtype) if needs[1] else None,
+                g.sum(rows(bias)).reshape(bias.shape).to(bias.dtype) if needs[2] and bias is not None else None)
 
 
 def group_norm_vjp_differentiable(dy, x, weight, bias, num_groups: int, eps: float, activation, needs):
@@ -165,7 +198,10 @@ def _affine_tangent(xhat, t_xhat, w, b, tw, tb, activation):
     return t
 
 
-def row_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, normalized_ndim: int, rms: bool, activation):
+def row_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, normalized_ndim: int, rms: bool, activation, *,
+                 weight_offset: float = 0.0, out_dtype=None):
+    """Tangent of y from the tangents of x (what was normalized), weight and bias; in out_dtype
+    (default x's): a float8 output's tangent is the tangent of y itself (the cast is the identity)."""
     acc = acc_dtype(x)
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     n = math.prod(shape)
@@ -174,9 +210,12 @@ def row_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, normalized_ndim: int, 
     r = rstd.to(acc).reshape(lead + (1,))
     xhat = (X if rms else X - mean.to(acc).reshape(lead + (1,))) * r
     t_xhat = None if tx is None else _normalized_tangent(xhat, r, tx.to(acc).reshape(lead + (n,)), not rms)
-    flat = lambda p: None if p is None else p.to(acc).reshape(n)  # noqa: E731
-    t = _affine_tangent(xhat, t_xhat, flat(weight), flat(bias), flat(tw), flat(tb), activation)
-    return t.reshape(x.shape).to(x.dtype)
+    k = normalized_ndim
+    flat = lambda p: None if p is None else p.to(acc).reshape(p.shape[: p.dim() - k] + (n,))  # noqa: E731
+    w = flat(weight)
+    w = w + weight_offset if weight_offset and w is not None else w
+    t = _affine_tangent(xhat, t_xhat, w, flat(bias), flat(tw), flat(tb), activation)
+    return t.reshape(x.shape).to(out_dtype or x.dtype)
 
 
 def group_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, num_groups: int, activation):
@@ -199,102 +238,232 @@ def group_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, num_groups: int, act
 
 # ----------------------------------------------------------------------------- LayerNorm / RMSNorm
 
-def row_norm_forward(backend, x, weight, bias, normalized_ndim: int, eps: float, rms: bool, activation):
-    """The kernels' forward on user-shaped tensors: (y, mean or None, rstd), none of them a view."""
+def _fused_entry(backend, name: str, opts: RowOptions, residual):
+    fn = getattr(backend, name, None)
+    if fn is None:
+        from .backends import BackendUnavailableError
+        raise BackendUnavailableError(f"{opts.named(residual)} not supported by backend={backend.NAME!r} (it has no "
+                                      "fused epilogues); use backend='triton' or 'torch'")
+    return fn
+
+
+def check_backend(backend, opts: RowOptions, residual) -> None:
+    """Raise now, naming the option, if `backend` cannot run these fused options."""
+    if residual is not None or opts != PLAIN:
+        _fused_entry(backend, "row_norm_fwd_fused", opts, residual)
+
+
+def param_rows(p, shape):
+    """A weight/bias as the kernels take it: contiguous [N], or [heads, N] for per-head parameters
+    of shape (heads, *shape)."""
+    if p is None or p.dim() == len(shape):
+        return flat_param(p)
+    return p.reshape(p.shape[0], -1).contiguous()
+
+
+def _per_head(weight, bias, shape) -> bool:
+    return any(p is not None and p.dim() > len(shape) for p in (weight, bias))
+
+
+def _rows(backend, t, shape, like=None):
+    """t's rows as `backend` takes them (two-stride and column-strided views where it can)."""
+    return row_view(t, shape, getattr(backend, "STRIDED_ROWS", False), None if like is None else like.shape[:-1])
+
+
+def row_norm_forward_fused(backend, x, weight, bias, normalized_ndim: int, eps: float, rms: bool, activation, *,
+                           residual=None, scale=None, opts: RowOptions = PLAIN, store_stats: bool = True,
+                           store_h: bool = True):
+    """The kernels' forward on user-shaped tensors: (y, h, mean, rstd, amax), None where absent
+    (h without a residual or store_h, mean for RMSNorm, amax unless asked), none of them a view."""
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     lead = tuple(x.shape[: x.dim() - normalized_ndim])
-    extra = {} if activation is None else {"activation": activation}
-    y, mean, rstd = backend.row_norm_fwd(as_rows(x, shape), flat_param(weight), flat_param(bias), eps, rms, **extra)
-    return fresh(y.view(x.shape)), (None if mean is None else fresh(mean.view(lead))), fresh(rstd.view(lead))
+    rows = _rows(backend, x, shape)
+    if residual is None and scale is None and opts == PLAIN and not _per_head(weight, bias, shape):
+        extra = {} if activation is None else {"activation": activation}
+        y, mean, rstd = backend.row_norm_fwd(rows, flat_param(weight), flat_param(bias), eps, rms,
+                                             store_stats=store_stats, **extra)
+        h = amax = None
+    else:
+        y, mean, rstd, h, amax = _fused_entry(backend, "row_norm_fwd_fused", opts, residual)(
+            rows, param_rows(weight, shape), param_rows(bias, shape), eps, rms, activation=activation,
+            store_stats=store_stats,
+            residual=None if residual is None else _rows(backend, residual, shape, rows),
+            h_dtype=opts.residual_dtype, store_h=store_h, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype,
+            out_scale=scale if scale is not None else opts.out_scale, want_amax=opts.return_amax)
+    view = lambda t, s: None if t is None else fresh(t.view(s))  # noqa: E731
+    return view(y, x.shape), view(h, x.shape), view(mean, lead), view(rstd, lead), fresh(amax)
+
+
+def row_norm_forward(backend, x, weight, bias, normalized_ndim: int, eps: float, rms: bool, activation):
+    """The kernels' forward on user-shaped tensors: (y, mean or None, rstd), none of them a view."""
+    y, _, mean, rstd, _ = row_norm_forward_fused(backend, x, weight, bias, normalized_ndim, eps, rms, activation)
+    return y, mean, rstd
+
+
+def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim: int, rms: bool, activation,
+                            needs, *, weight_offset: float = 0.0, dh=None, x_dtype=None, residual_dtype=None,
+                            param_dtypes=None):
+    """The kernels' first-order backward: (dx, dresidual, dweight, dbias), each None where not
+    needed (needs: x, weight, bias, residual). x is what was normalized (h with a residual); dh, the
+    gradient of h, joins dx; dx comes in x_dtype (default x's) and dresidual in residual_dtype.
+    param_dtypes: (dweight, dbias) dtypes, default the parameters' own."""
+    shape = tuple(x.shape[x.dim() - normalized_ndim:])
+    need_dx, need_dw, need_db, need_dr = needs
+    x_dtype = x_dtype or x.dtype
+    first = x_dtype if need_dx else residual_dtype  # the kernel writes one or two copies of dx
+    second = residual_dtype if need_dx and need_dr and residual_dtype != x_dtype else None
+    rows = _rows(backend, x, shape)
+    mean_rows = None if mean is None else mean.reshape(-1)
+    dw_dtype, db_dtype = param_dtypes or (weight.dtype if need_dw else None, bias.dtype if need_db else None)
+    if dh is None and second is None and weight_offset == 0.0 and first == x.dtype and \
+            not _per_head(weight, bias, shape):
+        extra = {} if activation is None else {"bias": flat_param(bias), "activation": activation}
+        dx, dw, db = backend.row_norm_bwd(_rows(backend, dy, shape, rows), rows, flat_param(weight), mean_rows,
+                                          rstd.reshape(-1), rms, dw_dtype, db_dtype, **extra)
+        dres = None
+    else:
+        dx, dres, dw, db = _fused_entry(backend, "row_norm_bwd_fused", RowOptions(weight_offset=weight_offset), dh)(
+            _rows(backend, dy, shape, rows), rows, param_rows(weight, shape), mean_rows, rstd.reshape(-1), rms,
+            dw_dtype, db_dtype, bias=param_rows(bias, shape), activation=activation, weight_offset=weight_offset,
+            dh=None if dh is None else _rows(backend, dh, shape, rows), dx_dtype=first, dres_dtype=second)
+    dx = fresh(dx.view(x.shape))
+    dres = fresh(dres.view(x.shape)) if dres is not None else (dx if need_dr else None)
+    pshape = next((tuple(p.shape) for p in (weight, bias) if p is not None), shape)
+    return (dx if need_dx else None), dres, (None if dw is None else dw.view(pshape)), \
+        (None if db is None else db.view(pshape))
 
 
 def row_norm_backward(backend, dy, x, weight, bias, mean, rstd, normalized_ndim: int, rms: bool, activation, needs):
     """The kernels' first-order backward: (dx, dweight, dbias), each None where not needed."""
-    shape = tuple(x.shape[x.dim() - normalized_ndim:])
-    need_dx, need_dw, need_db = needs
-    extra = {} if activation is None else {"bias": flat_param(bias), "activation": activation}
-    dx, dw, db = backend.row_norm_bwd(
-        as_rows(dy, shape), as_rows(x, shape), flat_param(weight), None if mean is None else mean.reshape(-1),
-        rstd.reshape(-1), rms, weight.dtype if need_dw else None, bias.dtype if need_db else None, **extra)
-    return (fresh(dx.view(x.shape)) if need_dx else None, None if dw is None else dw.view(shape),
-            None if db is None else db.view(shape))
+    dx, _, dw, db = row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim, rms, activation,
+                                            tuple(needs) + (False,))
+    return dx, dw, db
+
+
+def row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activation, opts: RowOptions, needs,
+                       x_dtype, residual_dtype):
+    """The differentiable backward with the fused options: (dx, dresidual, dweight, dbias)."""
+    need_dx, need_dw, need_db, need_dr = needs
+    if dy is None:
+        dz = dw = db = None
+    else:
+        dz, dw, db = row_norm_vjp_differentiable(dy, z, weight, bias, normalized_ndim, eps, rms, activation,
+                                                 (need_dx or need_dr, need_dw, need_db), weight_offset=opts.weight_offset)
+    if dh is not None:
+        dz = dh if dz is None else dz + dh
+    return (dz.to(x_dtype) if need_dx and dz is not None else None,
+            dz.to(residual_dtype) if need_dr and dz is not None else None, dw, db)
 
 
 class RowNormFn(torch.autograd.Function):
-    """LayerNorm (rms=False) / RMSNorm over the trailing normalized_ndim dims; outputs (y, mean, rstd)."""
+    """LayerNorm (rms=False) / RMSNorm over the trailing normalized_ndim dims, with the fused
+    options; outputs (y, h, mean, rstd, amax), None where absent. h (with a residual) is
+    differentiable, its gradient joins dx and dresidual; the statistics and amax are not."""
 
     @staticmethod
-    def forward(x, weight, bias, normalized_ndim, eps, rms, activation, backend):
-        return row_norm_forward(backend, x, weight, bias, normalized_ndim, eps, rms, activation)
+    def forward(x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend):
+        return row_norm_forward_fused(backend, x, weight, bias, normalized_ndim, eps, rms, activation,
+                                      residual=residual, scale=scale, opts=opts)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, normalized_ndim, eps, rms, activation, backend = inputs
-        _, mean, rstd = output
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.save_for_forward(x, weight, bias, mean, rstd)
-        ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
+        x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend = inputs
+        _, h, mean, rstd, amax = output
+        z = x if h is None else h  # what was normalized: the backward needs only it and the statistics
+        ctx.save_for_backward(z, weight, bias, mean, rstd)
+        ctx.save_for_forward(z, weight, bias, mean, rstd)
+        ctx.mark_non_differentiable(*(t for t in (mean, rstd, amax) if t is not None))
         ctx.set_materialize_grads(False)
-        ctx.args = (normalized_ndim, eps, rms, activation, backend)
+        ctx.args = (normalized_ndim, eps, rms, activation, opts, backend, x.dtype,
+                    None if residual is None else residual.dtype)
 
     @staticmethod
-    def backward(ctx, dy, _dmean, _drstd):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        normalized_ndim, eps, rms, activation, backend = ctx.args
-        needs = ctx.needs_input_grad[:3]
-        if dy is None:
-            grads = (None, None, None)
-        elif _differentiable_backward_wanted():
-            grads = row_norm_vjp_differentiable(dy, x, weight, bias, normalized_ndim, eps, rms, activation, needs)
+    def backward(ctx, dy, dh, _dmean, _drstd, _damax):
+        z, weight, bias, mean, rstd = ctx.saved_tensors
+        normalized_ndim, eps, rms, activation, opts, backend, x_dtype, r_dtype = ctx.args
+        needs = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3],)
+        if dy is None and dh is None:
+            dx, dres, dw, db = None, None, None, None
+        elif dy is None or _differentiable_backward_wanted():
+            dx, dres, dw, db = row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activation, opts,
+                                                  needs, x_dtype, r_dtype)
         else:
-            grads = row_norm_backward(backend, dy, x, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs)
-        return grads + (None,) * 5
+            dx, dres, dw, db = row_norm_backward_fused(
+                backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs,
+                weight_offset=opts.weight_offset, dh=dh, x_dtype=x_dtype, residual_dtype=r_dtype)
+        return (dx, dw, db, dres) + (None,) * 7
 
     @staticmethod
-    def jvp(ctx, tx, tw, tb, *_):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        normalized_ndim, eps, rms, activation, backend = ctx.args
+    def jvp(ctx, tx, tw, tb, tr, *_):
+        z, weight, bias, mean, rstd = ctx.saved_tensors
+        normalized_ndim, eps, rms, activation, opts, backend, x_dtype, r_dtype = ctx.args
         if mean is None and not rms:
             raise RuntimeError("normkit: forward-mode AD needs the forward's statistics")
-        ty = row_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, normalized_ndim, rms, activation)
-        return ty, None, None
+        tz = tx
+        if r_dtype is not None:  # the tangent of h = x + residual
+            parts = [t.to(acc_dtype(z)) for t in (tx, tr) if t is not None]
+            tz = None if not parts else (parts[0] if len(parts) == 1 else parts[0] + parts[1]).to(z.dtype)
+        ty = row_norm_jvp(z, weight, bias, mean, rstd, tz, tw, tb, normalized_ndim, rms, activation,
+                          weight_offset=opts.weight_offset, out_dtype=opts.out_dtype or x_dtype)
+        return ty, (tz if r_dtype is not None else None), None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, x, weight, bias, normalized_ndim, eps, rms, activation, backend):
-        xd, wd, bd = in_dims[:3]
-        x = x.movedim(xd, 0) if xd is not None else x.expand((info.batch_size,) + tuple(x.shape))
-        if wd is None and bd is None:  # the batch dim is one more leading dim: the kernels take it
-            y, mean, rstd = RowNormFn.apply(x, weight, bias, normalized_ndim, eps, rms, activation, backend)
-            return (y, mean, rstd), (0, None if mean is None else 0, 0)
-        return _row_norm_batched_params(x, weight, wd, bias, bd, normalized_ndim, eps, rms, activation)
+    def vmap(info, in_dims, x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend):
+        xd, wd, bd, rd, sd = in_dims[:5]
+        V = info.batch_size
+        move = lambda t, d: None if t is None else (t.movedim(d, 0) if d is not None  # noqa: E731
+                                                     else t.expand((V,) + tuple(t.shape)))
+        x, residual = move(x, xd), move(residual, rd)
+        if wd is None and bd is None and sd is None and not opts.return_amax:
+            # the batch dim is one more leading dim: the kernels take it
+            out = RowNormFn.apply(x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts,
+                                  backend)
+            return out, tuple(None if t is None else 0 for t in out)
+        return _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, normalized_ndim, eps, rms,
+                                        activation, opts)
 
 
 def _batched_param(p, bdim, like_ndim, inner_shape, batch):
-    """A [V, *inner] parameter (batched or not) viewed to broadcast against [V, *lead, *inner]."""
+    """A [V, *inner] parameter (batched or not) viewed to broadcast against [V, *lead, *inner].
+    inner_shape None: the parameter's own (unbatched) shape."""
     if p is None:
         return None
     p = p.movedim(bdim, 0) if bdim is not None else p.expand((batch,) + tuple(p.shape))
+    inner_shape = tuple(p.shape[1:]) if inner_shape is None else inner_shape
     return p.reshape((batch,) + (1,) * (like_ndim - 1 - len(inner_shape)) + tuple(inner_shape))
 
 
-def _row_norm_batched_params(x, weight, wd, bias, bd, normalized_ndim, eps, rms, activation):
-    """vmap over weight or bias: statistics and affine in torch ops, batch dim 0 everywhere."""
+def _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, normalized_ndim, eps, rms, activation,
+                             opts: RowOptions):
+    """vmap over weight, bias or a tensor scale, or with the amax (one per sample): everything in
+    torch ops, batch dim 0 everywhere."""
     acc = acc_dtype(x)
     V = x.shape[0]
     dims = tuple(range(x.dim() - normalized_ndim, x.dim()))
-    shape = tuple(x.shape[d] for d in dims)
-    xa = x.to(acc)
+    h = None
+    if residual is not None:
+        h = (x.to(acc) + residual.to(acc)).to(opts.residual_dtype)
+    xa = (x if h is None else h).to(acc)
     z, rstd = _normalize(xa, dims, eps, rms)
-    w = _batched_param(weight, wd, x.dim(), shape, V)
-    b = _batched_param(bias, bd, x.dim(), shape, V)
+    w = _batched_param(weight, wd, x.dim(), None, V)
+    b = _batched_param(bias, bd, x.dim(), None, V)
     if w is not None:
-        z = z * w.to(acc)
+        z = z * (w.to(acc) + opts.weight_offset)
     if b is not None:
         z = z + b.to(acc)
     lead = tuple(x.shape[: x.dim() - normalized_ndim])
-    y = _ACT[activation](z).to(x.dtype)
+    y = _ACT[activation](z)
+    amax = y.abs().amax(tuple(range(1, y.dim()))) if opts.return_amax else None
+    out_dtype = opts.out_dtype or x.dtype
+    if out_dtype in FP8_MAX:
+        s = opts.out_scale
+        if scale is not None:  # one scale per sample, or the same for all
+            s = (scale.movedim(sd, 0).reshape(V) if sd is not None else scale.reshape(()).expand(V)).to(acc)
+            s = s.reshape((V,) + (1,) * (y.dim() - 1))
+        y = (y * s).clamp(-FP8_MAX[out_dtype], FP8_MAX[out_dtype])
     mean = None if rms else xa.mean(dims).reshape(lead)
-    return (y, mean, rstd.reshape(lead)), (0, None if rms else 0, 0)
+    out = (y.to(out_dtype), h, mean, rstd.reshape(lead), amax)
+    return out, tuple(None if t is None else 0 for t in out)
 
 
 # ----------------------------------------------------------------------------- GroupNorm

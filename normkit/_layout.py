@@ -1,5 +1,6 @@
-"""How user tensors become what the backends take, and back: rows for LayerNorm/RMSNorm,
-[B, C, S] for GroupNorm. Views wherever the memory layout allows, a copy only where none exists.
+"""How user tensors become what the backends take, and back: rows for LayerNorm/RMSNorm ([M, N],
+or [O, I, N] where the rows need two strides), [B, C, S] for GroupNorm. Views wherever the memory
+layout allows, a copy only where none exists.
 
 Shared by the eager autograd functions (_autograd.py) and the custom ops (_library.py).
 """
@@ -10,19 +11,59 @@ import math
 import torch
 
 
+def _merged(sizes, strides) -> list:
+    """Adjacent dims merged where memory allows, size-1 dims dropped: [(size, stride)], outermost first."""
+    out = []
+    for size, stride in zip(sizes, strides):
+        if size == 1:
+            continue
+        if out and out[-1][1] == stride * size:
+            out[-1] = (out[-1][0] * size, stride)
+        else:
+            out.append((size, stride))
+    return out
+
+
+def row_view(t: torch.Tensor, shape: tuple[int, ...], strided: bool = True, lead=None) -> torch.Tensor:
+    """The rows of t (its trailing `shape` dims are a row) as a view wherever memory allows:
+    [M, N] with one row stride, or, where the leading dims need two strides (q/k heads sliced out of
+    a fused QKV projection: row r is (r // I, r % I)), [O, I, N]. With strided=True (backends that
+    take any column stride) the column stride is free too (LayerNorm over the channels of an NCHW
+    tensor); else the columns must be contiguous. `lead` forces the leading sizes ((M,) or (O, I)):
+    the layout of another operand the kernel walks with the same row index. A copy is made only
+    where no such view exists."""
+    k = len(shape)
+    if k == 1 and t.dim() == 2 and lead is None and (strided or t.stride(1) == 1 or shape[0] <= 1):
+        return t  # already [M, N]: the common call, decided without the general walk below
+    n = math.prod(shape)
+    sizes, strides = tuple(t.shape), t.stride()
+    cols = _merged(sizes[len(sizes) - k:], strides[len(strides) - k:])
+    rows = _merged(sizes[: len(sizes) - k], strides[: len(strides) - k])
+    col_stride = cols[0][1] if len(cols) == 1 else 1
+    m = math.prod(sizes[: len(sizes) - k])
+    want = lead if lead is not None else ((m,) if len(rows) <= 1 or not strided else tuple(r[0] for r in rows))
+    view_strides = None
+    if len(cols) <= 1 and (strided or col_stride == 1 or n <= 1):
+        if len(want) == 1 and len(rows) <= 1:
+            view_strides = (rows[0][1] if rows else n * col_stride,)
+        elif len(want) == 2 and strided:
+            if not rows:
+                view_strides = (0, 0)
+            elif len(rows) == 1:
+                view_strides = (rows[0][1] * want[1], rows[0][1])
+            elif len(rows) == 2 and rows[1][0] == want[1]:
+                view_strides = (rows[0][1], rows[1][1])
+    if view_strides is not None:  # view() computes exactly these strides (and works on tensor subclasses)
+        return t.view(tuple(want) + (n,))
+    return t.contiguous().view(tuple(lead if lead is not None else (m,)) + (n,))
+
+
 def as_rows(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """[M, N] view of t (N = prod(shape) of its trailing dims) with unit column stride,
-    copying only when no such view exists."""
-    if len(shape) == 1 and t.dim() == 2 and (t.stride(1) == 1 or shape[0] <= 1):
-        return t
-    m, n = math.prod(t.shape[: t.dim() - len(shape)]), math.prod(shape)
-    try:
-        rows = t.view(m, n)
-    except RuntimeError:  # leading dims cannot merge into one row stride
-        rows = t.reshape(m, n)
-    if n > 1 and rows.stride(1) != 1:
-        rows = rows.contiguous()
-    return rows
+    """The rows of t (N = prod(shape) of its trailing dims) as the Triton and torch kernels take
+    them: an [M, N] or [O, I, N] view with any strides (q/k heads, NCHW channels read in place),
+    copying only when no such view exists. Backends that need [M, N] with unit column stride get
+    row_view(t, shape, strided=False)."""
+    return row_view(t, shape, strided=True)
 
 
 def flat_param(p):

@@ -15,6 +15,15 @@ Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims
   row_norm_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?) -> (y, mean, rstd)
   row_norm_bwd(dy, x, normalized_ndim, weight?, bias?, mean, rstd, rms, activation?,
                dweight_dtype?, dbias_dtype?, backend?) -> (dx, dweight, dbias)
+  row_norm_fused_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?, residual?,
+                     residual_dtype?, weight_offset, out_dtype?, out_scale?, out_scale_value?, want_amax)
+      -> (y, h, mean, rstd, amax)     the fused epilogues (residual add, weight offset, output
+                                      dtype / float8 with a scale, amax); the plain ops are the
+                                      same code with every option off
+  row_norm_fused_bwd(dy, x, normalized_ndim, weight?, bias?, mean, rstd, rms, activation?,
+                     dweight_dtype?, dbias_dtype?, backend?, weight_offset, dh?, dx_dtype, dres_dtype?)
+      -> (dx, dres, dweight, dbias)   x is what was normalized (h); dh joins dx; dres is dx in
+                                      another dtype (absent when not asked or the same dtype)
   group_norm_fwd(x, num_groups, weight?, bias?, eps, activation?, backend?) -> (y, mean, rstd)
   group_norm_bwd(dy, x, num_groups, weight?, bias?, mean, rstd, activation?,
                  dweight_dtype?, dbias_dtype?, backend?) -> (dx, dweight, dbias)
@@ -30,9 +39,9 @@ import torch
 from torch import Tensor
 
 from . import _autograd, backends
-from ._layout import as_rows, bcs, flat_param, fresh, from_bcs, is_channels_last
+from ._layout import bcs, fresh, from_bcs, is_channels_last
 
-__all__ = ["needed", "row_norm", "row_norm_with_stats", "row_norm_grads", "group_norm"]
+__all__ = ["needed", "row_norm", "row_norm_fused", "row_norm_with_stats", "row_norm_grads", "group_norm"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # bound once: the check below runs on every eager call (dynamo still sees is_compiling itself)
@@ -66,38 +75,89 @@ def _stat_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _extra_fwd(activation):
-    # passed only when set, so a backend without fused activations still serves the plain ops
-    return {} if activation is None else {"activation": activation}
-
-
-def _extra_bwd(bias, activation):
-    return {} if activation is None else {"bias": bias, "activation": activation}
-
-
 def _absent(like: Tensor, dtype=None) -> Tensor:
     return like.new_empty((0,), dtype=dtype if dtype is not None else like.dtype)
 
 
+def _present(t: Tensor):
+    return None if t.numel() == 0 and t.dim() == 1 else t
+
+
 # ----------------------------------------------------------------------------- row norm (LN / RMS)
+
+def _fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual=None, scale=None,
+         opts=_autograd.PLAIN):
+    """Both forward ops: the eager code (_autograd.row_norm_forward_fused) on the op's tensors."""
+    be = _resolve(backend, x, "rms_norm" if rms else "layer_norm")
+    _autograd.check_backend(be, opts, residual)
+    y, h, mean, rstd, amax = _autograd.row_norm_forward_fused(be, x, weight, bias, normalized_ndim, eps, rms,
+                                                              activation, residual=residual, scale=scale, opts=opts)
+    return y, (_absent(x) if h is None else h), (_absent(rstd) if mean is None else mean), rstd, \
+        (_absent(rstd) if amax is None else amax)
+
+
+def _fwd_fake(x, normalized_ndim, weight, bias, eps, rms, residual=None, opts=_autograd.PLAIN):
+    lead = x.shape[: x.dim() - normalized_ndim]
+    rstd = x.new_empty(lead, dtype=_stat_dtype(x))
+    mean = _absent(rstd) if rms else x.new_empty(lead, dtype=_stat_dtype(x))
+    h = _absent(x) if residual is None else x.new_empty(x.shape, dtype=opts.residual_dtype)
+    amax = x.new_empty((), dtype=_stat_dtype(x)) if opts.return_amax else _absent(rstd)
+    return x.new_empty(x.shape, dtype=opts.out_dtype or x.dtype), h, mean, rstd, amax
+
 
 @torch.library.custom_op("normkit::row_norm_fwd", mutates_args=())
 def _row_norm_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                   rms: bool, activation: Optional[str], backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
-    shape = tuple(x.shape[x.dim() - normalized_ndim:])
-    lead = tuple(x.shape[: x.dim() - normalized_ndim])
-    y, mean, rstd = _resolve(backend, x, "rms_norm" if rms else "layer_norm").row_norm_fwd(
-        as_rows(x, shape), flat_param(weight), flat_param(bias), eps, rms, **_extra_fwd(activation))
-    mean = _absent(rstd) if mean is None else fresh(mean.view(lead))
-    return fresh(y.view(x.shape)), mean, fresh(rstd.view(lead))
+    y, _, mean, rstd, _ = _fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend)
+    return y, mean, rstd
 
 
 @_row_norm_fwd.register_fake
 def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend):
-    lead = x.shape[: x.dim() - normalized_ndim]
-    rstd = x.new_empty(lead, dtype=_stat_dtype(x))
-    mean = _absent(rstd) if rms else x.new_empty(lead, dtype=_stat_dtype(x))
-    return x.new_empty(x.shape), mean, rstd
+    y, _, mean, rstd, _ = _fwd_fake(x, normalized_ndim, weight, bias, eps, rms)
+    return y, mean, rstd
+
+
+@torch.library.custom_op("normkit::row_norm_fused_fwd", mutates_args=())
+def _row_norm_fused_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                        rms: bool, activation: Optional[str], backend: Optional[str], residual: Optional[Tensor],
+                        residual_dtype: Optional[torch.dtype], weight_offset: float, out_dtype: Optional[torch.dtype],
+                        out_scale: Optional[Tensor], out_scale_value: Optional[float],
+                        want_amax: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = _autograd.RowOptions(residual_dtype, weight_offset, out_dtype, out_scale_value, want_amax)
+    return _fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, out_scale, opts)
+
+
+@_row_norm_fused_fwd.register_fake
+def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset,
+      out_dtype, out_scale, out_scale_value, want_amax):
+    opts = _autograd.RowOptions(residual_dtype, weight_offset, out_dtype, out_scale_value, want_amax)
+    return _fwd_fake(x, normalized_ndim, weight, bias, eps, rms, residual, opts)
+
+
+def _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend,
+         weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None):
+    """Both backward ops: (dx, dres or absent, dweight or absent, dbias or absent)."""
+    be = _resolve(backend, x, "rms_norm backward" if rms else "layer_norm backward", backward=True)
+    dx_dtype = dx_dtype or x.dtype
+    dres_dtype = None if dres_dtype == dx_dtype else dres_dtype  # then dres is dx: the caller uses dx
+    dx, dres, dw, db = _autograd.row_norm_backward_fused(
+        be, dy, x, weight, bias, None if rms else mean, rstd, normalized_ndim,
+        rms, activation, (True, dweight_dtype is not None, dbias_dtype is not None, dres_dtype is not None),
+        weight_offset=weight_offset, dh=dh, x_dtype=dx_dtype, residual_dtype=dres_dtype,
+        param_dtypes=(dweight_dtype, dbias_dtype))
+    dw = _absent(x, dweight_dtype) if dw is None else fresh(dw)
+    db = _absent(x, dbias_dtype) if db is None else fresh(db)
+    return dx, (_absent(x) if dres is None else dres), dw, db
+
+
+def _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_dtype=None, dres_dtype=None):
+    shape = next((p.shape for p in (weight, bias) if p is not None), x.shape[x.dim() - normalized_ndim:])
+    dw = _absent(x, dweight_dtype) if dweight_dtype is None else x.new_empty(shape, dtype=dweight_dtype)
+    db = _absent(x, dbias_dtype) if dbias_dtype is None else x.new_empty(shape, dtype=dbias_dtype)
+    dx_dtype = dx_dtype or x.dtype
+    dres = _absent(x) if dres_dtype in (None, dx_dtype) else x.new_empty(x.shape, dtype=dres_dtype)
+    return x.new_empty(x.shape, dtype=dx_dtype), dres, dw, db
 
 
 @torch.library.custom_op("normkit::row_norm_bwd", mutates_args=())
@@ -105,47 +165,83 @@ def _row_norm_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional[
                   mean: Tensor, rstd: Tensor, rms: bool, activation: Optional[str],
                   dweight_dtype: Optional[torch.dtype], dbias_dtype: Optional[torch.dtype],
                   backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
-    shape = tuple(x.shape[x.dim() - normalized_ndim:])
-    be = _resolve(backend, x, "rms_norm backward" if rms else "layer_norm backward", backward=True)
-    dx, dw, db = be.row_norm_bwd(
-        as_rows(dy, shape), as_rows(x, shape), flat_param(weight),
-        None if rms else mean.reshape(-1), rstd.reshape(-1), rms, dweight_dtype, dbias_dtype,
-        **_extra_bwd(flat_param(bias), activation))
-    dw = _absent(x, dweight_dtype) if dw is None else fresh(dw.view(shape))
-    db = _absent(x, dbias_dtype) if db is None else fresh(db.view(shape))
-    return fresh(dx.view(x.shape)), dw, db
+    dx, _, dw, db = _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype,
+                         dbias_dtype, backend)
+    return dx, dw, db
 
 
 @_row_norm_bwd.register_fake
 def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend):
-    shape = x.shape[x.dim() - normalized_ndim:]
-    dw = _absent(x, dweight_dtype) if dweight_dtype is None else x.new_empty(shape, dtype=dweight_dtype)
-    db = _absent(x, dbias_dtype) if dbias_dtype is None else x.new_empty(shape, dtype=dbias_dtype)
-    return x.new_empty(x.shape), dw, db
+    dx, _, dw, db = _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype)
+    return dx, dw, db
+
+
+@torch.library.custom_op("normkit::row_norm_fused_bwd", mutates_args=())
+def _row_norm_fused_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor],
+                        mean: Tensor, rstd: Tensor, rms: bool, activation: Optional[str],
+                        dweight_dtype: Optional[torch.dtype], dbias_dtype: Optional[torch.dtype],
+                        backend: Optional[str], weight_offset: float, dh: Optional[Tensor], dx_dtype: torch.dtype,
+                        dres_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype,
+                backend, weight_offset, dh, dx_dtype, dres_dtype)
+
+
+@_row_norm_fused_bwd.register_fake
+def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend,
+      weight_offset, dh, dx_dtype, dres_dtype):
+    return _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_dtype, dres_dtype)
 
 
 def _row_norm_setup(ctx, inputs, output):
-    x, normalized_ndim, weight, bias, eps, rms, activation, backend = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.args = (normalized_ndim, eps, rms, activation, backend,
-                None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+    x, normalized_ndim, weight, bias, eps, rms, activation, backend = inputs[:8]
+    residual, opts = None, _autograd.PLAIN
+    if len(inputs) > 8:  # the fused op
+        residual = inputs[8]
+        opts = _autograd.RowOptions(*inputs[9:12], inputs[13], inputs[14])
+    if len(inputs) > 8:
+        _, h, mean, rstd, _ = output
+    else:
+        (_, mean, rstd), h = output, None
+    ctx.save_for_backward(x if residual is None else h, weight, bias, mean, rstd)
+    ctx.args = (normalized_ndim, eps, rms, activation, backend, opts, x.dtype, None if residual is None else residual.dtype)
+    ctx.fused = len(inputs) > 8
 
 
-def _row_norm_backward(ctx, dy, _dmean, _drstd):
-    x, weight, bias, mean, rstd = ctx.saved_tensors
-    normalized_ndim, eps, rms, activation, backend, w_dtype, b_dtype = ctx.args
-    need_dx, _, need_dw, need_db = ctx.needs_input_grad[:4]
-    if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
-        dx, dw, db = _autograd.row_norm_vjp_differentiable(dy, x, weight, bias, normalized_ndim, eps, rms, activation,
-                                                      (need_dx, need_dw, need_db))
-        return (dx, None, dw, db, None, None, None, None)
-    dx, dw, db = _row_norm_bwd(dy, x, normalized_ndim, weight, bias if activation is not None else None, mean, rstd,
-                               rms, activation, w_dtype if need_dw else None, b_dtype if need_db else None, backend)
-    return (dx, None, dw if need_dw else None, db if need_db else None, None, None, None, None)
+def _row_norm_backward(ctx, dy, *grads):
+    """Both forward ops' autograd: grads are (dmean, drstd) or (dh, dmean, drstd, damax)."""
+    z, weight, bias, mean, rstd = ctx.saved_tensors
+    normalized_ndim, eps, rms, activation, backend, opts, x_dtype, r_dtype = ctx.args
+    dh = grads[0] if ctx.fused and r_dtype is not None else None  # an absent h (empty) has an empty gradient
+    n = ctx.needs_input_grad
+    needs = (n[0], n[2], n[3], ctx.fused and n[8])
+    if dy is None and dh is None:
+        dx = dres = dw = db = None
+    elif dy is None or torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
+        dx, dres, dw, db = _autograd.row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activation,
+                                                        opts, needs, x_dtype, r_dtype)
+    else:
+        w_dtype = weight.dtype if needs[1] else None
+        b_dtype = bias.dtype if needs[2] else None
+        act_bias = bias if activation is not None or (bias is not None and bias.dim() > normalized_ndim) else None
+        if ctx.fused:
+            first = x_dtype if needs[0] else r_dtype
+            dx, dres, dw, db = _row_norm_fused_bwd(dy, z, normalized_ndim, weight, act_bias, mean, rstd, rms,
+                                                   activation, w_dtype, b_dtype, backend, opts.weight_offset, dh,
+                                                   first, r_dtype if needs[0] and needs[3] else None)
+            dres = _present(dres) if needs[0] else dx
+            dres = (dres if dres is not None else dx) if needs[3] else None
+        else:
+            dx, dw, db = _row_norm_bwd(dy, z, normalized_ndim, weight, act_bias, mean, rstd, rms, activation, w_dtype,
+                                       b_dtype, backend)
+            dres = None
+    grads = [dx if needs[0] else None, None, dw if needs[1] else None, db if needs[2] else None] + [None] * 4
+    if ctx.fused:
+        grads += [dres] + [None] * 6
+    return tuple(grads)
 
 
 _row_norm_fwd.register_autograd(_row_norm_backward, setup_context=_row_norm_setup)
+_row_norm_fused_fwd.register_autograd(_row_norm_backward, setup_context=_row_norm_setup)
 
 
 def row_norm(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
@@ -153,6 +249,17 @@ def row_norm(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Op
     """LayerNorm (rms=False) or RMSNorm over the trailing normalized_ndim dims of x, through the op.
     Arguments arrive checked by normkit.functional; backend is the user's (None: automatic)."""
     return _row_norm_fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend)[0]
+
+
+def row_norm_fused(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                   rms: bool, backend: Optional[str], activation: Optional[str], residual: Optional[Tensor],
+                   scale: Optional[Tensor], opts) -> tuple:
+    """The fused forward through the op: (y, h, mean, rstd, amax), None where absent."""
+    y, h, mean, rstd, amax = _row_norm_fused_fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend,
+                                                 residual, opts.residual_dtype, opts.weight_offset, opts.out_dtype,
+                                                 scale, opts.out_scale, opts.return_amax)
+    return y, (h if residual is not None else None), (None if rms else mean), rstd, \
+        (amax if opts.return_amax else None)
 
 
 def row_norm_with_stats(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor],
@@ -163,12 +270,21 @@ def row_norm_with_stats(x: Tensor, normalized_ndim: int, weight: Optional[Tensor
 
 
 def row_norm_grads(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional[Tensor], mean: Optional[Tensor],
-                   rstd: Tensor, rms: bool, dweight_dtype, dbias_dtype, backend: Optional[str]):
-    """The kernel-level backward through the op: (dx, dweight or None, dbias or None)."""
-    dx, dw, db = _row_norm_bwd(dy, x, normalized_ndim, weight, None,
-                               _absent(rstd) if mean is None else mean, rstd, rms, None, dweight_dtype, dbias_dtype,
-                               backend)
-    return dx, (dw if dweight_dtype is not None else None), (db if dbias_dtype is not None else None)
+                   rstd: Tensor, rms: bool, dweight_dtype, dbias_dtype, backend: Optional[str], *, bias=None,
+                   activation=None, weight_offset=0.0, dh=None, dres_dtype=None):
+    """The kernel-level backward through the op: (dx, dweight or None, dbias or None, dres or None)."""
+    mean = _absent(rstd) if mean is None else mean
+    bias = bias if activation is not None else None
+    if dh is None and dres_dtype is None and weight_offset == 0.0:
+        dx, dw, db = _row_norm_bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype,
+                                   dbias_dtype, backend)
+        dres = None
+    else:
+        dx, dres, dw, db = _row_norm_fused_bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation,
+                                               dweight_dtype, dbias_dtype, backend, weight_offset, dh, x.dtype,
+                                               dres_dtype)
+        dres = None if dres_dtype is None else (dx if dres_dtype == x.dtype else dres)
+    return dx, (dw if dweight_dtype is not None else None), (db if dbias_dtype is not None else None), dres
 
 
 # ----------------------------------------------------------------------------- group norm
@@ -290,6 +406,34 @@ def _register_sharding() -> None:
         for d in range(x.ndim - normalized_ndim):
             rules.append(([Shard(d), rep_or(Partial(), dw_dtype is not None), rep_or(Partial(), db_dtype is not None)],
                           [Shard(d), Shard(d), None, p(weight), p(bias), rep_or(Shard(d), not rms), Shard(d)] + tail))
+        return rules
+
+    @register_sharding(torch.ops.normkit.row_norm_fused_fwd.default)
+    def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset,
+          out_dtype, out_scale, out_scale_value, want_amax):
+        # outputs (y, h, mean, rstd, amax): the amax of row shards is their max (a Partial max)
+        def inputs(xp):
+            return [xp, None, p(weight), p(bias), None, None, None, None, None if residual is None else xp,
+                    None, None, None, p(out_scale), None, None]
+
+        rules = [([Replicate()] * 5, inputs(Replicate()))]
+        for d in range(x.ndim - normalized_ndim):
+            rules.append(([Shard(d), rep_or(Shard(d), residual is not None), rep_or(Shard(d), not rms), Shard(d),
+                           rep_or(Partial("max"), want_amax)], inputs(Shard(d))))
+        return rules
+
+    @register_sharding(torch.ops.normkit.row_norm_fused_bwd.default)
+    def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dw_dtype, db_dtype, backend,
+          weight_offset, dh, dx_dtype, dres_dtype):
+        def inputs(xp):
+            return [xp, xp, None, p(weight), p(bias), Replicate() if rms else xp, xp, None, None, None, None, None,
+                    None, None if dh is None else xp, None, None]
+
+        dres = dres_dtype is not None and dres_dtype != dx_dtype
+        rules = [([Replicate()] * 4, inputs(Replicate()))]
+        for d in range(x.ndim - normalized_ndim):
+            rules.append(([Shard(d), rep_or(Shard(d), dres), rep_or(Partial(), dw_dtype is not None),
+                           rep_or(Partial(), db_dtype is not None)], inputs(Shard(d))))
         return rules
 
     @register_sharding(torch.ops.normkit.group_norm_fwd.default)

@@ -2,10 +2,27 @@
 
 Every op reduces to "normalize each row of an [M, N] matrix": the trailing normalized_shape dims
 are the row, all leading dims are rows. Rows are passed to the kernels as a strided view when the
-layout allows (unit stride inside a row, one stride between rows); otherwise x is copied once.
+layout allows (one stride between rows, or two: q/k heads of a fused QKV projection; the Triton and
+torch backends also take a column stride: the channels of an NCHW tensor); otherwise x is copied once.
+
+LayerNorm and RMSNorm take fused epilogues (keyword-only):
+  residual=r          normalize h = x + r (summed in fp32, rounded to residual_dtype); prenorm=True
+                      also returns h, the new residual stream. The backward takes the gradients of
+                      y and h and returns dx and dresidual from one pass.
+  residual_dtype=     h's dtype; default residual.dtype (flash-attention's and quack's rule): with
+                      an fp32 residual stream and bf16 x, h stays fp32.
+  weight_offset=c     y = xhat * (c + weight) + bias (Gemma: 1.0); weight gets autograd's gradient.
+  out_dtype=          y's dtype (default x's): float16/bfloat16/float32/float64, or float8_e4m3fn /
+                      float8_e5m2 with out_scale= (a float, or a 1-element tensor on x's device):
+                      the stored value is y * out_scale saturated to the format's largest finite
+                      value. The backward treats the cast as the identity (dy is the gradient of y).
+  return_amax=True    also return max |y| (before scaling; a 0-dim fp32 tensor, NaN if y has one),
+                      computed deterministically, for delayed fp8 scaling.
+Returns y, or the tuple (y[, h][, amax]) when prenorm / return_amax ask for more.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -14,8 +31,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _host, _library, backends
-from ._autograd import GroupNormFn, RowNormFn, transforms_active
-from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last
+from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, param_rows, row_norm_forward_fused, \
+    transforms_active
+from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view
 from .reference import ACTIVATIONS, default_rms_eps
 
 __all__ = [
@@ -80,17 +98,21 @@ def _check_activation(activation) -> None:
         raise ValueError(f"activation: expected None or one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
 
 
-def _check_param(p, arg: str, shape, x: torch.Tensor, device) -> None:
+def _check_param(p, arg: str, shape, x: torch.Tensor, device, heads=None) -> None:
     if p is None:
         return
     _check_tensor(p, arg)
-    if p.shape != shape:
-        raise ValueError(f"{arg}: expected shape {tuple(shape)}, got {tuple(p.shape)}")
+    if p.shape != shape and (heads is None or p.shape != heads):
+        also = f" or, one row per head, {heads}" if heads is not None else ""
+        raise ValueError(f"{arg}: expected shape {tuple(shape)}{also}, got {tuple(p.shape)}")
     if p.device != device:
         raise ValueError(f"{arg}: expected a tensor on x's device {device}, got one on {p.device}")
 
 
-def _check_inputs(x, normalized_shape, weight, bias, eps):
+def _check_inputs(x, normalized_shape, weight, bias, eps, per_head: bool = False):
+    """(normalized shape, eps). per_head: weight/bias may also have shape (x.shape[-k-1], *shape),
+    one row of parameters per index of the dim before the normalized ones (per-head q/k norms of
+    (..., heads, head_dim) tensors; x needs a dim before the heads)."""
     _check_tensor(x, "x")
     shape = _normalized_shape(normalized_shape)
     if x.shape[x.dim() - len(shape):] != shape or x.dim() < len(shape):
@@ -98,8 +120,9 @@ def _check_inputs(x, normalized_shape, weight, bias, eps):
                          f"got {shape}")
     if weight is not None or bias is not None:
         device = x.device
-        _check_param(weight, "weight", shape, x, device)
-        _check_param(bias, "bias", shape, x, device)
+        heads = _heads(x, shape) if per_head else None
+        _check_param(weight, "weight", shape, x, device, heads)
+        _check_param(bias, "bias", shape, x, device, heads)
     return shape, _check_eps(eps)
 
 
@@ -152,82 +175,230 @@ def _autocast_upcasts(op: str, device_type: str) -> bool:
         return False
 
 
-def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op):
-    """Checked arguments -> y, through the custom op (compile, modes, subclasses), the autograd
-    function (gradients, torch.func, forward AD) or straight to the kernels (inference). The host
-    path is asked again here: the public functions ask it first, but a call it declined there may
-    be its case now (inputs cast by autocast, or a row_norm_as_written call)."""
+# ----------------------------------------------------------------------------- fused options
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_REAL = (numbers.Real, torch.SymInt, torch.SymFloat)  # the latter: traced by torch.compile with dynamic shapes
+_OUT_DTYPES = _FLOAT_DTYPES + _FP8
+
+
+def _check_dtype_arg(d, arg: str, allowed) -> None:
+    if d is not None and d not in allowed:
+        raise TypeError(f"{arg}: expected None or one of {', '.join(str(a) for a in allowed)}, got {d!r}")
+
+
+def _check_fusion(x, shape, weight, residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale,
+                  return_amax):
+    """(RowOptions, tensor scale or None) from the fused options, checked; errors name the argument."""
+    if residual is not None:
+        _check_tensor(residual, "residual")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual: expected x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.device != x.device:
+            raise ValueError(f"residual: expected a tensor on x's device {x.device}, got one on {residual.device}")
+    if type(prenorm) is not bool:
+        raise TypeError(f"prenorm: expected a bool, got {prenorm!r}")
+    if prenorm and residual is None:
+        raise ValueError("prenorm: returns the new residual stream h = x + residual, so it needs residual=; "
+                         "got residual=None")
+    _check_dtype_arg(residual_dtype, "residual_dtype", _FLOAT_DTYPES)
+    if residual_dtype is not None and residual is None:
+        raise ValueError(f"residual_dtype: is the dtype of h = x + residual and needs residual=; got residual=None "
+                         f"with residual_dtype={residual_dtype}")
+    if isinstance(weight_offset, bool) or not isinstance(weight_offset, _REAL) or \
+            (isinstance(weight_offset, numbers.Real) and not math.isfinite(weight_offset)):
+        raise TypeError(f"weight_offset: expected a finite real number, got {weight_offset!r}")
+    if weight_offset != 0 and weight is None:
+        raise ValueError(f"weight_offset: scales by weight_offset + weight and needs a weight; got weight=None "
+                         f"with weight_offset={weight_offset}")
+    _check_dtype_arg(out_dtype, "out_dtype", _OUT_DTYPES)
+    scale = None
+    if out_dtype in _FP8 and out_scale is None:
+        raise ValueError(f"out_scale: out_dtype={out_dtype} stores y * out_scale and needs out_scale= (a float or a "
+                         "1-element tensor); got out_scale=None")
+    if out_scale is not None:
+        if out_dtype not in _FP8:
+            raise ValueError(f"out_scale: scales float8 outputs only (out_dtype=torch.float8_e4m3fn or "
+                             f"torch.float8_e5m2); got out_dtype={out_dtype}")
+        if isinstance(out_scale, torch.Tensor):
+            if out_scale.numel() != 1 or not out_scale.is_floating_point():
+                raise ValueError(f"out_scale: expected a float or a 1-element floating tensor, got a tensor of shape "
+                                 f"{tuple(out_scale.shape)} and dtype {out_scale.dtype}")
+            if out_scale.device != x.device:
+                raise ValueError(f"out_scale: expected a tensor on x's device {x.device}, got one on {out_scale.device}")
+            scale, out_scale = out_scale, None
+        elif isinstance(out_scale, bool) or not isinstance(out_scale, numbers.Real) or not math.isfinite(out_scale):
+            raise TypeError(f"out_scale: expected a finite float or a 1-element tensor, got {out_scale!r}")
+        else:
+            out_scale = float(out_scale)
+    if type(return_amax) is not bool:
+        raise TypeError(f"return_amax: expected a bool, got {return_amax!r}")
+    opts = RowOptions(None if residual is None else (residual_dtype or residual.dtype), float(weight_offset),
+                      None if out_dtype == x.dtype else out_dtype, out_scale, return_amax)
+    return (PLAIN if opts == PLAIN else opts), scale
+
+
+def _same_param_rows(weight, bias, shape):
+    """With one parameter per head and the other not, the other is expanded to per head (autograd
+    sums its gradient back): the kernels take both in one layout."""
+    if weight is None or bias is None or weight.dim() == bias.dim():
+        return weight, bias
+    if weight.dim() > bias.dim():
+        return weight, bias.expand(weight.shape)
+    return weight.expand(bias.shape), bias
+
+
+def _outputs(y, h, amax, prenorm: bool, return_amax: bool):
+    if not prenorm and not return_amax:
+        return y
+    return (y,) + ((h,) if prenorm else ()) + ((amax,) if return_amax else ())
+
+
+_FUSED_BACKENDS = (None, "triton", "torch")  # the backend names whose kernels have fused epilogues
+
+
+def _autocast_rows(x, weight, bias, opts, backend_name, op):
+    """torch's CUDA autocast contract (float32 out) for LayerNorm/RMSNorm: in one pass, reading x's
+    dtype and writing float32 (out_dtype), on backends with fused epilogues; values are those of
+    casting first, which the other backends do. An explicit out_dtype is kept."""
+    if not _autocast_upcasts(op, x.device.type) or not torch.is_autocast_enabled(x.device.type) or \
+            x.dtype in (torch.float32, torch.float64) or opts.out_dtype is not None:
+        return x, weight, bias, opts
+    if backend_name in _FUSED_BACKENDS:
+        return x, weight, bias, dataclasses.replace(opts, out_dtype=torch.float32)
+    x, weight, bias = _autocast(op, x, weight, bias)
+    return x, weight, bias, opts
+
+
+def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, residual=None, scale=None,
+              opts=PLAIN, prenorm=False):
+    """Checked arguments -> y (or the tuple of _outputs), through the custom op (compile, modes,
+    subclasses), the autograd function (gradients, torch.func, forward AD) or straight to the
+    kernels (inference). The host path is asked again here for plain calls: the public functions ask
+    it first, but a call it declined there may be its case now (inputs cast by autocast, or a
+    row_norm_as_written call)."""
+    plain = residual is None and scale is None and opts is PLAIN and (weight is None or weight.dim() == len(shape)) \
+        and (bias is None or bias.dim() == len(shape))  # not per-head parameters
     fast = _host.fast
-    if fast is not None and not _is_compiling():
+    if plain and fast is not None and not _is_compiling():
         y = fast.row_norm(x, shape, weight, bias, eps, rms, activation, backend_name)
         if y is not None:
             return y
-    if _library.needed(x, weight, bias):
-        return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
+    if _library.needed(x, weight, bias, residual, scale):
+        if plain:
+            return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
+        y, h, _, _, amax = _library.row_norm_fused(x, len(shape), weight, bias, eps, rms, backend_name, activation,
+                                                   residual, scale, opts)
+        return _outputs(y, h, amax, prenorm, opts.return_amax)
     backend = backends.resolve(backend_name, x, op)
-    if _needs_autograd(x, weight, bias) or transforms_active():
+    if _needs_autograd(x, weight, bias, residual) or transforms_active():
         _forward_only_check(backend, op, x, weight, bias)
-        return RowNormFn.apply(x, weight, bias, len(shape), eps, rms, activation, backend)[0]
-    # inference: no statistics to keep, so the kernel need not write them
-    y, _, _ = backend.row_norm_fwd(as_rows(x, shape), flat_param(weight), flat_param(bias), eps, rms,
-                                   activation, store_stats=False)
-    return y if x.dim() == 2 and len(shape) == 1 else y.view(x.shape)
+        check_backend(backend, opts, residual)
+        y, h, _, _, amax = RowNormFn.apply(x, weight, bias, residual, scale, len(shape), eps, rms, activation, opts,
+                                           backend)
+        return _outputs(y, h, amax, prenorm, opts.return_amax)
+    if plain:  # inference: no statistics to keep, so the kernel need not write them
+        rows = row_view(x, shape, getattr(backend, "STRIDED_ROWS", False))
+        y, _, _ = backend.row_norm_fwd(rows, flat_param(weight), flat_param(bias), eps, rms, activation,
+                                       store_stats=False)
+        return y if y.shape == x.shape else y.view(x.shape)
+    check_backend(backend, opts, residual)
+    y, h, _, _, amax = row_norm_forward_fused(backend, x, weight, bias, len(shape), eps, rms, activation,
+                                              residual=residual, scale=scale, opts=opts, store_stats=False,
+                                              store_h=prenorm)
+    return _outputs(y, h, amax, prenorm, opts.return_amax)
 
 
-def row_norm_as_written(x, normalized_shape, weight, bias, eps, rms: bool, *, activation=None, backend=None):
-    """LayerNorm/RMSNorm without torch's autocast contract for F.layer_norm / F.rms_norm: computes in
-    float32 and rounds to x's dtype whatever autocast says. For modules that write their norm out
-    in explicit float32 ops (HF's RMSNorm classes), which autocast does not upcast as a whole."""
+def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax) -> bool:
+    """No fused option asked for (the defaults; weight_offset's is the int 0: a float default would
+    be a symbolic input that torch.compile(dynamic=True) specializes by restarting its trace)."""
+    return residual is None and prenorm is False and residual_dtype is None and weight_offset == 0 and \
+        out_dtype is None and out_scale is None and return_amax is False
+
+
+def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend):
+    """The C++ host path's output for a call without fused options, or None."""
+    fast = _host.fast
+    if fast is None or _is_compiling():
+        return None
+    if weight is not None and weight.dim() != (1 if type(normalized_shape) is int else len(normalized_shape)):
+        return None  # per-head weights: not a call the host path knows
+    return fast.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend)
+
+
+def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
+                    residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast: bool):
+    op = "rms_norm" if rms else "layer_norm"
     if rms:
         _check_tensor(x, "x")
         eps = default_rms_eps(x.dtype) if eps is None else eps
-    shape, eps = _check_inputs(x, normalized_shape, weight, None if rms else bias, eps)
+    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps, per_head=True)
+    weight, bias = _same_param_rows(weight, bias, shape)
     _check_activation(activation)
-    return _row_norm(x, shape, weight, None if rms else bias, eps, rms, activation, backend,
-                     "rms_norm" if rms else "layer_norm")
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
+        opts, scale = PLAIN, None  # the common call: nothing fused, nothing more to check
+    else:
+        opts, scale = _check_fusion(x, shape, weight, residual, prenorm, residual_dtype, weight_offset, out_dtype,
+                                    out_scale, return_amax)
+    if autocast:
+        x, weight, bias, opts = _autocast_rows(x, weight, bias, opts, backend, op)
+    return _row_norm(x, shape, weight, bias, eps, rms, activation, backend, op, residual, scale, opts, prenorm)
+
+
+def row_norm_as_written(x, normalized_shape, weight, bias, eps, rms: bool, *, activation=None, backend=None,
+                        residual=None, prenorm=False, residual_dtype=None, weight_offset=0, out_dtype=None,
+                        out_scale=None, return_amax=False):
+    """LayerNorm/RMSNorm without torch's autocast contract for F.layer_norm / F.rms_norm: computes in
+    float32 and rounds to x's dtype (or out_dtype) whatever autocast says. For modules that write
+    their norm out in explicit float32 ops (HF's RMSNorm classes), which autocast does not upcast as
+    a whole. The fused options are layer_norm's."""
+    return _fused_row_norm(x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend,
+                           residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax,
+                           autocast=False)
 
 
 # ----------------------------------------------------------------------------- public API
 
 def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *, activation: Optional[str] = None,
-               backend: Optional[str] = None) -> torch.Tensor:
+               residual: Optional[torch.Tensor] = None, prenorm: bool = False,
+               residual_dtype: Optional[torch.dtype] = None, weight_offset: float = 0,
+               out_dtype: Optional[torch.dtype] = None, out_scale=None, return_amax: bool = False,
+               backend: Optional[str] = None):
     """LayerNorm over the trailing `normalized_shape` dims, as torch.nn.functional.layer_norm.
 
     activation: None, "silu", "mish", "gelu", "gelu_tanh" or "relu", applied after the affine
     transform in the same kernel (forward and backward).
+    residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax: the fused
+    epilogues (see the module docstring); returns y, or (y[, h][, amax]).
     backend: None picks Triton for CUDA tensors and torch otherwise; a name forces that backend.
-    Under CUDA autocast it computes in float32 and returns float32, as torch's layer_norm does.
+    Under CUDA autocast it returns float32, as torch's layer_norm does (read x's dtype, write fp32).
     """
-    fast = _host.fast
-    if fast is not None and not _is_compiling():
-        y = fast.row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend)
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
+        y = _via_host(x, normalized_shape, weight, bias, eps, False, activation, backend)
         if y is not None:
             return y
-    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps)
-    _check_activation(activation)
-    x, weight, bias = _autocast("layer_norm", x, weight, bias)
-    return _row_norm(x, shape, weight, bias, eps, False, activation, backend, "layer_norm")
+    return _fused_row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm,
+                           residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
 
 
 def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torch.Tensor] = None,
-             eps: Optional[float] = None, *, activation: Optional[str] = None,
-             backend: Optional[str] = None) -> torch.Tensor:
+             eps: Optional[float] = None, *, activation: Optional[str] = None, residual: Optional[torch.Tensor] = None,
+             prenorm: bool = False, residual_dtype: Optional[torch.dtype] = None, weight_offset: float = 0,
+             out_dtype: Optional[torch.dtype] = None, out_scale=None, return_amax: bool = False,
+             backend: Optional[str] = None):
     """RMSNorm over the trailing `normalized_shape` dims, as torch.nn.functional.rms_norm.
 
     eps=None means torch's default: the machine epsilon of the compute type (float32, or float64).
-    activation and backend are as in layer_norm; float32 under CUDA autocast, as torch's rms_norm.
+    activation, the fused epilogues and backend are as in layer_norm; float32 under CUDA autocast,
+    as torch's rms_norm.
     """
-    fast = _host.fast
-    if fast is not None and not _is_compiling():
-        y = fast.row_norm(x, normalized_shape, weight, None, eps, True, activation, backend)
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
+        y = _via_host(x, normalized_shape, weight, None, eps, True, activation, backend)
         if y is not None:
             return y
-    _check_tensor(x, "x")
-    shape, eps = _check_inputs(x, normalized_shape, weight, None, default_rms_eps(x.dtype) if eps is None else eps)
-    _check_activation(activation)
-    x, weight = _autocast("rms_norm", x, weight)
-    return _row_norm(x, shape, weight, None, eps, True, activation, backend, "rms_norm")
+    return _fused_row_norm(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm,
+                           residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
 
 
 # ----------------------------------------------------------------------------- group norm
@@ -283,30 +454,52 @@ def _stats_shape(x: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(x.shape[: x.dim() - len(shape)])
 
 
-def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, backend=None):
-    """LayerNorm forward with its statistics: (y, mean, rstd).
+def _fwd_with_stats(x, normalized_shape, weight, bias, eps, rms, activation, residual, residual_dtype, weight_offset,
+                    out_dtype, out_scale, return_amax, backend, op):
+    """The kernel-level forward: (y, mean or None, rstd, h or None, amax or None)."""
+    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps, per_head=True)
+    weight, bias = _same_param_rows(weight, bias, shape)
+    _check_activation(activation)
+    opts, scale = _check_fusion(x, shape, weight, residual, False, residual_dtype, weight_offset, out_dtype, out_scale,
+                                return_amax)
+    if _library.needed(x, weight, bias, residual, scale):  # torch.compile, DTensor, dispatch modes: the custom op
+        if residual is None and scale is None and opts is PLAIN and activation is None:
+            y, mean, rstd = _library.row_norm_with_stats(x, len(shape), weight, bias, eps, rms, backend)
+            return y, mean, rstd, None, None
+        y, h, mean, rstd, amax = _library.row_norm_fused(x, len(shape), weight, bias, eps, rms, backend, activation,
+                                                         residual, scale, opts)
+        return y, mean, rstd, h, amax
+    be = backends.resolve(backend, x, op)
+    check_backend(be, opts, residual)
+    y, h, mean, rstd, amax = row_norm_forward_fused(be, x, weight, bias, len(shape), eps, rms, activation,
+                                                    residual=residual, scale=scale, opts=opts)
+    return y, mean, rstd, h, amax
 
-    mean and rstd are float32 (float64 for float64 input) with x's leading shape. No autograd.
+
+def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, activation=None, residual=None,
+                   residual_dtype=None, weight_offset=0, out_dtype=None, out_scale=None, return_amax=False,
+                   backend=None):
+    """LayerNorm forward with its statistics: (y, mean, rstd), then h if residual is given (what was
+    normalized: layer_norm_bwd takes it as x), then amax if return_amax. No autograd.
+
+    mean and rstd are float32 (float64 for float64 input) with x's leading shape. The fused options
+    are layer_norm's (h is always returned with a residual: the backward needs it).
     """
-    shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps)
-    if _library.needed(x, weight, bias):  # torch.compile, DTensor, dispatch modes: the custom op
-        return _library.row_norm_with_stats(x, len(shape), weight, bias, eps, False, backend)
-    be = backends.resolve(backend, x, "layer_norm_fwd")
-    y, mean, rstd = be.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), _flat_param(bias), eps, False)
-    lead = _stats_shape(x, shape)
-    return y.view(x.shape), mean.view(lead), rstd.view(lead)
+    y, mean, rstd, h, amax = _fwd_with_stats(x, normalized_shape, weight, bias, eps, False, activation, residual,
+                                             residual_dtype, weight_offset, out_dtype, out_scale, return_amax,
+                                             backend, "layer_norm_fwd")
+    return (y, mean, rstd) + ((h,) if residual is not None else ()) + ((amax,) if return_amax else ())
 
 
-def rms_norm_fwd(x, normalized_shape, weight=None, eps=None, *, backend=None):
-    """RMSNorm forward with its statistic: (y, rstd). rstd is float32 with x's leading shape."""
+def rms_norm_fwd(x, normalized_shape, weight=None, eps=None, *, activation=None, residual=None, residual_dtype=None,
+                 weight_offset=0, out_dtype=None, out_scale=None, return_amax=False, backend=None):
+    """RMSNorm forward with its statistic: (y, rstd), then h and amax as layer_norm_fwd. rstd is
+    float32 with x's leading shape."""
     _check_tensor(x, "x")
-    shape, eps = _check_inputs(x, normalized_shape, weight, None, default_rms_eps(x.dtype) if eps is None else eps)
-    if _library.needed(x, weight):
-        y, _, rstd = _library.row_norm_with_stats(x, len(shape), weight, None, eps, True, backend)
-        return y, rstd
-    be = backends.resolve(backend, x, "rms_norm_fwd")
-    y, _, rstd = be.row_norm_fwd(_as_rows(x, shape), _flat_param(weight), None, eps, True)
-    return y.view(x.shape), rstd.view(_stats_shape(x, shape))
+    y, _, rstd, h, amax = _fwd_with_stats(x, normalized_shape, weight, None, default_rms_eps(x.dtype) if eps is None
+                                          else eps, True, activation, residual, residual_dtype, weight_offset,
+                                          out_dtype, out_scale, return_amax, backend, "rms_norm_fwd")
+    return (y, rstd) + ((h,) if residual is not None else ()) + ((amax,) if return_amax else ())
 
 
 def _check_bwd(dy, x, weight, stats: dict):
@@ -330,39 +523,88 @@ def _check_bwd(dy, x, weight, stats: dict):
     shape = tuple(x.shape[len(lead):])
     if not shape:
         raise ValueError(f"{', '.join(stats)}: expected one value per row of x, got x's full shape {tuple(x.shape)}")
-    _check_param(weight, "weight", shape, x, x.device)
+    _check_param(weight, "weight", shape, x, x.device, _heads(x, shape))
     return shape
+
+
+def _heads(x, shape):
+    """The per-head parameter shape (heads, *shape) x allows, or None."""
+    return tuple(x.shape[x.dim() - len(shape) - 1:]) if x.dim() > len(shape) + 1 else None
 
 
 def _stat_rows(s: torch.Tensor) -> torch.Tensor:
     return s.reshape(-1).to(torch.float64 if s.dtype == torch.float64 else torch.float32).contiguous()
 
 
-def layer_norm_bwd(dy, x, weight, mean, rstd, *, backend=None):
-    """LayerNorm backward from saved statistics: (dx, dweight, dbias).
+def _bwd_from_stats(dy, x, weight, mean, rstd, rms, bias, activation, weight_offset, dh, dresidual_dtype, backend,
+                    op):
+    """The kernel-level backward: (dx, dweight or None, dbias or None (LayerNorm: always), dresidual or None)."""
+    stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
+    shape = _check_bwd(dy, x, weight, stats)
+    _check_activation(activation)
+    _check_param(bias, "bias", shape, x, x.device, _heads(x, shape))
+    if dh is not None:
+        _check_tensor(dh, "dh")
+        if dh.shape != x.shape or dh.device != x.device:
+            raise ValueError(f"dh: expected a tensor of x's shape {tuple(x.shape)} on {x.device}, got "
+                             f"{tuple(dh.shape)} on {dh.device}")
+    _check_dtype_arg(dresidual_dtype, "dresidual_dtype", _FLOAT_DTYPES)
+    if isinstance(weight_offset, bool) or not isinstance(weight_offset, numbers.Real):
+        raise TypeError(f"weight_offset: expected a finite real number, got {weight_offset!r}")
+    if weight_offset != 0 and weight is None:
+        raise ValueError("weight_offset: scales by weight_offset + weight and needs a weight; got weight=None")
+    dw_dtype = _param_grad_dtype(weight, True)
+    db_dtype = None if rms else (weight.dtype if weight is not None else x.dtype)
+    mean_rows = None if rms else _stat_rows(mean)
+    pshape = tuple(weight.shape) if weight is not None else shape  # per-head weights: (heads, *shape)
+    fused = activation is not None or weight_offset != 0 or dh is not None or dresidual_dtype is not None or \
+        pshape != shape
+    if _library.needed(dy, x, weight, mean, rstd, dh, bias):
+        return _library.row_norm_grads(dy, x, len(shape), weight, mean_rows, _stat_rows(rstd), rms, dw_dtype, db_dtype,
+                                       backend, bias=bias, activation=activation, weight_offset=float(weight_offset),
+                                       dh=dh, dres_dtype=dresidual_dtype)
+    be = backends.resolve(backend, x, op)
+    rows = row_view(x, shape, getattr(be, "STRIDED_ROWS", False))
+    like = lambda t: row_view(t, shape, getattr(be, "STRIDED_ROWS", False), rows.shape[:-1])  # noqa: E731
+    if not fused:
+        dx, dw, db = be.row_norm_bwd(like(dy), rows, _flat_param(weight), mean_rows, _stat_rows(rstd), rms, dw_dtype,
+                                     db_dtype)
+        dres = None
+    else:
+        if not hasattr(be, "row_norm_bwd_fused"):
+            raise backends.BackendUnavailableError(f"activation=, weight_offset=, dh=, dresidual_dtype= are not "
+                                                   f"supported by backend={be.NAME!r}; use backend='triton' or 'torch'")
+        dres_dtype = None if dresidual_dtype in (None, x.dtype) else dresidual_dtype
+        dx, dres, dw, db = be.row_norm_bwd_fused(
+            like(dy), rows, param_rows(weight, shape), mean_rows, _stat_rows(rstd), rms, dw_dtype, db_dtype,
+            bias=param_rows(bias, shape), activation=activation, weight_offset=float(weight_offset),
+            dh=None if dh is None else like(dh), dres_dtype=dres_dtype)
+        dres = None if dresidual_dtype is None else (dx if dres is None else dres).view(x.shape)
+    return dx.view(x.shape), (dw.view(pshape) if dw is not None else None), \
+        (db.view(pshape) if db is not None else None), dres
 
-    dweight is None when weight is None; dbias (the column sums of dy) is always returned, in
-    weight's dtype (x's dtype without a weight). The dweight/dbias sums are deterministic.
+
+def layer_norm_bwd(dy, x, weight, mean, rstd, *, bias=None, activation=None, weight_offset=0, dh=None,
+                   dresidual_dtype=None, backend=None):
+    """LayerNorm backward from saved statistics: (dx, dweight, dbias), then dresidual if
+    dresidual_dtype is given.
+
+    x is what the forward normalized: h when it took a residual. dh, the gradient of h (prenorm's
+    second output), is added to dx, which is then the gradient of both x and the residual; with
+    dresidual_dtype it is also returned in that dtype. bias is needed only with an activation (to
+    recompute its input). dweight is None when weight is None; dbias (the column sums of dy through
+    the activation) is always returned, in weight's dtype (x's dtype without a weight). The
+    dweight/dbias sums are deterministic.
     """
-    shape = _check_bwd(dy, x, weight, {"mean": mean, "rstd": rstd})
-    if _library.needed(dy, x, weight, mean, rstd):
-        return _library.row_norm_grads(dy, x, len(shape), weight, _stat_rows(mean), _stat_rows(rstd), False,
-                                       _param_grad_dtype(weight, True), weight.dtype if weight is not None else x.dtype,
-                                       backend)
-    be = backends.resolve(backend, x, "layer_norm_bwd")
-    dx, dw, db = be.row_norm_bwd(_as_rows(dy, shape), _as_rows(x, shape), _flat_param(weight), _stat_rows(mean), _stat_rows(rstd), False,
-                                 _param_grad_dtype(weight, True), weight.dtype if weight is not None else x.dtype)
-    return dx.view(x.shape), (dw.view(shape) if dw is not None else None), db.view(shape)
+    dx, dw, db, dres = _bwd_from_stats(dy, x, weight, mean, rstd, False, bias, activation, weight_offset, dh,
+                                       dresidual_dtype, backend, "layer_norm_bwd")
+    return (dx, dw, db) + ((dres,) if dresidual_dtype is not None else ())
 
 
-def rms_norm_bwd(dy, x, weight, rstd, *, backend=None):
-    """RMSNorm backward from the saved statistic: (dx, dweight); dweight is None without weight."""
-    shape = _check_bwd(dy, x, weight, {"rstd": rstd})
-    if _library.needed(dy, x, weight, rstd):
-        dx, dw, _ = _library.row_norm_grads(dy, x, len(shape), weight, None, _stat_rows(rstd), True,
-                                            _param_grad_dtype(weight, True), None, backend)
-        return dx, dw
-    be = backends.resolve(backend, x, "rms_norm_bwd")
-    dx, dw, _ = be.row_norm_bwd(_as_rows(dy, shape), _as_rows(x, shape), _flat_param(weight), None, _stat_rows(rstd), True,
-                                _param_grad_dtype(weight, True), None)
-    return dx.view(x.shape), (dw.view(shape) if dw is not None else None)
+def rms_norm_bwd(dy, x, weight, rstd, *, activation=None, weight_offset=0, dh=None, dresidual_dtype=None,
+                 backend=None):
+    """RMSNorm backward from the saved statistic: (dx, dweight), then dresidual if dresidual_dtype
+    is given; dweight is None without weight. x, dh, dresidual_dtype: as layer_norm_bwd."""
+    dx, dw, _, dres = _bwd_from_stats(dy, x, weight, None, rstd, True, None, activation, weight_offset, dh,
+                                      dresidual_dtype, backend, "rms_norm_bwd")
+    return (dx, dw) + ((dres,) if dresidual_dtype is not None else ())

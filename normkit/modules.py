@@ -1,5 +1,12 @@
 """nn.Module drop-ins: subclasses of the torch modules, so parameters, state_dict keys,
-constructor arguments and repr are torch's; only forward runs normkit's kernels."""
+constructor arguments and repr are torch's; only forward runs normkit's kernels.
+
+LayerNorm and RMSNorm take the fused options that belong to the layer as attributes
+(`weight_offset`, `out_dtype`, `residual_dtype`, `activation`) and the residual stream as a
+forward argument: `norm(x, residual)` returns (y, h), h = x + residual being the new residual
+stream (the add-norm of a pre-norm transformer block, as flash-attention's and Liger's fused
+add-norm modules); `norm(x, residual, prenorm=False)` returns y alone.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -11,30 +18,75 @@ from .functional import group_norm, layer_norm, rms_norm
 __all__ = ["LayerNorm", "RMSNorm", "GroupNorm"]
 
 
-class LayerNorm(torch.nn.LayerNorm):
-    """torch.nn.LayerNorm computed by normkit; `activation` and `backend` as in normkit.layer_norm."""
+class _RowNormOptions:
+    """The fused options of a LayerNorm/RMSNorm module, and the weight init they imply."""
+
+    def _set_options(self, activation, weight_offset, out_dtype, residual_dtype, backend):
+        self.activation, self.backend = activation, backend
+        self.weight_offset, self.out_dtype, self.residual_dtype = weight_offset, out_dtype, residual_dtype
+        if self.weight_offset:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        offset = getattr(self, "weight_offset", 0.0)
+        if offset and self.weight is not None:  # the effective weight offset + w starts at one
+            with torch.no_grad():
+                self.weight.sub_(offset)
+
+    def _fused(self, residual, prenorm):
+        kw = {}
+        if self.weight_offset:
+            kw["weight_offset"] = self.weight_offset
+        if self.out_dtype is not None:
+            kw["out_dtype"] = self.out_dtype
+        if residual is not None:
+            kw.update(residual=residual, prenorm=prenorm, residual_dtype=self.residual_dtype)
+        return kw
+
+    def _extra(self) -> str:
+        return "".join(f", {k}={getattr(self, k)!r}" for k, default in
+                       (("activation", None), ("weight_offset", 0.0), ("out_dtype", None), ("residual_dtype", None))
+                       if getattr(self, k, default) != default)
+
+
+class LayerNorm(_RowNormOptions, torch.nn.LayerNorm):
+    """torch.nn.LayerNorm computed by normkit; `activation`, `weight_offset`, `out_dtype`,
+    `residual_dtype` and `backend` as in normkit.layer_norm. forward(x, residual=None, prenorm=True)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 device=None, dtype=None, *, activation: Optional[str] = None, backend: Optional[str] = None):
+                 device=None, dtype=None, *, activation: Optional[str] = None, weight_offset: float = 0,
+                 out_dtype: Optional[torch.dtype] = None, residual_dtype: Optional[torch.dtype] = None,
+                 backend: Optional[str] = None):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        self.activation, self.backend = activation, backend
+        self._set_options(activation, weight_offset, out_dtype, residual_dtype, backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
-                          activation=self.activation, backend=self.backend)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, prenorm: bool = True):
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, activation=self.activation,
+                          backend=self.backend, **self._fused(residual, prenorm))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + self._extra()
 
 
-class RMSNorm(torch.nn.RMSNorm):
-    """torch.nn.RMSNorm computed by normkit; `activation` and `backend` as in normkit.rms_norm."""
+class RMSNorm(_RowNormOptions, torch.nn.RMSNorm):
+    """torch.nn.RMSNorm computed by normkit; `activation`, `weight_offset` (Gemma: 1.0, the weight
+    then starts at zero), `out_dtype`, `residual_dtype` and `backend` as in normkit.rms_norm.
+    forward(x, residual=None, prenorm=True)."""
 
     def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
-                 device=None, dtype=None, *, activation: Optional[str] = None, backend: Optional[str] = None):
+                 device=None, dtype=None, *, activation: Optional[str] = None, weight_offset: float = 0,
+                 out_dtype: Optional[torch.dtype] = None, residual_dtype: Optional[torch.dtype] = None,
+                 backend: Optional[str] = None):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
-        self.activation, self.backend = activation, backend
+        self._set_options(activation, weight_offset, out_dtype, residual_dtype, backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, prenorm: bool = True):
         return rms_norm(x, self.normalized_shape, self.weight, self.eps, activation=self.activation,
-                        backend=self.backend)
+                        backend=self.backend, **self._fused(residual, prenorm))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + self._extra()
 
 
 class GroupNorm(torch.nn.GroupNorm):

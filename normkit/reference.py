@@ -19,6 +19,10 @@ __all__ = [
     "rms_norm_backward",
     "group_norm_backward",
     "activation",
+    "residual_sum",
+    "output_value",
+    "amax",
+    "FP8_MAX",
     "rel_err",
     "default_rms_eps",
 ]
@@ -56,36 +60,66 @@ def _dims(x: torch.Tensor, normalized_shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(range(x.dim() - k, x.dim()))
 
 
-def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None):
-    """float64 LayerNorm. Returns (y, mean, rstd); mean/rstd have x's leading shape."""
-    x = x.to(_f64)
+# the largest finite value of each float8 output format: fp8 outputs saturate there
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def residual_sum(x, residual, residual_dtype=None):
+    """h = x + residual, the tensor a fused residual add normalizes and returns: the exact sum
+    rounded to residual_dtype (default: residual's dtype), as float64. The rounding is invisible to
+    autograd (its gradient is the identity), as the kernels treat it."""
+    h = x.to(_f64) + residual.to(_f64)
+    return h + (h.to(residual_dtype or residual.dtype).to(_f64) - h).detach()
+
+
+def _affine(y, weight, bias, weight_offset):
+    if weight is not None:
+        y = y * (weight.to(_f64) + weight_offset)
+    if bias is not None:
+        y = y + bias.to(_f64)
+    return y
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None, *, residual=None,
+               residual_dtype=None, weight_offset=0.0):
+    """float64 LayerNorm. Returns (y, mean, rstd); mean/rstd have x's leading shape.
+    residual: normalizes h = residual_sum(x, residual, residual_dtype). weight_offset: y = xhat * (offset + w) + b."""
+    x = x.to(_f64) if residual is None else residual_sum(x, residual, residual_dtype)
     dims = _dims(x, normalized_shape)
     mean = x.mean(dim=dims, keepdim=True)
     var = ((x - mean) ** 2).mean(dim=dims, keepdim=True)  # two-pass: exact in float64
     rstd = torch.rsqrt(var + eps)
-    y = (x - mean) * rstd
-    if weight is not None:
-        y = y * weight.to(_f64)
-    if bias is not None:
-        y = y + bias.to(_f64)
-    y = activation(y, activation_name)
+    y = activation(_affine((x - mean) * rstd, weight, bias, weight_offset), activation_name)
     lead = x.shape[: x.dim() - len(dims)]
     return y, mean.reshape(lead), rstd.reshape(lead)
 
 
-def rms_norm(x, normalized_shape, weight=None, eps=None, activation_name=None):
-    """float64 RMSNorm. Returns (y, rstd); rstd has x's leading shape."""
+def rms_norm(x, normalized_shape, weight=None, eps=None, activation_name=None, *, residual=None, residual_dtype=None,
+             weight_offset=0.0):
+    """float64 RMSNorm. Returns (y, rstd); rstd has x's leading shape. residual, weight_offset: as layer_norm."""
     if eps is None:
         eps = default_rms_eps(x.dtype)
-    x = x.to(_f64)
+    x = x.to(_f64) if residual is None else residual_sum(x, residual, residual_dtype)
     dims = _dims(x, normalized_shape)
     rstd = torch.rsqrt((x * x).mean(dim=dims, keepdim=True) + eps)
-    y = x * rstd
-    if weight is not None:
-        y = y * weight.to(_f64)
-    y = activation(y, activation_name)
+    y = activation(_affine(x * rstd, weight, None, weight_offset), activation_name)
     lead = x.shape[: x.dim() - len(dims)]
     return y, rstd.reshape(lead)
+
+
+def output_value(y, out_dtype=None, out_scale=None):
+    """What a normalized output y holds in out_dtype, in float64: y itself, or for float8 formats
+    y * out_scale saturated to the format's largest finite value (NaN stays NaN), before rounding."""
+    y = y.to(_f64)
+    if out_dtype not in FP8_MAX:
+        return y
+    scale = float(out_scale) if not isinstance(out_scale, torch.Tensor) else out_scale.to(_f64).reshape(())
+    return (y * scale).clamp(-FP8_MAX[out_dtype], FP8_MAX[out_dtype])
+
+
+def amax(y):
+    """max |y| over all elements (NaN if any is NaN): the statistic delayed fp8 scaling keeps."""
+    return y.to(_f64).abs().amax() if y.numel() else torch.zeros((), dtype=_f64)
 
 
 def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation_name=None):
@@ -117,16 +151,18 @@ def _grads(f, dy, x, params):
     return (dx,) + tuple(None if p is None else next(grads) for p in p64)
 
 
-def layer_norm_backward(dy, x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None):
+def layer_norm_backward(dy, x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None, *,
+                        weight_offset=0.0):
     """float64 (dx, dweight, dbias) of layer_norm; None where weight/bias is None."""
-    f = lambda x_, w_, b_: layer_norm(x_, normalized_shape, w_, b_, eps, activation_name)[0]
+    f = lambda x_, w_, b_: layer_norm(x_, normalized_shape, w_, b_, eps, activation_name,  # noqa: E731
+                                      weight_offset=weight_offset)[0]
     return _grads(f, dy, x, [weight, bias])
 
 
-def rms_norm_backward(dy, x, normalized_shape, weight=None, eps=None, activation_name=None):
+def rms_norm_backward(dy, x, normalized_shape, weight=None, eps=None, activation_name=None, *, weight_offset=0.0):
     """float64 (dx, dweight) of rms_norm; dweight is None where weight is None."""
     eps = default_rms_eps(x.dtype) if eps is None else eps
-    f = lambda x_, w_: rms_norm(x_, normalized_shape, w_, eps, activation_name)[0]
+    f = lambda x_, w_: rms_norm(x_, normalized_shape, w_, eps, activation_name, weight_offset=weight_offset)[0]  # noqa: E731
     return _grads(f, dy, x, [weight])
 
 

@@ -913,7 +913,7 @@ def test_triton_backend_both_paths(op, dtype, routed, triton_route):
     triton_route(routed)
     n = 16384
     x = randn(9, n, dtype=dtype, device=DEVICE)
-    cfg = tb._plan("bwd", n, dtype, x.device, (op == "rms_norm", True, False, None, (True, False)))[0]
+    cfg = tb._plan("bwd", n, x.element_size(), x.device, (op == "rms_norm", True, False, None, (True, False)))[0]
     assert cfg.cuda == routed
     check_fwd_bwd(op, x, (n,), randn(n, device=DEVICE), randn(n, device=DEVICE), backend="triton",
                   what=f"triton backend {'routed' if routed else 'kernels'} {op}")

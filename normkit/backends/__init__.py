@@ -15,6 +15,26 @@ row_norm_bwd(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, *, bias
     dy: [M, N] like x. dweight is computed when dweight_dtype is given, dbias when dbias_dtype is,
     each returned in that dtype; the sums over rows are deterministic (no float atomics).
     bias is passed when an activation needs the pre-activation value recomputed.
+
+Fused epilogues (backends that have them: torch, triton; functional.py raises "not supported by
+backend=..." for the others), with the same rows conventions:
+row_norm_fwd_fused(x, weight, bias, eps, rms, *, activation=None, store_stats=True, residual=None,
+                   h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
+                   want_amax=False) -> (y, mean | None, rstd | None, h | None, amax | None)
+    residual: rows like x; h = x + residual, summed in fp32 and rounded to h_dtype (default
+    residual.dtype), is what is normalized; returned (contiguous) when store_h.
+    weight_offset: y = xhat * (weight_offset + weight) + bias. out_dtype: y's dtype (None: x's);
+    float8_e4m3fn / float8_e5m2 store y * out_scale (a float or a 1-element tensor) saturated to
+    the format's largest finite value. want_amax: amax = max |y| before scaling, a 0-dim float32.
+row_norm_bwd_fused(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, *, bias=None,
+                   activation=None, weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None)
+    -> (dx, dres | None, dweight | None, dbias | None)
+    x: what was normalized (h with a residual). dh: rows like x, added to dx. dx in dx_dtype (None:
+    x's); dres, the same values in dres_dtype, when dres_dtype is given.
+Backends with STRIDED_ROWS = True also take rows as [O, I, N] views with any strides (row r is
+(r // I, r % I); normkit._layout.row_view); every row operand of one call has the same structure,
+and outputs are dense in that shape. The others get [M, N] with unit column stride.
+
 group_norm_fwd(x, num_groups, weight, bias, eps, activation=None) -> (y, mean, rstd)
     x: [B, C, S] (S = product of the spatial dims, 1 if none) in either layout: NCHW
     (stride(2) == 1) or channels_last (stride(1) == 1). y: same shape and strides as x.

@@ -31,6 +31,10 @@ _ACTIVATION_GRADS = {
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+STRIDED_ROWS = True  # rows may come as [O, I, N] views with any strides (normkit._layout.row_view)
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
 def why_unavailable(x: torch.Tensor) -> str | None:
     if x.dtype not in DTYPES:
         return f"it supports floating-point inputs, not {x.dtype}"
@@ -43,52 +47,99 @@ def _acc(x: torch.Tensor) -> torch.dtype:
 
 def _xhat(x, mean, rstd):
     xf = x.to(_acc(x))
-    return (xf if mean is None else xf - mean[:, None]) * rstd[:, None]
+    return (xf if mean is None else xf - mean[..., None]) * rstd[..., None]
 
 
-def _affine(xhat, weight, bias, acc):
+def _param(p, like, acc):
+    """A weight/bias laid out to broadcast against rows `like`: [N], or per-head [H, N] (row r uses
+    row r % H) repeated over the rows."""
+    if p is None or p.dim() == 1:
+        return None if p is None else p.to(acc)
+    return p.to(acc).repeat(like[..., 0].numel() // p.shape[0], 1).view(like.shape)
+
+
+def _affine(xhat, weight, bias, acc, weight_offset=0.0):
     z = xhat
     if weight is not None:
-        z = z * weight.to(acc)
+        w = _param(weight, xhat, acc)
+        z = z * (w + weight_offset if weight_offset else w)
     if bias is not None:
-        z = z + bias.to(acc)
+        z = z + _param(bias, xhat, acc)
     return z
 
 
+def _param_sum(t, heads: int):
+    """Sum of t over its rows, per parameter row: [N], or [heads, N] for per-head parameters."""
+    n = t.shape[-1]
+    return t.reshape(-1, n).sum(0) if heads == 1 else t.reshape(-1, heads, n).sum(0)
+
+
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
+    y, mean, rstd, _, _ = row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation)
+    return y, mean, rstd
+
+
+def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=None, store_stats: bool = True,
+                       residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
+                       want_amax=False):
     acc = _acc(x)
     xf = x.to(acc)
+    h = None
+    if residual is not None:
+        hs = (xf + residual.to(acc)).to(h_dtype or residual.dtype)
+        h = hs.contiguous() if store_h else None
+        xf = hs.to(acc)
     if rms:
         mean, xc = None, xf
     else:
         # two passes over data shifted by each row's first element, as the kernels do; y comes
         # from the shifted data too, so the rounding of the stored mean never reaches it
-        shift = xf[:, :1]
+        shift = xf[..., :1]
         xs = xf - shift
-        mean_s = xs.mean(dim=1, keepdim=True)
+        mean_s = xs.mean(dim=-1, keepdim=True)
         xc = xs - mean_s
-        mean = (shift + mean_s).squeeze(1)
-    rstd = torch.rsqrt(xc.square().mean(dim=1) + eps)
-    y = _ACTIVATIONS[activation](_affine(xc * rstd[:, None], weight, bias, acc))
-    return y.to(x.dtype), mean, rstd
+        mean = (shift + mean_s).squeeze(-1)
+    rstd = torch.rsqrt(xc.square().mean(dim=-1) + eps)
+    y = _ACTIVATIONS[activation](_affine(xc * rstd[..., None], weight, bias, acc, weight_offset))
+    amax = (y.abs().amax() if y.numel() else y.new_zeros(())) if want_amax else None
+    out_dtype = out_dtype or x.dtype
+    if out_dtype in FP8_MAX:  # y * scale saturated to the format's range (NaN stays NaN), then rounded
+        scale = out_scale.to(acc).reshape(()) if isinstance(out_scale, torch.Tensor) else out_scale
+        y = (y * scale).clamp(-FP8_MAX[out_dtype], FP8_MAX[out_dtype])
+    y = y.to(out_dtype).contiguous()
+    return y, (None if mean is None else mean.contiguous()), rstd.contiguous(), h, amax
 
 
 def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None):
+    dx, _, dw, db = row_norm_bwd_fused(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias=bias,
+                                       activation=activation)
+    return dx, dw, db
+
+
+def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None,
+                       weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None):
     acc = _acc(x)
-    N = x.shape[1]
-    xhat = _xhat(x, None if rms else mean.to(acc), rstd.to(acc))
+    N = x.shape[-1]
+    lead = x.shape[:-1]  # the statistics come flat, one per row
+    rstd = rstd.reshape(lead)
+    xhat = _xhat(x, None if rms else mean.reshape(lead).to(acc), rstd.to(acc))
     dyf = dy.to(acc)
     if activation is not None:  # dy through the activation's derivative at the pre-activation value
-        dyf = _ACTIVATION_GRADS[activation](dyf, _affine(xhat, weight, bias, acc))
-    wdy = dyf * weight.to(acc) if weight is not None else dyf
-    c1 = (xhat * wdy).sum(dim=1, keepdim=True) / N
+        dyf = _ACTIVATION_GRADS[activation](dyf, _affine(xhat, weight, bias, acc, weight_offset))
+    wdy = _affine(dyf, weight, None, acc, weight_offset)
+    c1 = (xhat * wdy).sum(dim=-1, keepdim=True) / N
     dx = wdy - xhat * c1
     if not rms:
-        dx = dx - wdy.sum(dim=1, keepdim=True) / N
-    dx = (dx * rstd.to(acc)[:, None]).to(x.dtype)
-    dw = (dyf * xhat).sum(dim=0).to(dweight_dtype) if dweight_dtype is not None else None
-    db = dyf.sum(dim=0).to(dbias_dtype) if dbias_dtype is not None else None
-    return dx, dw, db
+        dx = dx - wdy.sum(dim=-1, keepdim=True) / N
+    dx = dx * rstd.to(acc)[..., None]
+    if dh is not None:  # the residual stream's own gradient joins dx
+        dx = dx + dh.to(acc)
+    p = weight if weight is not None else bias
+    heads = p.shape[0] if p is not None and p.dim() == 2 else 1
+    dw = _param_sum(dyf * xhat, heads).to(dweight_dtype) if dweight_dtype is not None else None
+    db = _param_sum(dyf, heads).to(dbias_dtype) if dbias_dtype is not None else None
+    dres = dx.to(dres_dtype).contiguous() if dres_dtype is not None else None
+    return dx.to(dx_dtype or x.dtype).contiguous(), dres, dw, db
 
 
 # ----------------------------------------------------------------------------- group norm

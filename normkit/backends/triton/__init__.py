@@ -6,6 +6,7 @@ properties, configurations, compiled kernels) is cached.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -14,9 +15,11 @@ from . import configs
 
 NAME = "triton"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STRIDED_ROWS = True  # rows may come as [O, I, N] views with any strides (normkit._layout.row_view)
 # every buffer a kernel must fully write is allocated through these names, so tests can poison it
 _empty = torch.empty
 _empty_like = torch.empty_like  # half the host time of torch.empty with a shape and dtype
+_zeros = torch.zeros  # the one buffer a kernel accumulates into (the fp8 amax)
 
 
 def _interpreter_requested() -> bool:
@@ -27,7 +30,7 @@ def _interpreter_requested() -> bool:
 def _kernels():
     """The kernels wrapped in fast launchers; imports triton on first use only."""
     from . import group_norm, kernels
-    from .epilogue import ACT_CODES
+    from .epilogue import ACT_CODES, FP8_CODES, H_ROUND_CODES
     from .launch import Kernel
 
     class K:
@@ -40,6 +43,8 @@ def _kernels():
         gn_finalize = Kernel(group_norm.group_norm_staged_finalize_kernel)
         gn_apply = Kernel(group_norm.group_norm_staged_apply_kernel)
         act_codes = ACT_CODES
+        fp8_codes = FP8_CODES
+        h_round_codes = H_ROUND_CODES
         interpreted = fwd.interpreted
     return K
 
@@ -96,10 +101,12 @@ def _sync_buffer(device: torch.device, groups: int) -> torch.Tensor:
     return buf
 
 
-def _launch_persistent(kernel, cfg, args, constexprs, row_blocks: int, device_index: int, sms: int) -> int:
+def _launch_persistent(kernel, cfg, args, constexprs, row_blocks: int, device_index: int, sms: int,
+                       unit: int = 1) -> int:
     """Launch with programs_per_sm programs per SM, at most what can be resident at once (split
     rows wait on each other, so all their programs must run side by side), at most one group per
-    row block, and a whole number of groups. Returns the number of programs."""
+    row block, and a whole number of groups, a multiple of `unit` (per-head weight gradients:
+    row_blocks is then per unit). Returns the number of programs."""
     from .launch import resident_programs_per_sm
 
     def grid(compiled):
@@ -109,7 +116,7 @@ def _launch_persistent(kernel, cfg, args, constexprs, row_blocks: int, device_in
             if per_sm < 1:
                 raise RuntimeError(f"normkit: Triton config {cfg} does not fit on one SM of device {device_index}")
             programs = sms * per_sm
-        return (max(1, min(programs // cfg.split, row_blocks)) * cfg.split,)
+        return (max(1, min(programs // (cfg.split * unit), row_blocks)) * unit * cfg.split,)
 
     return kernel(grid, args, constexprs, cfg.options, device_index)[0]
 
@@ -117,20 +124,34 @@ def _launch_persistent(kernel, cfg, args, constexprs, row_blocks: int, device_in
 # ----------------------------------------------------------------------------- row norm
 
 @functools.lru_cache(maxsize=None)
-def _plan(direction: str, n: int, dtype: torch.dtype, device: torch.device, flags: tuple):
+def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tuple, fusion: tuple = ()):
     """Everything about a launch that depends only on its kind, computed once:
-    (config, constexprs, device index, SM count). flags: (rms, has_w, has_b, activation, extra)."""
+    (config, constexprs, device index, SM count). itemsize: the widest element the launch moves
+    (a bf16 -> fp32 launch is configured as fp32, so it runs exactly as fp32 -> fp32 does).
+    flags: (rms, has_w, has_b, activation, extra[, per-head parameters]); fusion: the fused
+    epilogue's constexprs."""
     device_index, arch, sms = _device_facts(device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    rms, has_w, has_b, activation, extra = flags
+    rms, has_w, has_b, activation, extra, *per_row = flags
     cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0, "rms" if rms else "ln")
-    constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b)
+    per_row = bool(per_row and per_row[0])
+    if per_row and cfg.split > 1:  # per-head weight rows: no split rows (their programs must not wait on heads)
+        chunk, num_warps = configs.LOOPED[direction]
+        cfg = configs.RowConfig(1, min(chunk, cfg.block_n * cfg.split), 1, num_warps, configs.LOOPED_PROGRAMS_PER_SM,
+                                looped=True)
+    constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b, PER_ROW_W=per_row)
     if direction == "fwd":
         constexprs["STORE_STATS"] = extra
     else:
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
-    constexprs.update(ACT=_kernels().act_codes[activation], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      SPLIT=cfg.split, LOOPED=cfg.looped)
+    constexprs["ACT"] = _kernels().act_codes[activation]
+    if direction == "fwd":
+        has_res, store_h, h_dtype, out_dtype, scale_ptr, want_amax = fusion or (False, False, None, None, False, False)
+        k = _kernels()
+        constexprs.update(HAS_RES=has_res, STORE_H=store_h, H_ROUND=k.h_round_codes.get(str(h_dtype), 0),
+                          FP8=k.fp8_codes.get(str(out_dtype), 0), SCALE_PTR=scale_ptr, WANT_AMAX=want_amax)
+    else:
+        constexprs["HAS_DH"], constexprs["HAS_DRES"] = fusion or (False, False)
+    constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=cfg.looped)
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
     return cfg, constexprs, device_index, sms
@@ -158,64 +179,145 @@ def _scratch(cfg, groups_upper: int, device):
     return sync, scratch
 
 
+def _strides(t):
+    """(inner rows, outer stride, inner stride, column stride) of a [M, N] or [O, I, N] row view."""
+    if t.dim() == 2:
+        return 1, t.stride(0), 0, t.stride(1)
+    return t.shape[1], t.stride(0), t.stride(1), t.stride(2)
+
+
+def _out(x, dtype):
+    """A dense [M, N] output for rows x ([M, N] or [O, I, N]) in `dtype`."""
+    if dtype == x.dtype and x.is_contiguous():
+        return _empty_like(x)
+    return _empty(tuple(x.shape), dtype=dtype, device=x.device)
+
+
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
     """(y [M, N] contiguous in x.dtype, mean [M] fp32 or None, rstd [M] fp32 or None)."""
-    M, N = x.shape
+    y, mean, rstd, _, _ = row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=store_stats)
+    return y, mean, rstd
+
+
+def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=None, store_stats: bool = True,
+                       residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
+                       want_amax=False):
+    """(y, mean, rstd, h or None, amax or None); see the backend interface (normkit.backends)."""
     device = x.device
-    y = _empty_like(x) if x.is_contiguous() else _empty((M, N), dtype=x.dtype, device=device)
-    rstd = _empty((M,), dtype=torch.float32, device=device) if store_stats else None
-    mean = _empty((M,), dtype=torch.float32, device=device) if store_stats and not rms else None
+    N = x.shape[-1]
+    M = x.numel() // N if N else math.prod(x.shape[:-1])
+    out_dtype = out_dtype or x.dtype
+    fp8 = out_dtype in _FP8
+    y = _out(x, out_dtype)
+    rstd = _empty(tuple(x.shape[:-1]), dtype=torch.float32, device=device) if store_stats else None
+    mean = _empty(tuple(x.shape[:-1]), dtype=torch.float32, device=device) if store_stats and not rms else None
+    has_res = residual is not None
+    h_dtype = (h_dtype or residual.dtype) if has_res else None
+    h = _out(x, h_dtype) if has_res and store_h else None
+    amax = _zeros((1,), dtype=torch.int32, device=device) if want_amax else None
     if M == 0:
-        return y, mean, rstd
+        return y, mean, rstd, h, _amax_out(amax)
+    scale_ptr = isinstance(out_scale, torch.Tensor)
+    fusion = (has_res, h is not None, h_dtype, out_dtype if fp8 else None, scale_ptr, want_amax)
+    itemsize = max(t.element_size() for t in (x, y, h, residual) if t is not None)
+    w_rows = _param_rows(weight, bias)
     cfg, constexprs, device_index, sms = _plan(
-        "fwd", N, x.dtype, device, (rms, weight is not None, bias is not None, activation, store_stats))
-    prepared = _on_clusters("fwd", x, (), weight, bias, activation, rms) if cfg.cuda else None
+        "fwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, store_stats, w_rows > 1),
+        fusion if fusion != _NO_FWD_FUSION else ())
+    # the widths the table routes to the CUDA backend's Hopper cluster kernels, for plain [M, N] rows
+    cluster_ok = cfg.cuda and fusion == _NO_FWD_FUSION and w_rows == 1 and weight_offset == 0 and x.dim() == 2 \
+        and y.dtype == x.dtype
+    prepared = _on_clusters("fwd", x, (), weight, bias, activation, rms) if cluster_ok else None
     if prepared is not None:
         _cuda_cluster().launch_fwd(prepared, x, y, weight, bias, mean, rstd, eps)
-        return y, mean, rstd
+        return y, mean, rstd, h, _amax_out(amax)
     row_blocks = -(-M // cfg.block_m)
     sync, scratch = _scratch(cfg, sms * 32 // cfg.split + 1, device)
-    args = (x, y, weight, bias, mean, rstd, sync, scratch, M, N, x.stride(0), N, eps)
+    inner, sx_o, sx_i, sx_c = _strides(x)
+    _, sr_o, sr_i, sr_c = _strides(residual) if has_res else (1, 0, 0, 0)
+    scale = 1.0 if scale_ptr or out_scale is None else float(out_scale)
+    args = (x, residual, y.view(torch.uint8) if fp8 else y, h, weight, bias, mean, rstd, amax,
+            out_scale if scale_ptr else None, sync, scratch, M, N, inner, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps,
+            w_rows, float(weight_offset), scale)
     if cfg.looped or cfg.programs_per_sm == 0:
         _kernels().fwd((row_blocks,), args, constexprs, cfg.options, device_index)
     else:
         _launch_persistent(_kernels().fwd, cfg, args, constexprs, row_blocks, device_index, sms)
-    return y, mean, rstd
+    return y, mean, rstd, h, _amax_out(amax)
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_NO_FWD_FUSION = (False, False, None, None, False, False)
+
+
+def _param_rows(weight, bias) -> int:
+    """Rows of the weight/bias: 1, or the heads of per-head parameters ([heads, N]; row r of x uses
+    parameter row r % heads)."""
+    p = weight if weight is not None else bias
+    return p.shape[0] if p is not None and p.dim() == 2 else 1
+
+
+def _amax_out(bits):
+    """The amax kernel buffer (int32 bits of a non-negative float32) as a 0-dim float32 tensor."""
+    return None if bits is None else bits.view(torch.float32).view(())
 
 
 def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None):
     """(dx [M, N] in x.dtype, dweight [N] or None, dbias [N] or None); see the backend interface."""
-    M, N = x.shape
+    dx, _, dw, db = row_norm_bwd_fused(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias=bias,
+                                       activation=activation)
+    return dx, dw, db
+
+
+def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None,
+                       weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None):
+    """(dx, dres or None, dweight or None, dbias or None); see the backend interface."""
     device = x.device
-    dx = _empty_like(x) if x.is_contiguous() else _empty((M, N), dtype=x.dtype, device=device)
+    N = x.shape[-1]
+    M = x.numel() // N if N else math.prod(x.shape[:-1])
+    dx = _out(x, dx_dtype or x.dtype)
+    dres = _out(x, dres_dtype) if dres_dtype is not None else None
     want_dw, want_db = dweight_dtype is not None, dbias_dtype is not None
-    dw = _empty((N,), dtype=dweight_dtype, device=device) if want_dw else None
-    db = _empty((N,), dtype=dbias_dtype, device=device) if want_db else None
+    w_rows = _param_rows(weight, bias)
+    pshape = (w_rows, N) if w_rows > 1 else (N,)
+    dw = _empty(pshape, dtype=dweight_dtype, device=device) if want_dw else None
+    db = _empty(pshape, dtype=dbias_dtype, device=device) if want_db else None
     if M == 0:  # no rows: the weight gradients are exact zeros
-        return dx, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)
+        return dx, dres, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)
     bias = bias if activation is not None else None  # the bias only matters to recompute the pre-activation
+    itemsize = max(t.element_size() for t in (x, dy, dx, dres, dh) if t is not None)
+    fusion = (dh is not None, dres is not None)
     cfg, constexprs, device_index, sms = _plan(
-        "bwd", N, x.dtype, device, (rms, weight is not None, bias is not None, activation, (want_dw, want_db)))
-    prepared = _on_clusters("bwd", x, (dy,), weight, bias, activation, rms, want_dw or want_db) if cfg.cuda else None
+        "bwd", N, itemsize, device,
+        (rms, weight is not None, bias is not None, activation, (want_dw, want_db), w_rows > 1),
+        fusion if any(fusion) else ())
+    cluster_ok = cfg.cuda and not any(fusion) and w_rows == 1 and weight_offset == 0 and x.dim() == 2 \
+        and dy.dim() == 2 and dx.dtype == x.dtype
+    prepared = _on_clusters("bwd", x, (dy,), weight, bias, activation, rms, want_dw or want_db) if cluster_ok else None
     if prepared is not None:
         parts = prepared.grid_clusters(M)
         dw_part = _empty((parts, N), dtype=torch.float32, device=device) if want_dw else None
         db_part = _empty((parts, N), dtype=torch.float32, device=device) if want_db else None
         _cuda_cluster().launch_bwd(prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part)
         _reduce_partials(dw_part, dw, db_part, db, parts, N, device_index)
-        return dx, dw, db
-    row_blocks = -(-M // cfg.block_m)
+        return dx, dres, dw, db
+    row_blocks = -(-(M // w_rows) // cfg.block_m)  # per head: a group walks the rows of one head
     # the partial buffers need the group count, which needs the compiled kernel: size them for
     # the upper bound and hand the kernel exactly as many programs as groups fit
-    groups_upper = max(1, min(sms * max(cfg.programs_per_sm, 1) // cfg.split, row_blocks))
+    groups_upper = max(1, min(sms * max(cfg.programs_per_sm, 1) // (cfg.split * w_rows), row_blocks)) * w_rows
     sync, scratch = _scratch(cfg, groups_upper, device)
     dw_part = _empty((groups_upper, N), dtype=torch.float32, device=device) if want_dw else None
     db_part = _empty((groups_upper, N), dtype=torch.float32, device=device) if want_db else None
-    args = (dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, sync, scratch,
-            M, N, dy.stride(0), x.stride(0), N)
-    groups = _launch_persistent(_kernels().bwd, cfg, args, constexprs, row_blocks, device_index, sms) // cfg.split
-    _reduce_partials(dw_part, dw, db_part, db, groups, N, device_index)
-    return dx, dw, db
+    inner, sdy_o, sdy_i, sdy_c = _strides(dy)
+    _, sx_o, sx_i, sx_c = _strides(x)
+    _, sdh_o, sdh_i, sdh_c = _strides(dh) if dh is not None else (1, 0, 0, 0)
+    args = (dy, x, dh, weight, bias, mean, rstd, dx, dres, dw_part, db_part, sync, scratch,
+            M, N, inner, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, w_rows, float(weight_offset))
+    groups = _launch_persistent(_kernels().bwd, cfg, args, constexprs, row_blocks, device_index, sms,
+                                w_rows) // cfg.split
+    # partial row g belongs to head g % w_rows: [groups / heads, heads * N] sums to [heads, N]
+    _reduce_partials(dw_part, dw, db_part, db, groups // w_rows, N * w_rows, device_index)
+    return dx, dres, dw, db
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,3 +65,60 @@ def act_grad(z, g, ACT: tl.constexpr):
         t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
         g = g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z))
     return g
+
+
+# ----------------------------------------------------------------------------- output and residual epilogues
+# Codes: H_ROUND 0 none (fp32 h), 1 bfloat16, 2 float16: the dtype the residual sum h is rounded to
+# (and stored in) before it is normalized. FP8 0 none, 1 float8_e4m3fn, 2 float8_e5m2.
+H_ROUND_CODES = {"torch.float32": 0, "torch.bfloat16": 1, "torch.float16": 2}
+FP8_CODES = {"torch.float8_e4m3fn": 1, "torch.float8_e5m2": 2}
+
+
+@triton.jit
+def round_h(h, H_ROUND: tl.constexpr):
+    """h rounded to its storage dtype (and back to fp32): what is normalized is what is stored."""
+    if H_ROUND == 1:
+        h = h.to(tl.bfloat16).to(tl.float32)
+    elif H_ROUND == 2:
+        h = h.to(tl.float16).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _fp8_encode(v, MBITS: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                MAX: tl.constexpr):
+    """The float8 bits of v: saturated to +-MAX (NaN stays NaN), rounded to nearest even.
+    Integer and exact float ops only, so the compiled kernel and the Triton interpreter (whose
+    float8 casts round wrongly) write the same bits as torch's .to(float8)."""
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    a = tl.abs(v)
+    a = tl.where(a > MAX, MAX, a)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)  # binade, subnormals share EMIN's
+    ulp = ((127 + e - MBITS) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - e + MBITS) << 23).to(tl.float32, bitcast=True)
+    q = (a * inv_ulp + 12582912.0) - 12582912.0  # a / ulp < 2**(MBITS + 1): + 1.5 * 2**23 rounds it half-even
+    r = q * ulp
+    normal = (r.to(tl.int32, bitcast=True) >> (23 - MBITS)) - ((127 - BIAS) << MBITS)
+    nan = a != a
+    code = tl.where(r < MIN_NORMAL, tl.where(nan, 0.0, q).to(tl.int32), normal)
+    code = tl.where(nan, 0x7F, code)
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def out_value(y, scale, OUT_TY: tl.constexpr, FP8: tl.constexpr):
+    """What is stored for y: y in the output dtype, or the float8 bits of y * scale."""
+    if FP8 == 1:
+        return _fp8_encode(y * scale, 3, 7, -6, 0.015625, 448.0)
+    elif FP8 == 2:
+        return _fp8_encode(y * scale, 2, 15, -14, 6.103515625e-05, 57344.0)
+    else:
+        return y.to(OUT_TY)
+
+
+@triton.jit
+def amax_bits(y, mask):
+    """max |y| over a tile as the int32 bits of a float32: non-negative floats order as their bits
+    (NaN above infinity), so an integer max, exact and order-free, gives the same amax every run."""
+    bits = tl.where(mask, tl.abs(y), 0.0).to(tl.int32, bitcast=True)
+    return tl.max(tl.max(bits, axis=1), axis=0)

@@ -19,11 +19,22 @@ Three shapes of the same algorithm, chosen per row width by the configuration ta
 Statistics are computed on data shifted by the row's first element and merged across slices or
 chunks with Chan's parallel Welford update: no E[x^2] - E[x]^2 cancellation, even at 1e4 offsets.
 All row offsets are int64: tensors above 2**31 elements index correctly.
+
+Rows are addressed by two strides and a column stride: row r of an input is (r // INNER, r % INNER)
+of an [O, INNER] grid, so q/k heads sliced out of a fused QKV projection, or the channels of an
+NCHW tensor (column stride H*W), are read where they lie. Triton specializes INNER == 1 and unit
+strides to constants, so plain rows compile to the same code as before. Outputs are dense [M, N].
+
+Fused epilogues, each a constexpr flag (epilogue.py): a residual add before the statistics (h = x +
+residual, rounded to h's dtype, is what is normalized, and is stored when asked: the new residual
+stream), a weight offset (y = xhat * (offset + w)), the output cast (any float dtype, float8 with a
+scale and saturation) and the amax of y; in the backward, the gradient of h added to dx, and dx
+written in a second dtype for the residual.
 """
 import triton
 import triton.language as tl
 
-from .epilogue import act_fwd, act_grad
+from .epilogue import act_fwd, act_grad, amax_bits, out_value, round_h
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -75,39 +86,107 @@ def _group_exit(SYNC, group, num_groups, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _load_vec(P, cols, col_mask, PRESENT: tl.constexpr):
-    if PRESENT:
-        return tl.load(P + cols, mask=col_mask, other=0.0).to(tl.float32)
+def _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                 PER_ROW: tl.constexpr):
+    """(w, b) as fp32 tiles that broadcast over a tile's rows: the effective weight w_offset + w
+    (Gemma's 1 + w) and the bias, [1, BLOCK_N]; with per-head parameters ([W_ROWS, N], row r uses
+    row r % W_ROWS: q/k norms with one weight per head), one row each, [BLOCK_M, BLOCK_N]."""
+    if PER_ROW:
+        offs = (rows % W_ROWS)[:, None] * N + cols[None, :]
     else:
-        return 0.0
+        offs = cols[None, :]
+    w = 0.0
+    b = 0.0
+    if HAS_W:
+        w = tl.load(W + offs, mask=col_mask[None, :], other=0.0).to(tl.float32) + w_offset
+    if HAS_B:
+        b = tl.load(B + offs, mask=col_mask[None, :], other=0.0).to(tl.float32)
+    return w, b
 
 
 @triton.jit
 def _epilogue(xhat, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr):
     y = xhat
     if HAS_W:
-        y = y * w[None, :]
+        y = y * w
     if HAS_B:
-        y = y + b[None, :]
+        y = y + b
     return act_fwd(y, ACT)
+
+
+@triton.jit
+def _head_rows(jb, head, rows_per_head, W_ROWS, BLOCK_M: tl.constexpr):
+    """(rows, mask) of block jb of one head's rows: the backward walks the rows of a head together
+    so that a program's weight-gradient partials belong to one head. Plain parameters (W_ROWS == 1,
+    a constant once specialized): block jb of all rows."""
+    j = (jb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return j * W_ROWS + head, j < rows_per_head
+
+
+# ----------------------------------------------------------------------------- row addressing
+
+@triton.jit
+def _row_start(rows, INNER, s_o, s_i):
+    """Offset of each row's first element: row r is (r // INNER, r % INNER) of an [O, INNER] grid."""
+    return (rows // INNER) * s_o + (rows % INNER) * s_i
+
+
+@triton.jit
+def _offsets(rows, cols, INNER, s_o, s_i, s_c):
+    return _row_start(rows, INNER, s_o, s_i)[:, None] + cols.to(tl.int64)[None, :] * s_c
+
+
+@triton.jit
+def _load_tile(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
+    """The [rows, cols] tile of a strided operand as fp32 (zeros outside the masks)."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    return tl.load(P + _offsets(rows, cols, INNER, s_o, s_i, s_c), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
+            HAS_RES: tl.constexpr, H_ROUND: tl.constexpr):
+    """The tile that is normalized, fp32: x, or h = x + residual rounded to h's dtype."""
+    x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+    if HAS_RES:
+        x = round_h(x + _load_tile(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c), H_ROUND)
+    return x
+
+
+@triton.jit
+def _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES: tl.constexpr, H_ROUND: tl.constexpr):
+    """Each row's first element of what is normalized (the shift of the statistics)."""
+    x = tl.load(X + _row_start(rows, INNER, sx_o, sx_i), mask=row_mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + _row_start(rows, INNER, sr_o, sr_i), mask=row_mask, other=0.0).to(tl.float32)
+        x = round_h(x + r, H_ROUND)
+    return x
+
+
+@triton.jit
+def _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H: tl.constexpr, FP8: tl.constexpr,
+                   WANT_AMAX: tl.constexpr):
+    """Store y (and h) of a tile in the dense [M, N] outputs; returns amax merged with the tile's."""
+    offs = rows[:, None] * N + cols[None, :]
+    tl.store(Y + offs, out_value(y, scale, Y.dtype.element_ty, FP8), mask=mask)
+    if STORE_H:
+        tl.store(H + offs, x.to(H.dtype.element_ty), mask=mask)
+    if WANT_AMAX:
+        amax = tl.maximum(amax, amax_bits(y, mask))
+    return amax
 
 
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def _load_rows(P, block, M, stride, cols, col_mask, BLOCK_M: tl.constexpr):
-    """The [BLOCK_M, BLOCK_N] tile of row block `block` (zeros past the last row), as fp32."""
-    rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    mask = (rows < M)[:, None] & col_mask[None, :]
-    return tl.load(P + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _fwd_tile(x, X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, it, M, N, stride_x, stride_y, eps,
-              cols, col_mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-              STORE_STATS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, it, M, N, INNER,
+              sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, amax, cols, col_mask,
+              IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
+              STORE_STATS: tl.constexpr,
+              ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr,
+              FP8: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               SPLIT: tl.constexpr):
-    """Normalize one loaded tile x (rows of `block`, columns `cols`) and store it."""
+    """Normalize one loaded tile x (rows of `block`, columns `cols`) and store it; returns amax."""
     rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < M
     mask = row_mask[:, None] & col_mask[None, :]
@@ -120,7 +199,7 @@ def _fwd_tile(x, X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, it, M, 
         xc = x
     else:
         # shifted data: x - x[row, 0] is small, so its sums keep the digits a raw sum loses
-        shift = tl.load(X + rows * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+        shift = _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES, H_ROUND)
         xs = tl.where(mask, x - shift[:, None], 0.0)
         n_local = tl.minimum(tl.maximum(N - k * BLOCK_N, 1), BLOCK_N) * 1.0
         mean_s = tl.sum(xs, axis=1) / n_local
@@ -138,35 +217,46 @@ def _fwd_tile(x, X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, it, M, 
             xc = tl.where(mask, xs - mean_s[:, None], 0.0)
         rstd = tl.rsqrt(m2 / N + eps)
     # weights are loaded late: they are not live (registers) while the statistics are computed
-    y = _epilogue(xc * rstd[:, None], _load_vec(W, cols, col_mask, HAS_W), _load_vec(B, cols, col_mask, HAS_B),
-                  HAS_W, HAS_B, ACT)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+    y = _epilogue(xc * rstd[:, None], w, b, HAS_W, HAS_B, ACT)
+    amax = _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H, FP8, WANT_AMAX)
     if STORE_STATS:
         first = row_mask & ((rows * 0 + k) == 0)  # vector form: the interpreter rejects a scalar mask term
         tl.store(RSTD + rows, rstd, mask=first)
         if not IS_RMS:
             tl.store(MEAN + rows, shift + mean_s, mask=first)
+    return amax
 
 
 @triton.jit
 def row_norm_fwd_kernel(
-    X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH,
-    M, N, stride_x, stride_y, eps,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr,
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    LOOPED: tl.constexpr, PERSISTENT: tl.constexpr,
+    X, R, Y, H, W, B, MEAN, RSTD, AMAX, SCALE, SYNC, SCRATCH,
+    M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS, w_offset, scale,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
+    STORE_STATS: tl.constexpr,
+    ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
+    SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if SCALE_PTR:  # a device-side scale (delayed scaling): read, never synchronized to the host
+        scale = tl.load(SCALE).to(tl.float32)
+    amax = tl.full([], 0, tl.int32)
     if LOOPED:
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _fwd_looped(X, Y, W, B, rows, rows < M, N, stride_x, stride_y, eps, MEAN, RSTD,
-                    IS_RMS, HAS_W, HAS_B, STORE_STATS, ACT, BLOCK_M, BLOCK_N)
+        amax = _fwd_looped(X, R, Y, H, W, B, rows, rows < M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps,
+                           W_ROWS, w_offset, scale, MEAN, RSTD, IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT,
+                           HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, BLOCK_M, BLOCK_N)
     elif not PERSISTENT:  # one row block per program
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        x = _load_rows(X, pid, M, stride_x, cols, col_mask, BLOCK_M)
-        _fwd_tile(x, X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, pid, 0, 0, M, N, stride_x, stride_y, eps,
-                  cols, col_mask, IS_RMS, HAS_W, HAS_B, STORE_STATS, ACT, BLOCK_M, BLOCK_N, 1)
+        rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        x = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND)
+        amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, pid, 0, 0, M, N, INNER,
+                         sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, amax, cols, col_mask,
+                         IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX,
+                         BLOCK_M, BLOCK_N, 1)
     else:  # groups of SPLIT programs walk row blocks group, group + G, ...
         group = pid // SPLIT
         k = pid % SPLIT
@@ -174,35 +264,44 @@ def row_norm_fwd_kernel(
         num_blocks = tl.cdiv(M, BLOCK_M)
         cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        x_next = _load_rows(X, group, M, stride_x, cols, col_mask, BLOCK_M)
+        rows = (group * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        x_next = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
+                         HAS_RES, H_ROUND)
         for block in range(group, num_blocks, num_groups):
             x = x_next
             # prefetch the next tile now: its loads overlap the wait at the group barrier
-            x_next = _load_rows(X, block + num_groups, M, stride_x, cols, col_mask, BLOCK_M)
-            _fwd_tile(x, X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, (block - group) // num_groups,
-                      M, N, stride_x, stride_y, eps, cols, col_mask,
-                      IS_RMS, HAS_W, HAS_B, STORE_STATS, ACT, BLOCK_M, BLOCK_N, SPLIT)
+            rows = ((block + num_groups) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            x_next = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
+                             HAS_RES, H_ROUND)
+            amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k,
+                             (block - group) // num_groups, M, N, INNER, sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset,
+                             scale, amax, cols, col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND,
+                             FP8, WANT_AMAX, BLOCK_M, BLOCK_N, SPLIT)
         if SPLIT > 1:
             _group_exit(SYNC, group, num_groups, SPLIT)
+    if WANT_AMAX:  # an integer max over programs: exact and the same in any order
+        tl.atomic_max(AMAX, amax)
 
 
 @triton.jit
-def _fwd_looped(X, Y, W, B, rows, row_mask, N, stride_x, stride_y, eps, MEAN, RSTD,
-                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr,
-                ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program walks its rows in BLOCK_N chunks: statistics, then normalize."""
-    x_rows = X + rows[:, None] * stride_x
+def _fwd_looped(X, R, Y, H, W, B, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS,
+                w_offset, scale, MEAN, RSTD, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                PER_ROW_W: tl.constexpr, STORE_STATS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr,
+                H_ROUND: tl.constexpr, FP8: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """One program walks its rows in BLOCK_N chunks: statistics, then normalize. Returns amax."""
     num_chunks = tl.cdiv(N, BLOCK_N)
+    amax = tl.full([], 0, tl.int32)
     if IS_RMS:
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     else:
-        shift = tl.load(X + rows * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+        shift = _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES, H_ROUND)
         mean_s = tl.zeros([BLOCK_M], dtype=tl.float32)
         m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     for chunk in range(0, num_chunks):
         cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _load_h(X, R, rows, row_mask, cols, cols < N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND)
         if IS_RMS:
             sum_sq += tl.sum(x * x, axis=1)
         else:
@@ -220,17 +319,19 @@ def _fwd_looped(X, Y, W, B, rows, row_mask, N, stride_x, stride_y, eps, MEAN, RS
         cols = (num_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND)
         if IS_RMS:
             xhat = x * rstd[:, None]
         else:
             xhat = ((x - shift[:, None]) - mean_s[:, None]) * rstd[:, None]
-        y = _epilogue(xhat, _load_vec(W, cols, col_mask, HAS_W), _load_vec(B, cols, col_mask, HAS_B), HAS_W, HAS_B, ACT)
-        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+        y = _epilogue(xhat, w, b, HAS_W, HAS_B, ACT)
+        amax = _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H, FP8, WANT_AMAX)
     if STORE_STATS:
         tl.store(RSTD + rows, rstd, mask=row_mask)
         if not IS_RMS:
             tl.store(MEAN + rows, shift + mean_s, mask=row_mask)
+    return amax
 
 
 # ----------------------------------------------------------------------------- backward
@@ -247,12 +348,12 @@ def _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.co
     if ACT != 0:
         z = xhat
         if HAS_W:
-            z = z * w[None, :]
+            z = z * w
         if HAS_B:
-            z = z + b[None, :]
+            z = z + b
         g = tl.where(mask, act_grad(z, dy, ACT), 0.0)
     if HAS_W:
-        wg = g * w[None, :]
+        wg = g * w
     else:
         wg = g
     return xhat, g, wg
@@ -268,48 +369,69 @@ def _dx(xhat, wg, rstd, c1, c2, IS_RMS: tl.constexpr):
 
 
 @triton.jit
+def _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
+              HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr):
+    """dx (+ dh, the residual stream's own gradient) into DX, and the same values into DRES in its dtype."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    if HAS_DH:
+        dx += _load_tile(DH, rows, row_mask, cols, col_mask, INNER, sdh_o, sdh_i, sdh_c)
+    offs = rows[:, None] * N + cols[None, :]
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_DRES:
+        tl.store(DRES + offs, dx.to(DRES.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def row_norm_bwd_kernel(
-    DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, SYNC, SCRATCH,
-    M, N, stride_dy, stride_x, stride_dx,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr,
-    WANT_DB: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, LOOPED: tl.constexpr,
+    DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, SYNC, SCRATCH,
+    M, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, W_ROWS, w_offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, WANT_DW: tl.constexpr,
+    WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
 ):
     """Persistent: group g (SPLIT programs; one program unless the row is split) handles row blocks
     g, g + G, g + 2G, ... and writes its fp32 partial sums of dweight/dbias to row g of
     DW_PART/DB_PART ([G, N]); col_sum_kernel then adds the G partials in a fixed order.
+    With per-head parameters (W_ROWS heads; G a multiple of W_ROWS) group g walks only the rows of
+    head g % W_ROWS, so DW_PART is [G / W_ROWS, W_ROWS * N] and the same reduction gives [W_ROWS, N].
     No float atomics anywhere: gradients are bitwise reproducible."""
     pid = tl.program_id(0)
-    num_blocks = tl.cdiv(M, BLOCK_M)
     group = pid // SPLIT
     k = pid % SPLIT
     num_groups = tl.num_programs(0) // SPLIT
     part_row = group.to(tl.int64) * N
+    head = group % W_ROWS
+    rows_per_head = M // W_ROWS
+    blocks_per_head = tl.cdiv(rows_per_head, BLOCK_M)
+    step = num_groups // W_ROWS
     if LOOPED:
-        _bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, part_row, pid, num_groups, num_blocks,
-                    M, N, stride_dy, stride_x, stride_dx,
-                    IS_RMS, HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, BLOCK_M, BLOCK_N)
+        _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_row, group // W_ROWS, step,
+                    blocks_per_head, head, rows_per_head, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o,
+                    sdh_i, sdh_c, W_ROWS, w_offset, IS_RMS, HAS_W, HAS_B, PER_ROW_W, WANT_DW, WANT_DB, ACT, HAS_DH,
+                    HAS_DRES, BLOCK_M, BLOCK_N)
     else:
         cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        w = _load_vec(W, cols, col_mask, HAS_W)
-        b = _load_vec(B, cols, col_mask, HAS_B)
+        rows, row_mask = _head_rows(group // W_ROWS, head, rows_per_head, W_ROWS, BLOCK_M)
+        w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        x_next = _load_rows(X, group, M, stride_x, cols, col_mask, BLOCK_M)
-        dy_next = _load_rows(DY, group, M, stride_dy, cols, col_mask, BLOCK_M)
-        for block in range(group, num_blocks, num_groups):
-            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            row_mask = rows < M
+        x_next = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+        dy_next = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+        for jb in range(group // W_ROWS, blocks_per_head, step):
+            rows, row_mask = _head_rows(jb, head, rows_per_head, W_ROWS, BLOCK_M)
             mask = row_mask[:, None] & col_mask[None, :]
             if SPLIT > 1:
                 # prefetch the next tiles now: their loads overlap the wait at the group barrier
                 x, dy = x_next, dy_next
-                x_next = _load_rows(X, block + num_groups, M, stride_x, cols, col_mask, BLOCK_M)
-                dy_next = _load_rows(DY, block + num_groups, M, stride_dy, cols, col_mask, BLOCK_M)
+                nxt, nxt_mask = _head_rows(jb + step, head, rows_per_head, W_ROWS, BLOCK_M)
+                x_next = _load_tile(X, nxt, nxt_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+                dy_next = _load_tile(DY, nxt, nxt_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             else:
-                x = _load_rows(X, block, M, stride_x, cols, col_mask, BLOCK_M)
-                dy = _load_rows(DY, block, M, stride_dy, cols, col_mask, BLOCK_M)
+                x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+                dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+            if PER_ROW_W:
+                w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             mean = rstd
             if not IS_RMS:
@@ -320,12 +442,13 @@ def row_norm_bwd_kernel(
             if not IS_RMS:
                 c2 = tl.sum(wg, axis=1)
             if SPLIT > 1:
-                slot = _publish_and_wait(SYNC, SCRATCH, group, k, (block - group) // num_groups,
+                slot = _publish_and_wait(SYNC, SCRATCH, group, k, (jb - group // W_ROWS) // step,
                                          c1, c2, SPLIT, BLOCK_M)
                 c1 = tl.sum(_read_partials(slot, False, SPLIT, BLOCK_M), axis=0)
                 c2 = tl.sum(_read_partials(slot, True, SPLIT, BLOCK_M), axis=0)
             dx = _dx(xhat, wg, rstd, c1 / N, c2 / N, IS_RMS)
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
+                      HAS_DH, HAS_DRES)
             if WANT_DW:
                 dw_acc += g * xhat
             if WANT_DB:
@@ -339,10 +462,11 @@ def row_norm_bwd_kernel(
 
 
 @triton.jit
-def _bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, part_row, pid, num_progs, num_blocks,
-                M, N, stride_dy, stride_x, stride_dx,
-                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr,
-                WANT_DB: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_row, first, step, num_blocks, head,
+                rows_per_head, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, W_ROWS, w_offset,
+                IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
+                WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr,
+                HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program walks each of its rows in BLOCK_N chunks twice (row sums, then dx), adding its
     weight-gradient sums into its own partial row, which only it ever touches."""
     num_chunks = tl.cdiv(N, BLOCK_N)
@@ -352,9 +476,8 @@ def _bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, part_row, pid, nu
             tl.store(DW_PART + part_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
         if WANT_DB:
             tl.store(DB_PART + part_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
-    for block in range(pid, num_blocks, num_progs):
-        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_mask = rows < M
+    for jb in range(first, num_blocks, step):
+        rows, row_mask = _head_rows(jb, head, rows_per_head, W_ROWS, BLOCK_M)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         mean = rstd
         if not IS_RMS:
@@ -365,10 +488,10 @@ def _bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, part_row, pid, nu
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            xhat, g, wg = _bwd_terms(x, dy, _load_vec(W, cols, col_mask, HAS_W), _load_vec(B, cols, col_mask, HAS_B),
-                                     mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
+            x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+            dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+            w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
             c1 += tl.sum(xhat * wg, axis=1)
             if not IS_RMS:
                 c2 += tl.sum(wg, axis=1)
@@ -379,12 +502,13 @@ def _bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, part_row, pid, nu
             cols = (num_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            xhat, g, wg = _bwd_terms(x, dy, _load_vec(W, cols, col_mask, HAS_W), _load_vec(B, cols, col_mask, HAS_B),
-                                     mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
+            x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+            dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+            w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
             dx = _dx(xhat, wg, rstd, c1, c2, IS_RMS)
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
+                      HAS_DH, HAS_DRES)
             if WANT_DW:
                 p = DW_PART + part_row + cols
                 tl.store(p, tl.load(p, mask=col_mask, other=0.0) + tl.sum(g * xhat, axis=0), mask=col_mask)
