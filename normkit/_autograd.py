@@ -310,7 +310,8 @@ def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     need_dx, need_dw, need_db, need_dr = needs
     x_dtype = x_dtype or x.dtype
-    first = x_dtype if need_dx else residual_dtype  # the kernel writes one or two copies of dx
+    # the kernel writes dx once, or twice when x and the residual want it in different dtypes
+    first = residual_dtype if (need_dr and not need_dx) else x_dtype
     second = residual_dtype if need_dx and need_dr and residual_dtype != x_dtype else None
     rows = _rows(backend, x, shape)
     mean_rows = None if mean is None else mean.reshape(-1)

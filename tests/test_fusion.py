@@ -306,10 +306,13 @@ def test_out_dtype_fp32_equals_casting_first(op, backend):
         out.append((y,) + torch.autograd.grad(y, [xl, wl], dy))
     (y1, dx1, dw1), (y2, dx2, dw2) = out
     assert y1.dtype == y2.dtype == FP32 and dx1.dtype == BF16
-    assert torch.equal(y1, y2) and torch.equal(dw1, dw2)
-    if backend == "torch" or DEVICE == "cuda":
+    if backend == "torch" or DEVICE != "cuda":
+        assert torch.equal(y1, y2) and torch.equal(dw1, dw2)
+    else:  # compiled, a bf16 and an fp32 load get different register layouts: another summation order
+        assert _rel(y1, y2) < 1e-6 and _rel(dw1, dw2) < 1e-6
+    if backend == "torch":
         assert torch.equal(dx1, dx2)
-    else:
+    else:  # one bf16 step (the interpreter truncates its bf16 stores; compiled: the order above)
         assert ((dx1.float() - dx2.float()).abs() <= dx2.float().abs() * 2 ** -7).all()
 
 
@@ -323,6 +326,8 @@ def test_autocast_contract_runs_in_one_pass(op, monkeypatch):
     seen = _spy(monkeypatch, triton_backend)
     x = randn(4, 64, dtype=BF16, device=DEVICE).requires_grad_()
     w = randn(64, device=DEVICE).requires_grad_()
+    if not nkf._autocast_upcasts(op, device_type):
+        pytest.skip(f"torch {torch.__version__} runs {op} under {device_type} autocast as written (no float32 contract)")
     with torch.autocast(device_type, dtype=BF16):
         y = getattr(normkit, op)(x, 64, w, backend="triton")
     assert y.dtype == FP32

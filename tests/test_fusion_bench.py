@@ -4,7 +4,8 @@ import pytest
 
 from normkit.bench import fused, impls, report, runner
 from normkit.bench.ops import OPS, SUITES, Point, plan
-from normkit.bench.timing import CpuTimer
+from normkit.bench.timing import CpuTimer, make_timer
+from conftest import DEVICE
 
 
 def test_byte_model_counts_the_residual_read_the_prenorm_write_and_the_fp8_byte():
@@ -29,8 +30,9 @@ def test_fused_suites_plan_every_fused_op():
 
 
 def _run(point, direction, impl_list):
-    s = runner.Settings("cpu", warmup_ms=0.1, rep_ms=0.5)
-    return {r.impl: r for r in report.finalize(runner.run_task(point, direction, impl_list, CpuTimer(), s, seed=1))}
+    s = runner.Settings(DEVICE, warmup_ms=0.1, rep_ms=0.5)  # on a GPU the points run on it (the bench's way)
+    return {r.impl: r for r in report.finalize(runner.run_task(point, direction, impl_list, make_timer(DEVICE), s,
+                                                               seed=1))}
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])

@@ -252,6 +252,9 @@ class Recorder:
         if self.busy:
             return None, None
         try:
+            foreign = [name for k, name, *_ in self.launches if k == "foreign"]
+            if foreign:
+                raise NotReplayable(f"CUDA-backend kernels ran ({', '.join(foreign)}): plans replay Triton launches only")
             if self.watch.other:
                 raise NotReplayable(f"the run did more than allocate and launch: {', '.join(self.watch.other)}")
             if any(k is None for k, *_ in self.launches):

@@ -297,6 +297,8 @@ def launch(function, grid, block, smem: int, stream, params, cluster=None, name:
     shared memory bytes, a stream handle, the kernelParams array (pack_args), and the cluster dims
     (None: a plain cuLaunchKernel; else cuLaunchKernelEx with the cluster attribute)."""
     drv = bindings()
+    from ..triton.launch import note_foreign_launch
+    note_foreign_launch(name)  # a host-path recording cannot replay this launch
     if cluster is None:
         result = drv.cuLaunchKernel(function, *grid, *block, smem, stream, ctypes.addressof(params), 0)
     else:

@@ -36,6 +36,13 @@ def spec_key(args) -> tuple:
     return tuple(key)
 
 
+def note_foreign_launch(name: str) -> None:
+    """A kernel launched outside launch.Kernel (the CUDA backend's driver.launch): a recording under
+    way on this thread must know, since a plan replays only the launches it saw."""
+    if recording is not None and recording[0] == get_ident():
+        recording[1].append(("foreign", name))
+
+
 class Kernel:
     """Wraps one @triton.jit function; call as launcher(grid, args, constexprs, num_warps)."""
 
