@@ -1,7 +1,8 @@
 """Swap the norm layers of an existing model for normkit's, in place, and back.
 
     replaced = normkit.patch(model)            # {module name: original class}
-    restored = normkit.unpatch(model)
+    replaced.fused                             # {block name: what normkit.blocks fused there}
+    restored = normkit.unpatch(model)          # also undoes the fusion
 
 A module is patched by giving it a new class: a subclass of its own class whose forward calls
 normkit. Nothing else changes: the module object, its Parameters (so an optimizer holding them keeps
@@ -177,10 +178,18 @@ def _patched_class(original: type, forward: Callable) -> type:
     return cls
 
 
-def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] = None) -> dict[str, type]:
+class Patched(dict):
+    """{module name: original class}, with .fused: {block name: what normkit.blocks fused there}."""
+    fused: dict = {}
+
+
+def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] = None,
+          fuse=True) -> dict[str, type]:
     """Replace, in place, the norm layers of `model` (the model itself included) that normkit computes
     exactly, for the op families in `ops`. Returns {module name: original class} of what it replaced;
-    "" names the model itself. Modules already patched are left alone."""
+    "" names the model itself. Modules already patched are left alone. fuse=True (default) also
+    fuses the blocks around the norms (normkit.blocks.fuse; "relaxed": its relaxed mode; False: no
+    fusion), listed in the result's .fused."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if isinstance(ops, str):
@@ -191,8 +200,10 @@ def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] 
         raise ValueError(f"ops: expected names from {OPS}, got {unknown}")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected None or a string, got {type(backend).__name__}")
+    if fuse not in (True, False, "relaxed"):
+        raise ValueError(f"fuse: expected True, False or 'relaxed', got {fuse!r}")
 
-    replaced = {}
+    replaced = Patched()
     for name, module in model.named_modules(remove_duplicate=True):
         found = _match(module)
         if found is None or found[0] not in ops:
@@ -201,6 +212,9 @@ def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] 
         module.__class__ = _patched_class(original, found[1])
         module._normkit_backend = backend
         replaced[name] = original
+    if fuse:
+        from . import blocks  # imports this module
+        replaced.fused = blocks.fuse(model, ops=ops, backend=backend, relaxed=fuse == "relaxed")
     return replaced
 
 
@@ -209,6 +223,8 @@ def unpatch(model: nn.Module) -> dict[str, type]:
     Returns {module name: original class} of what it restored."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    from . import blocks
+    blocks.unfuse(model)
     restored = {}
     for name, module in model.named_modules(remove_duplicate=True):
         original = getattr(type(module), "_normkit_original", None)
