@@ -64,10 +64,18 @@ def _same_forward(cls, reference, names=("forward",)) -> bool:
     return key is not None and _patch._methods_key(cls, names) == key
 
 
-@functools.lru_cache(maxsize=None)
+_STYLES: dict = {}  # class -> style; a plain dict: torch.compile traces a lookup, not the bytecode walk
+
+
 def _style(cls) -> Optional[str]:
     """The computation of a norm class (its own or, once patched, its original's): "ln", "rms",
     "gn" (torch's modules), "llama", "gemma", "olmo2" (HF's RMSNorm code, see normkit.patch)."""
+    if cls not in _STYLES:
+        _STYLES[cls] = _find_style(cls)
+    return _STYLES[cls]
+
+
+def _find_style(cls) -> Optional[str]:
     original = getattr(cls, "_normkit_original", None) or cls
     for torch_cls, style in ((nn.LayerNorm, "ln"), (nn.RMSNorm, "rms"), (nn.GroupNorm, "gn")):
         if issubclass(original, torch_cls):

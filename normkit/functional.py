@@ -29,7 +29,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _host, _library, backends
+from . import _host, _library, backends, compile_fusion
 from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, row_norm_forward_fused, \
     transforms_active
 from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view
@@ -266,6 +266,8 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
     plain = residual is None and scale is None and opts is PLAIN and (weight is None or weight.dim() == len(shape)) \
         and (bias is None or bias.dim() == len(shape))  # not per-head parameters
     if _library.needed(x, weight, bias, residual, scale):
+        if _is_compiling():
+            compile_fusion.traced()  # Inductor decides, op by op, whether normkit's op stays (compile_fusion.py)
         if plain:
             return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
         y, h, _, _, amax = _library.row_norm_fused(x, len(shape), weight, bias, eps, rms, backend_name, activation,
@@ -407,6 +409,8 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     _check_activation(activation)
     x, weight, bias = _autocast("group_norm", x, weight, bias)
     if _library.needed(x, weight, bias):
+        if _is_compiling():
+            compile_fusion.traced()
         return _library.group_norm(x, num_groups, weight, bias, eps, backend, activation=activation)
     be = backends.resolve(backend, x, "group_norm")
     if _needs_autograd(x, weight, bias) or transforms_active():
