@@ -440,7 +440,6 @@ def _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, norma
     acc = acc_dtype(x)
     V = x.shape[0]
     dims = tuple(range(x.dim() - normalized_ndim, x.dim()))
-    shape = tuple(x.shape[d] for d in dims)
     h = None
     if residual is not None:
         h = (x.to(acc) + residual.to(acc)).to(opts.residual_dtype)

@@ -1,5 +1,6 @@
-"""How user tensors become what the backends take, and back: rows for LayerNorm/RMSNorm,
-[B, C, S] for GroupNorm. Views wherever the memory layout allows, a copy only where none exists.
+"""How user tensors become what the backends take, and back: rows for LayerNorm/RMSNorm ([M, N],
+or [O, I, N] where the rows need two strides), [B, C, S] for GroupNorm. Views wherever the memory
+layout allows, a copy only where none exists.
 
 Shared by the eager autograd functions (_autograd.py) and the custom ops (_library.py).
 """
@@ -58,9 +59,11 @@ def row_view(t: torch.Tensor, shape: tuple[int, ...], strided: bool = True, lead
 
 
 def as_rows(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """[M, N] view of t (N = prod(shape) of its trailing dims) with unit column stride,
-    copying only when no such view exists."""
-    return row_view(t, shape, strided=False)
+    """The rows of t (N = prod(shape) of its trailing dims) as the Triton and torch kernels take
+    them: an [M, N] or [O, I, N] view with any strides (q/k heads, NCHW channels read in place),
+    copying only when no such view exists. Backends that need [M, N] with unit column stride get
+    row_view(t, shape, strided=False)."""
+    return row_view(t, shape, strided=True)
 
 
 def flat_param(p):

@@ -30,7 +30,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _host, _library, backends, compile_fusion
-from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, row_norm_forward_fused, \
+from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, param_rows, row_norm_forward_fused, \
     transforms_active
 from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view
 from .reference import ACTIVATIONS, default_rms_eps
@@ -97,19 +97,21 @@ def _check_activation(activation) -> None:
         raise ValueError(f"activation: expected None or one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
 
 
-def _check_param(p, arg: str, shape, x: torch.Tensor, device, expected=None) -> None:
+def _check_param(p, arg: str, shape, x: torch.Tensor, device, heads=None) -> None:
     if p is None:
         return
     _check_tensor(p, arg)
-    if p.shape != shape:
-        raise ValueError(f"{arg}: expected shape {expected or tuple(shape)}, got {tuple(p.shape)}")
+    if p.shape != shape and (heads is None or p.shape != heads):
+        also = f" or, one row per head, {heads}" if heads is not None else ""
+        raise ValueError(f"{arg}: expected shape {tuple(shape)}{also}, got {tuple(p.shape)}")
     if p.device != device:
         raise ValueError(f"{arg}: expected a tensor on x's device {device}, got one on {p.device}")
 
 
 def _check_inputs(x, normalized_shape, weight, bias, eps, per_head: bool = False):
     """(normalized shape, eps). per_head: weight/bias may also have shape (x.shape[-k-1], *shape),
-    one row of parameters per index of the dim before the normalized ones (per-head q/k norms)."""
+    one row of parameters per index of the dim before the normalized ones (per-head q/k norms of
+    (..., heads, head_dim) tensors; x needs a dim before the heads)."""
     _check_tensor(x, "x")
     shape = _normalized_shape(normalized_shape)
     if x.shape[x.dim() - len(shape):] != shape or x.dim() < len(shape):
@@ -117,13 +119,9 @@ def _check_inputs(x, normalized_shape, weight, bias, eps, per_head: bool = False
                          f"got {shape}")
     if weight is not None or bias is not None:
         device = x.device
-        heads = tuple(x.shape[x.dim() - len(shape) - 1:]) if per_head and x.dim() > len(shape) else None
-        for p, arg in ((weight, "weight"), (bias, "bias")):
-            if p is not None and heads is not None and p.dim() == len(heads):
-                _check_param(p, arg, heads, x, device, f"{tuple(shape)} or, one row per head, {heads}")
-            else:
-                _check_param(p, arg, shape, x, device, f"{tuple(shape)}" + (f" or, one row per head, {heads}"
-                                                                            if heads is not None else ""))
+        heads = _heads(x, shape) if per_head else None
+        _check_param(weight, "weight", shape, x, device, heads)
+        _check_param(bias, "bias", shape, x, device, heads)
     return shape, _check_eps(eps)
 
 
@@ -292,6 +290,23 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
     return _outputs(y, h, amax, prenorm, opts.return_amax)
 
 
+def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax) -> bool:
+    """No fused option asked for (the defaults; weight_offset's is the int 0: a float default would
+    be a symbolic input that torch.compile(dynamic=True) specializes by restarting its trace)."""
+    return residual is None and prenorm is False and residual_dtype is None and weight_offset == 0 and \
+        out_dtype is None and out_scale is None and return_amax is False
+
+
+def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend):
+    """The C++ host path's output for a call without fused options, or None."""
+    fast = _host.fast
+    if fast is None or _is_compiling():
+        return None
+    if weight is not None and weight.dim() != (1 if type(normalized_shape) is int else len(normalized_shape)):
+        return None  # per-head weights: not a call the host path knows
+    return fast.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend)
+
+
 def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
                     residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast: bool):
     op = "rms_norm" if rms else "layer_norm"
@@ -301,8 +316,7 @@ def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, bac
     shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps, per_head=True)
     weight, bias = _same_param_rows(weight, bias, shape)
     _check_activation(activation)
-    if residual is None and prenorm is False and residual_dtype is None and out_dtype is None and \
-            out_scale is None and return_amax is False and weight_offset == 0:
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
         opts, scale = PLAIN, None  # the common call: nothing fused, nothing more to check
     else:
         opts, scale = _check_fusion(x, shape, weight, residual, prenorm, residual_dtype, weight_offset, out_dtype,
@@ -341,14 +355,10 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
     backend: None picks Triton for CUDA tensors and torch otherwise; a name forces that backend.
     Under CUDA autocast it returns float32, as torch's layer_norm does (read x's dtype, write fp32).
     """
-    if residual is None and out_dtype is None and weight_offset == 0 and prenorm is False and \
-            return_amax is False and residual_dtype is None and out_scale is None and \
-            (weight is None or weight.dim() == (1 if type(normalized_shape) is int else len(normalized_shape))):
-        fast = _host.fast
-        if fast is not None and not _is_compiling():
-            y = fast.row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend)
-            if y is not None:
-                return y
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
+        y = _via_host(x, normalized_shape, weight, bias, eps, False, activation, backend)
+        if y is not None:
+            return y
     return _fused_row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm,
                            residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
 
@@ -364,14 +374,10 @@ def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torc
     activation, the fused epilogues and backend are as in layer_norm; float32 under CUDA autocast,
     as torch's rms_norm.
     """
-    if residual is None and out_dtype is None and weight_offset == 0 and prenorm is False and \
-            return_amax is False and residual_dtype is None and out_scale is None and \
-            (weight is None or weight.dim() == (1 if type(normalized_shape) is int else len(normalized_shape))):
-        fast = _host.fast
-        if fast is not None and not _is_compiling():
-            y = fast.row_norm(x, normalized_shape, weight, None, eps, True, activation, backend)
-            if y is not None:
-                return y
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
+        y = _via_host(x, normalized_shape, weight, None, eps, True, activation, backend)
+        if y is not None:
+            return y
     return _fused_row_norm(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm,
                            residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
 
@@ -495,8 +501,13 @@ def _check_bwd(dy, x, weight, stats: dict):
     shape = tuple(x.shape[len(lead):])
     if not shape:
         raise ValueError(f"{', '.join(stats)}: expected one value per row of x, got x's full shape {tuple(x.shape)}")
-    _check_param(weight, "weight", shape, x, x.device)
+    _check_param(weight, "weight", shape, x, x.device, _heads(x, shape))
     return shape
+
+
+def _heads(x, shape):
+    """The per-head parameter shape (heads, *shape) x allows, or None."""
+    return tuple(x.shape[x.dim() - len(shape) - 1:]) if x.dim() > len(shape) + 1 else None
 
 
 def _stat_rows(s: torch.Tensor) -> torch.Tensor:
@@ -509,7 +520,7 @@ def _bwd_from_stats(dy, x, weight, mean, rstd, rms, bias, activation, weight_off
     stats = {"rstd": rstd} if rms else {"mean": mean, "rstd": rstd}
     shape = _check_bwd(dy, x, weight, stats)
     _check_activation(activation)
-    _check_param(bias, "bias", shape, x, x.device)
+    _check_param(bias, "bias", shape, x, x.device, _heads(x, shape))
     if dh is not None:
         _check_tensor(dh, "dh")
         if dh.shape != x.shape or dh.device != x.device:
@@ -523,7 +534,9 @@ def _bwd_from_stats(dy, x, weight, mean, rstd, rms, bias, activation, weight_off
     dw_dtype = _param_grad_dtype(weight, True)
     db_dtype = None if rms else (weight.dtype if weight is not None else x.dtype)
     mean_rows = None if rms else _stat_rows(mean)
-    fused = activation is not None or weight_offset != 0 or dh is not None or dresidual_dtype is not None
+    pshape = tuple(weight.shape) if weight is not None else shape  # per-head weights: (heads, *shape)
+    fused = activation is not None or weight_offset != 0 or dh is not None or dresidual_dtype is not None or \
+        pshape != shape
     if _library.needed(dy, x, weight, mean, rstd, dh, bias):
         return _library.row_norm_grads(dy, x, len(shape), weight, mean_rows, _stat_rows(rstd), rms, dw_dtype, db_dtype,
                                        backend, bias=bias, activation=activation, weight_offset=float(weight_offset),
@@ -541,12 +554,12 @@ def _bwd_from_stats(dy, x, weight, mean, rstd, rms, bias, activation, weight_off
                                                    f"supported by backend={be.NAME!r}; use backend='triton' or 'torch'")
         dres_dtype = None if dresidual_dtype in (None, x.dtype) else dresidual_dtype
         dx, dres, dw, db = be.row_norm_bwd_fused(
-            like(dy), rows, _flat_param(weight), mean_rows, _stat_rows(rstd), rms, dw_dtype, db_dtype,
-            bias=_flat_param(bias), activation=activation, weight_offset=float(weight_offset),
+            like(dy), rows, param_rows(weight, shape), mean_rows, _stat_rows(rstd), rms, dw_dtype, db_dtype,
+            bias=param_rows(bias, shape), activation=activation, weight_offset=float(weight_offset),
             dh=None if dh is None else like(dh), dres_dtype=dres_dtype)
         dres = None if dresidual_dtype is None else (dx if dres is None else dres).view(x.shape)
-    return dx.view(x.shape), (dw.view(shape) if dw is not None else None), \
-        (db.view(shape) if db is not None else None), dres
+    return dx.view(x.shape), (dw.view(pshape) if dw is not None else None), \
+        (db.view(pshape) if db is not None else None), dres
 
 
 def layer_norm_bwd(dy, x, weight, mean, rstd, *, bias=None, activation=None, weight_offset=0, dh=None,

@@ -20,10 +20,10 @@ from normkit import functional as nkf
 from normkit import reference as ref
 from normkit._layout import row_view
 from normkit.backends import torch_backend, triton as triton_backend
-from normkit.backends.triton import configs
 
 from conftest import DEVICE
 from helpers import TOL, TOL_PARAM_GRAD, randn
+from test_row_norm import looped  # noqa: F401  (the fixture: rows wider than 64 walked in chunks of 128)
 
 BACKENDS = ["torch", "triton"]
 OPS = ["layer_norm", "rms_norm"]
@@ -33,7 +33,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 # name -> options. layout: "rows" x [3, 5, N]; "qk" q of a fused QKV projection [B, T, H, D];
 # "qk_heads" the same with weight/bias of shape (H, D); "nchw" channels of an NCHW tensor (x is its
-# [B, H, W, C] permute: column stride H*W); "wide" rows walked in chunks (the looped kernels).
+# [B, H, W, C] permute: column stride H*W); "wide" rows of 300 walked in chunks (the looped kernels).
 CASES = {
     "residual": dict(dtype=BF16, res=BF16, prenorm=True),
     "residual_fp32_stream": dict(dtype=BF16, res=BF16, residual_dtype=FP32, prenorm=True, act="silu"),
@@ -58,24 +58,13 @@ CASES = {
 }
 
 
-@pytest.fixture
-def looped(monkeypatch):
-    """Rows wider than 64 walk their columns in chunks of 32 (the looped kernels)."""
-    monkeypatch.setattr(configs, "MAX_TILED_N", 64)
-    monkeypatch.setitem(configs.LOOPED, "fwd", (32, 4))
-    monkeypatch.setitem(configs.LOOPED, "bwd", (32, 4))
-    triton_backend.clear_caches()
-    yield
-    triton_backend.clear_caches()
-
-
 def _inputs(case, op, gen):
     """(base leaf, x as a view of it, residual or None, weight, bias or None, normalized shape)."""
     dt = case["dtype"]
     layout = case.get("layout", "rows")
     H, D = 4, 24
     if layout in ("qk", "qk_heads", "qk_heads_wide"):
-        D = 100 if layout == "qk_heads_wide" else D
+        D = 300 if layout == "qk_heads_wide" else D
         base = randn(2, 3, 3 * H * D, dtype=dt, device=DEVICE, gen=gen).requires_grad_()
         view = lambda t: t[..., H * D: 2 * H * D].view(2, 3, H, D)  # noqa: E731  (k: the middle third)
         pshape = (H, D) if layout.startswith("qk_heads") else (D,)
@@ -85,7 +74,7 @@ def _inputs(case, op, gen):
         view = lambda t: t.permute(0, 2, 3, 1)  # noqa: E731
         pshape = (D,)
     else:
-        D = 100 if layout == "wide" else 40
+        D = 300 if layout == "wide" else 40
         base = randn(3, 5, D, dtype=dt, device=DEVICE, gen=gen).requires_grad_()
         view = lambda t: t  # noqa: E731
         pshape = (D,)
@@ -220,7 +209,10 @@ def test_weight_gradients_stay_bitwise_reproducible(op, backend):
 # ----------------------------------------------------------------------------- rows read in place
 
 def _spy(monkeypatch, backend_module):
-    """Record the row tensors the backend's entry points receive."""
+    """Record the row tensors the backend's entry points receive (on the Python host path: the C++
+    one replays its launches without calling them)."""
+    from normkit import _host
+    monkeypatch.setattr(_host, "fast", None)
     seen = {}
     for name in ("row_norm_fwd", "row_norm_fwd_fused", "row_norm_bwd", "row_norm_bwd_fused"):
         real = getattr(backend_module, name)
@@ -443,3 +435,18 @@ def test_kernel_level_api_with_residual(backend):
     h64 = ref.residual_sum(x, r).requires_grad_()
     e = torch.autograd.grad(ref.rms_norm(h64, (40,), w64)[0], [h64, w64], dy.double())
     assert h2.dtype == BF16 and _rel(dx2, e[0]) < TOL[BF16] and _rel(dw2, e[1]) < TOL[BF16]
+
+
+# ----------------------------------------------------------------------------- compiled for the GPU
+
+def test_kernels_compile_for_sm90_with_every_fused_flag():
+    """The interpreter accepts code the compiler may not: every fused flag and path of the row-norm
+    kernels is compiled for sm_90 here, without a GPU (tests/triton_sm90.py, Triton's own ptxas)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("triton_sm90.py")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

@@ -260,3 +260,27 @@ def test_fused_call_compiles_fullgraph_and_matches_eager(op):
     for a, e in zip(*outs):
         assert torch.equal(a, e)
     torch._dynamo.reset()
+
+
+def test_dtensor_sharded_rows_with_residual_and_amax(tmp_path):
+    """Sequence-parallel DTensors through the fused op's sharding rule: y and h sharded as x, the
+    amax a Partial max over the shards, the weight gradient a Partial sum (one process, gloo)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        x, r, w = (t.cpu() for t in _inputs("rms_norm", grad=False)[:3])  # a CPU mesh
+        xd, rd = (distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (x, r))
+        wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+        y, h, amax = normkit.rms_norm(xd, 24, wd, residual=rd, prenorm=True, weight_offset=1.0, return_amax=True,
+                                      backend="torch")
+        assert y.placements == h.placements == (Shard(1),) and amax.placements[0].is_partial()
+        (y.sum() + h.sum()).backward()
+        assert xd.grad.placements == rd.grad.placements == (Shard(1),)
+        y0, h0 = theirs("rms_norm", offset=1.0)(x.double(), r.double(), w.double(), None)
+        assert rel(y.full_tensor(), y0) < 1e-5 and rel(amax.full_tensor(), y0.abs().amax()) < 1e-6
+    finally:
+        dist.destroy_process_group()

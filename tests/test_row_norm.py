@@ -72,9 +72,15 @@ def test_strided_rows_are_read_in_place(op):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_layouts_that_need_one_copy(op):
-    # batch slice of a 3-D tensor (leading dims cannot merge), and a transposed (column-major) x
-    for x in (randn(6, 3, 64, device=DEVICE)[::2], randn(64, 9, device=DEVICE).t()):
+def test_two_stride_and_column_strided_layouts_are_read_in_place(op):
+    # batch slice of a 3-D tensor (leading dims need two strides), a transposed (column-major) x
+    # (column stride), and three row strides, which no view covers: one copy
+    from normkit.functional import _as_rows
+    three = randn(5, 4, 3, 64, device=DEVICE).permute(2, 1, 0, 3)
+    for x, copied in ((randn(6, 3, 64, device=DEVICE)[::2], False), (randn(64, 9, device=DEVICE).t(), False),
+                      (three, True)):
+        rows = _as_rows(x, (x.shape[-1],))
+        assert (rows.data_ptr() == x.data_ptr()) != copied
         check_fwd_bwd(op, x.detach(), (x.shape[-1],), randn(x.shape[-1], device=DEVICE), what=f"{op} {x.stride()}")
 
 

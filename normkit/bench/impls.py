@@ -36,6 +36,9 @@ def _activation(name: Optional[str]):
 
 def torch_call(p: Point):
     """The plain torch functional call for p's op (torch eager, and what torch.compile compiles)."""
+    if p.spec.fusion is not None:  # x + r, the norm, the cast as separate torch ops
+        from .fused import torch_call as fused_torch_call
+        return fused_torch_call(p)
     F = torch.nn.functional
     eps, n = p.spec.eps, p.shape[-1]
     if p.op == "ln":
@@ -99,6 +102,9 @@ class Normkit(Impl):
 
     def build(self, p, direction):
         import normkit
+        if p.spec.fusion is not None:
+            from .fused import normkit_call
+            return normkit_call(p, self.backend)
         eps, n, be = p.spec.eps, p.shape[-1], self.backend
         if p.op == "ln":
             return lambda x, w, b: normkit.layer_norm(x, (n,), w, b, eps, backend=be)
@@ -195,6 +201,9 @@ class Liger(_PeerOnGpu):
         return "in_place=True: dx overwrites dy (Liger's default)" if p.op == "rms" and direction == "bwd" else ""
 
     def build(self, p, direction):
+        if p.spec.fusion is not None:
+            from .fused import liger_call
+            return liger_call(p)
         eps = p.spec.eps
         if p.op == "ln":
             from liger_kernel.ops.layer_norm import LigerLayerNormFunction
@@ -227,6 +236,9 @@ class Quack(_PeerOnGpu):
         return ""
 
     def build(self, p, direction):
+        if p.spec.fusion is not None:
+            from .fused import quack_call
+            return quack_call(p)
         eps = p.spec.eps
         if p.op == "rms":
             from quack.rmsnorm import rmsnorm

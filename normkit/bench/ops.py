@@ -7,6 +7,7 @@ shapes its sweep covers; then one call per implementation in impls.py.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -124,6 +125,7 @@ class OpSpec:
     oracle_bwd: Callable  # (point, dy, x, w, b) -> float64 (dx, dw, db or None)
     sweep: Callable  # (widths, numel, rows) -> [(shape, groups)]
     tiny: tuple  # (shape, groups) of the decode-like input for host overhead
+    fusion: Optional[object] = None  # fused.Fusion for the fused ops (residual add, fp8 output)
 
 
 OPS = {
@@ -190,3 +192,9 @@ def plan(ops, dtypes, suites, widths, numel_of: Callable[[str], int], rows: Opti
                         seen.add(key)
                         points.append(Point(suite_name, op, dtype, tuple(shape), groups, cl))
     return points
+
+
+# the fused ops (residual add + norm, norm + fp8 output) and their suites: fused.py
+from . import fused as _fused  # noqa: E402
+
+_fused.register(sys.modules[__name__])

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import reference
-from . import bytemodel
+from . import bytemodel, fused
 from .impls import Unsupported, first_line
 from .ops import TOL, OPS, Point
 from .report import HostRow, Row
@@ -48,8 +48,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return reference.rel_err(out, ref)
 
 
+def point_bytes(p: Point, direction: str) -> int:
+    """The byte model of a point: the fused ops count their extra (or fewer) bytes."""
+    if p.spec.fusion is not None:
+        return fused.bytes_moved(p, direction)
+    return bytemodel.bytes_moved(p.numel, p.torch_dtype.itemsize, direction)
+
+
 def ring_size(p: Point, direction: str, l2_bytes: int) -> int:
-    per_set = bytemodel.bytes_moved(p.numel, p.torch_dtype.itemsize, direction)
+    per_set = point_bytes(p, direction)
     return max(1, min(MAX_RING, math.ceil(RING_L2_FACTOR * l2_bytes / max(per_set, 1))))
 
 
@@ -67,11 +74,17 @@ class Case:
             return t.to(memory_format=torch.channels_last) if p.channels_last else t
 
         grad = direction == "bwd"
+        fusion = p.spec.fusion
         self.xs = [randn(p.shape).requires_grad_(grad) for _ in range(ring)]
+        # fused ops: a residual per input set; the gradient of h; dy in the output's dtype (fp8)
+        self.rs = [randn(p.shape).requires_grad_(grad) for _ in range(ring)] if fusion and fusion.residual else []
         pshape = p.spec.param_shape(p)
         self.w = (1 + 0.1 * torch.randn(pshape, generator=gen, device=device)).to(dt)
         self.b = (0.1 * torch.randn(pshape, generator=gen, device=device)).to(dt) if p.spec.has_bias else None
         self.dys = [randn(p.shape) for _ in range(ring)] if grad else []
+        if grad and fusion and fusion.fp8:
+            self.dys = [dy.to(fused.FP8) for dy in self.dys]
+        self.dhs = [randn(p.shape) for _ in range(ring)] if grad and fusion and fusion.prenorm else []
         self._dys_kept = [dy.clone() for dy in self.dys]  # Liger's RMSNorm writes dx into dy
         self._oracle = None
 
@@ -87,10 +100,17 @@ class Case:
             dy.copy_(kept)
 
     def oracle(self) -> tuple:
-        """float64 references on set 0: (y,) forward, (dx, dweight, dbias or None) backward."""
+        """float64 references on set 0: (y,) forward, (dx, dweight, dbias or None) backward (the
+        fused ops: fused.Fusion.outputs)."""
         if self._oracle is None:
             p, spec, x = self.point, self.point.spec, self.xs[0].detach()
-            if self.direction == "fwd":
+            if spec.fusion is not None:
+                extra = tuple(t[0].detach() for t in (self.rs, self.dhs) if t)
+                if self.direction == "fwd":
+                    self._oracle = spec.oracle_fwd(p, x, self.w, self.b, *extra[:1])
+                else:
+                    self._oracle = spec.oracle_bwd(p, self._dys_kept[0], x, self.w, self.b, *extra)
+            elif self.direction == "fwd":
                 self._oracle = (spec.oracle_fwd(p, x, self.w, self.b),)
             else:
                 self._oracle = tuple(spec.oracle_bwd(p, self._dys_kept[0], x, self.w, self.b))
@@ -98,7 +118,9 @@ class Case:
 
     def check(self, outputs) -> tuple[float, str]:
         """(largest relative error over the outputs, the name of the worst one)."""
-        names = ("y",) if self.direction == "fwd" else ("dx", "dweight", "dbias")
+        fusion = self.point.spec.fusion
+        names = fusion.outputs(self.direction) if fusion is not None else \
+            ("y",) if self.direction == "fwd" else ("dx", "dweight", "dbias")
         worst, worst_name = 0.0, ""
         for name, out, ref in zip(names, outputs, self.oracle()):
             if ref is None:
@@ -109,31 +131,38 @@ class Case:
         return worst, worst_name
 
     def leaves(self, s: int, w, b) -> tuple:
-        return (self.xs[s], w) + ((b,) if b is not None else ())
+        return (self.xs[s],) + ((self.rs[s],) if self.rs else ()) + (w,) + ((b,) if b is not None else ())
+
+    def call(self, fn, s: int, w, b):
+        """fn on input set s: fn(x, w, b), with the residual as a fourth argument for fused ops."""
+        return fn(self.xs[s], w, b, *((self.rs[s],) if self.rs else ()))
+
+    def grad_args(self, fn, s: int, w, b) -> tuple:
+        """(outputs, leaves, their gradients) for torch.autograd.grad of a call on set s."""
+        y = self.call(fn, s, w, b)
+        outs = list(y) if isinstance(y, tuple) else [y]
+        return outs, self.leaves(s, w, b), [self.dys[s]] + ([self.dhs[s]] if self.dhs else [])
 
     def first_call(self, fn, w, b) -> tuple:
         """The untimed first call on set 0; returns what check() compares."""
         if self.direction == "fwd":
-            return (fn(self.xs[0], w, b),)
+            y = self.call(fn, 0, w, b)
+            return y if isinstance(y, tuple) else (y,)
         self.restore_dy()
-        y = fn(self.xs[0], w, b)
-        grads = torch.autograd.grad(y, self.leaves(0, w, b), self.dys[0], retain_graph=True)
-        return _pad(grads)
+        grads = torch.autograd.grad(*self.grad_args(fn, 0, w, b), retain_graph=True)
+        return _pad(grads, len(self.oracle()))
 
     def timed_calls(self, fn, w, b) -> list[Callable]:
         """One zero-argument call per input set; backward calls reuse a y built here, untimed."""
         if self.direction == "fwd":
-            return [functools.partial(fn, x, w, b) for x in self.xs]
-        calls = []
-        for s in range(len(self.xs)):
-            y = fn(self.xs[s], w, b)
-            calls.append(functools.partial(torch.autograd.grad, y, self.leaves(s, w, b), self.dys[s], retain_graph=True))
-        return calls
+            return [functools.partial(self.call, fn, s, w, b) for s in range(len(self.xs))]
+        return [functools.partial(torch.autograd.grad, *self.grad_args(fn, s, w, b), retain_graph=True)
+                for s in range(len(self.xs))]
 
 
-def _pad(grads: tuple) -> tuple:
-    """(dx, dweight, dbias) from autograd's (dx, dweight[, dbias])."""
-    return tuple(grads) + (None,) * (3 - len(grads))
+def _pad(grads: tuple, n: int = 3) -> tuple:
+    """(dx, [dresidual,] dweight, dbias) from autograd's gradients (no dbias without a bias)."""
+    return tuple(grads) + (None,) * (n - len(grads))
 
 
 def _base_row(p: Point, direction: str, impl, device: str) -> Row:
@@ -165,13 +194,13 @@ def run_impl(impl, case: Case, timer, s: Settings) -> Row:
         notes.append(impl.after_first_call() or "")
         err, which = case.check(outputs)
         del outputs
-        row.rel_err, row.tol = err, TOL[p.dtype]
+        row.rel_err, row.tol = err, fused.tol(p, TOL[p.dtype])
         row.ok = "yes" if err <= row.tol else "no"
         if row.ok == "no":
             notes.append(f"worst output: {which}")
         calls = case.timed_calls(fn, w, b)
         row.time_ms, row.reps = timer.median_ms(calls, s.warmup_ms, s.rep_ms)
-        row.gbps = bytemodel.gbps(bytemodel.bytes_moved(p.numel, p.torch_dtype.itemsize, d), row.time_ms)
+        row.gbps = bytemodel.gbps(point_bytes(p, d), row.time_ms)
         row.copy_gbps = s.copy_gbps
     except Exception as e:  # noqa: BLE001
         row.time_ms = row.gbps = None
@@ -228,12 +257,10 @@ def _host_row(p: Point, impl, mode: str, timer, device: str) -> HostRow:
         fn = impl.build(p, direction)
         case = Case(p, direction, device, 1, seed=0)
         w, b = case.params(impl.param_dtype(p))
-        x = case.xs[0]
         if mode == "fwd":
-            call = functools.partial(fn, x, w, b)
+            call = functools.partial(case.call, fn, 0, w, b)
         else:
-            leaves, dy = case.leaves(0, w, b), case.dys[0]
-            call = lambda: torch.autograd.grad(fn(x, w, b), leaves, dy)  # noqa: E731
+            call = lambda: torch.autograd.grad(*case.grad_args(fn, 0, w, b))  # noqa: E731
         call()
         row.note = impl.after_first_call() or ""
         row.us_per_call, row.latency_us = host_overhead(call, timer.sync)

@@ -1,0 +1,82 @@
+"""Compile the row-norm Triton kernels for sm_90 without a GPU (Triton's own ptxas), one variant per
+fused flag and path, so code the interpreter accepts but the compiler would not is caught on CPU.
+Run in a process without TRITON_INTERPRET (tests/test_fusion.py does): `python tests/triton_sm90.py`."""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from normkit.backends.triton import kernels  # noqa: E402
+
+# argument name -> signature type; None: absent (a constexpr None), 1: a unit stride/count (Triton
+# specializes it away); everything not listed is an int32
+FWD_ARGS = dict(X="*bf16", R="*bf16", Y="*bf16", H="*fp32", W="*fp32", B="*fp32", MEAN="*fp32", RSTD="*fp32",
+                AMAX="*i32", SCALE="*fp32", SYNC="*i32", SCRATCH="*fp32", eps="fp32", w_offset="fp32", scale="fp32")
+BWD_ARGS = dict(DY="*bf16", X="*bf16", DH="*fp32", W="*fp32", B="*fp32", MEAN="*fp32", RSTD="*fp32", DX="*bf16",
+                DRES="*fp32", DW_PART="*fp32", DB_PART="*fp32", SYNC="*i32", SCRATCH="*fp32", w_offset="fp32")
+
+
+def _source(fn, types, constexprs, absent=(), units=()):
+    sig, consts = {}, {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name], consts[name] = "constexpr", constexprs[name]
+        elif name in absent:
+            sig[name], consts[name] = "constexpr", None
+        elif name in units:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = types.get(name, "i32")
+    return ASTSource(fn, sig, consts)
+
+
+def variants():
+    """(name, ASTSource, num_warps)."""
+    out = []
+    for rms, res, fp8, amax, per_row, act, path in [
+            (False, False, 0, False, False, 0, "tile"), (True, True, 1, True, False, 2, "tile"),
+            (False, True, 2, True, True, 4, "tile"), (True, True, 1, True, True, 3, "split"),
+            (False, True, 0, False, False, 0, "split"), (False, True, 1, True, True, 5, "looped"),
+            (True, False, 0, True, False, 1, "looped")]:
+        cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, STORE_STATS=True, ACT=act, HAS_RES=res,
+                  STORE_H=res, H_ROUND=1 if res else 0, FP8=fp8, SCALE_PTR=fp8 == 2, WANT_AMAX=amax,
+                  BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024, SPLIT=4 if path == "split" else 1,
+                  LOOPED=path == "looped", PERSISTENT=path == "split")
+        types = dict(FWD_ARGS, Y="*u8" if fp8 else "*bf16")
+        absent = [n for n, on in (("R", res), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2)) if not on]
+        units = ["INNER", "sx_c", "W_ROWS"] if not per_row else ["sx_c"]
+        out.append((f"fwd rms={rms} res={res} fp8={fp8} amax={amax} per_row={per_row} {path}",
+                    _source(kernels.row_norm_fwd_kernel, types, cx, absent, units), 8))
+    for rms, dh, dres, per_row, act, path in [(False, False, False, False, 0, "tile"), (True, True, True, True, 2, "tile"),
+                                             (False, True, True, False, 4, "split"),
+                                             (True, True, False, True, 3, "looped")]:
+        cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, WANT_DW=True, WANT_DB=not rms, ACT=act,
+                  HAS_DH=dh, HAS_DRES=dres, BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024,
+                  SPLIT=4 if path == "split" else 1, LOOPED=path == "looped")
+        absent = [n for n, on in (("DH", dh), ("DRES", dres)) if not on]
+        out.append((f"bwd rms={rms} dh={dh} dres={dres} per_row={per_row} {path}",
+                    _source(kernels.row_norm_bwd_kernel, BWD_ARGS, cx, absent, ["sdy_c", "sx_c"]), 8))
+    return out
+
+
+def main() -> int:
+    failed = 0
+    for name, src, warps in variants():
+        t0 = time.time()
+        try:
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+            print(f"ok {name} ({time.time() - t0:.1f} s)")
+        except Exception as e:  # noqa: BLE001 - report every variant
+            failed += 1
+            print(f"FAILED {name}: {type(e).__name__}: {e}")
+    print(f"{'ALL OK' if not failed else f'{failed} FAILED'} (triton {triton.__version__}, sm_90)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
