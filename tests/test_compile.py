@@ -216,8 +216,7 @@ def test_model_with_normkit_modules_fullgraph(backend):
     if backend == "aot_eager":  # the same aten ops and the same normkit kernels: bitwise
         assert _normkit_nodes(counter)  # no pass runs there: the ops stay, opaque
         _assert_equal(got, expected, "model")
-    else:  # Inductor's pass rewrote the graph in place: normkit stepped aside, Inductor's code
-        assert not _normkit_nodes(counter)
+    else:  # normkit stepped aside: Inductor's code (test_inductor_code_holds_a_normkit_op_only_where_it_stays)
         for g, e in zip(got, expected):
             assert ref.rel_err(g, e) <= 1e-5
 
