@@ -339,3 +339,24 @@ def test_rewrite_leaves_other_graphs_alone():
     before = [(n.op, n.target) for n in g.nodes]
     assert cf.rewrite(g) == 0 and [(n.op, n.target) for n in g.nodes] == before
     assert operator.add in [n.target for n in g.nodes]
+
+
+def test_measurement_script_tiny_run_writes_a_table_the_pass_reads(tmp_path):
+    """benchmarks/compile_table.py --tiny: CPU points through the pass (aot_eager), the table and its
+    markdown; the keys are the pass's own and the table loads through use_table."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_table.py"
+    spec = importlib.util.spec_from_file_location("compile_table", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path), "--tiny"]) == 0
+    table = json.loads((tmp_path / "compile_table.json").read_text())
+    assert set(table["entries"]) == {f"{p}|float32|{m}|{w}" for p, w in (("add_rms", 64), ("ln_gelu", 64),
+                                                                          ("pw+gn_silu", 32)) for m in ("fwd", "train")}
+    for entry in table["entries"].values():
+        assert entry["points"][0]["normkit_ms"] > 0 and entry["points"][0]["inductor_ms"] > 0
+    assert "| add_rms | float32 | train | 64 |" in (tmp_path / "compile_table.md").read_text()
+    with cf.use_table(tmp_path / "compile_table.json"):
+        key = "add_rms|float32|train|64"
+        assert cf.wins("add_rms", torch.float32, "train", 64, torch.device("cpu")) == table["entries"][key]["wins"]
