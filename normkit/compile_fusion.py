@@ -29,8 +29,10 @@ stays outside normkit's op, which Inductor would have fused), dtype of x, mode "
 "train" (forward and backward), width class the power of two at or below the normalized width (the
 group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code.
 
-The pass is installed the first time dynamo traces a normkit op (or by enable_compile_fusion);
+The pass is installed the first time dynamo traces a normkit op (or by enable_compile_fusion;
+NORMKIT_COMPILE_PASS=0 in the environment keeps it out, and normkit's ops opaque as before);
 decisions are made when Inductor compiles a graph: after changing them, torch._dynamo.reset().
+Other backends (aot_eager, export) run no pre-grad pass: normkit's op stays there.
 """
 from __future__ import annotations
 
