@@ -18,7 +18,7 @@ $(VENV)/.ready: pyproject.toml
 	touch $@
 
 test: setup
-	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m normkit bench $(BENCH_ARGS)

@@ -179,8 +179,11 @@ def main(argv=None):
     import triton
     doc = {"arch": arch, "gpu": props.name, "triton": triton.__version__, "torch": torch.__version__,
            "date": datetime.date.today().isoformat(), "configs": {}}
-    if os.path.exists(args.out):
-        doc["configs"] = json.load(open(args.out))["configs"]
+    if os.path.exists(args.out):  # keep what was measured, and the routes to the CUDA cluster kernels
+        old = json.load(open(args.out))
+        doc["configs"] = old["configs"]
+        if "cuda" in old:
+            doc["cuda"] = old["cuda"]
     logf = open(args.out + ".log", "a")
 
     def log(msg):

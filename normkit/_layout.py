@@ -85,10 +85,11 @@ def bcs(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """[B, C, S] view of a [B, C, *spatial] tensor in the given layout, copying only if t is in
     neither: NCHW ([B, C, S] contiguous) or channels_last (channels innermost)."""
     B, C = t.shape[0], t.shape[1]
+    S = math.prod(t.shape[2:])  # explicit: a -1 is ambiguous for an empty batch
     if not channels_last:
-        return t.contiguous().view(B, C, -1)
+        return t.contiguous().view(B, C, S)
     perm = (0,) + tuple(range(2, t.dim())) + (1,)
-    return t.permute(perm).contiguous().view(B, -1, C).transpose(1, 2)
+    return t.permute(perm).contiguous().view(B, S, C).transpose(1, 2)
 
 
 def is_channels_last(x: torch.Tensor) -> bool:

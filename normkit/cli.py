@@ -14,6 +14,7 @@ COMMANDS = {
     "bench": ("normkit.bench.cli", "benchmark normkit against torch, torch.compile, Liger and quack"),
     "ladder": ("normkit.ladder", "run the seeds' kernel ladders (CUDA C++ or WebGPU) on this machine"),
     "export-wgsl": ("normkit.backends.webgpu.export", "write the WGSL shaders as a browser wants them"),
+    "export-web": ("normkit.web.export", "write normkit.js (an ES module over the WGSL kernels), its types and a demo page"),
     "info": ("normkit.info", "print what normkit sees: devices, backends and versions"),
 }
 

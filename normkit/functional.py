@@ -23,6 +23,7 @@ Returns y, or the tuple (y[, h][, amax]) when prenorm / return_amax ask for more
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Optional, Sequence, Union
@@ -148,17 +149,30 @@ def _forward_only_check(backend, op, *tensors) -> None:
 
 
 def _autocast(op: str, *tensors):
-    """torch's autocast contract for the norms: under CUDA autocast, layer_norm, rms_norm and
-    group_norm run in float32 (every floating input that is not float64 is cast) and return float32.
-    CPU autocast leaves them alone. Returns the tensors, cast where torch casts them."""
+    """torch's autocast contract for the norms: where torch registers an autocast kernel for the op on
+    x's device type (CUDA: layer_norm, group_norm, and rms_norm from torch 2.12 on), it runs in float32
+    (every floating input that is not float64 is cast) and returns float32; elsewhere (CPU) autocast
+    leaves the op alone. Returns the tensors, cast where torch casts them."""
     x = tensors[0]
-    if x.device.type not in _AUTOCAST_FP32 or not torch.is_autocast_enabled(x.device.type):
+    device_type = x.device.type
+    if not _autocast_upcasts(op, device_type) or not torch.is_autocast_enabled(device_type):
         return tensors
     return tuple(t.float() if (t is not None and t.is_floating_point() and t.dtype != torch.float64
-                               and t.device.type == x.device.type) else t for t in tensors)
+                               and t.device.type == device_type) else t for t in tensors)
 
 
-_AUTOCAST_FP32 = ("cuda",)  # device types whose autocast runs the norms in float32 (torch's lists)
+@functools.lru_cache(maxsize=None)
+def _autocast_upcasts(op: str, device_type: str) -> bool:
+    """Whether this torch build gives aten::`op` an autocast kernel on `device_type` (the norms are
+    only ever on autocast's float32 list): read from the dispatcher, so it follows torch's version.
+    False for device types autocast does not know (meta, ...)."""
+    if not torch.amp.autocast_mode.is_autocast_available(device_type):
+        return False
+    key = "Autocast" + {"cuda": "CUDA", "cpu": "CPU", "xpu": "XPU", "mps": "MPS"}.get(device_type, device_type.upper())
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+    except RuntimeError:  # a dispatch key this build does not know
+        return False
 
 
 # ----------------------------------------------------------------------------- fused options
@@ -247,7 +261,7 @@ def _autocast_rows(x, weight, bias, opts, backend_name, op):
     """torch's CUDA autocast contract (float32 out) for LayerNorm/RMSNorm: in one pass, reading x's
     dtype and writing float32 (out_dtype), on backends with fused epilogues; values are those of
     casting first, which the other backends do. An explicit out_dtype is kept."""
-    if x.device.type not in _AUTOCAST_FP32 or not torch.is_autocast_enabled(x.device.type) or \
+    if not _autocast_upcasts(op, x.device.type) or not torch.is_autocast_enabled(x.device.type) or \
             x.dtype in (torch.float32, torch.float64) or opts.out_dtype is not None:
         return x, weight, bias, opts
     if backend_name in _FUSED_BACKENDS:
@@ -260,9 +274,16 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
               opts=PLAIN, prenorm=False):
     """Checked arguments -> y (or the tuple of _outputs), through the custom op (compile, modes,
     subclasses), the autograd function (gradients, torch.func, forward AD) or straight to the
-    kernels (inference)."""
+    kernels (inference). The host path is asked again here for plain calls: the public functions ask
+    it first, but a call it declined there may be its case now (inputs cast by autocast, or a
+    row_norm_as_written call)."""
     plain = residual is None and scale is None and opts is PLAIN and (weight is None or weight.dim() == len(shape)) \
         and (bias is None or bias.dim() == len(shape))  # not per-head parameters
+    fast = _host.fast
+    if plain and fast is not None and not _is_compiling():
+        y = fast.row_norm(x, shape, weight, bias, eps, rms, activation, backend_name)
+        if y is not None:
+            return y
     if _library.needed(x, weight, bias, residual, scale):
         if _is_compiling():
             compile_fusion.traced()  # Inductor decides, op by op, whether normkit's op stays (compile_fusion.py)
@@ -413,7 +434,12 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
             return y
     num_groups, eps = _check_group_inputs(x, num_groups, weight, bias, eps)
     _check_activation(activation)
-    x, weight, bias = _autocast("group_norm", x, weight, bias)
+    cast, weight, bias = _autocast("group_norm", x, weight, bias)
+    x, was_cast = cast, cast is not x
+    if fast is not None and was_cast and not _is_compiling():  # a call the host path may serve now
+        y = fast.group_norm(x, num_groups, weight, bias, eps, activation, backend)
+        if y is not None:
+            return y
     if _library.needed(x, weight, bias):
         if _is_compiling():
             compile_fusion.traced()

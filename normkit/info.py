@@ -33,4 +33,19 @@ def run(args) -> int:
         except Exception as e:  # a backend that fails to load says so here, not as a crash
             why = f"failed to load: {e}"
         print(f"backend {name:7s} on {probe.device.type}: {'ready' if why is None else why}")
+    print(host_path_line())
     return 0
+
+
+def host_path_line() -> str:
+    """Which host path eager calls take, and why (on a GPU this builds or loads the C++ one)."""
+    import torch
+
+    from . import _host
+
+    if _host.fast is not None and torch.cuda.is_available():
+        _host.activate()
+    elif _host.fast is not None:
+        return ("host path: Python (no CUDA device; the C++ host path serves CUDA tensors and is built on the "
+                "first CUDA call)")
+    return f"host path: {_host.status}"

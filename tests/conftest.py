@@ -38,3 +38,15 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(tb, "_empty", nan_empty)
     monkeypatch.setattr(tb, "_empty_like", nan_empty_like)
+    from normkit import _host
+    monkeypatch.setattr(_host, "fast", None)  # replayed launch plans allocate their own (unpoisoned) buffers
+
+
+@pytest.fixture
+def exact_fp32():
+    """No TF32 on a GPU (its 2**-11 rounding would swamp the fp32 differences a test measures);
+    use with pytestmark = pytest.mark.usefixtures("exact_fp32")."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

@@ -231,7 +231,7 @@ def dynamo_config():
     """torch._dynamo's config, restored afterwards: Compile.build raises its recompile limits."""
     import torch._dynamo
     cfg = torch._dynamo.config
-    with cfg.patch({k: getattr(cfg, k) for k in impls.Compile.LIMITS if hasattr(cfg, k)}):
+    with cfg.patch({k: getattr(cfg, k) for k in impls.DYNAMO_LIMITS if hasattr(cfg, k)}):
         yield cfg
     torch._dynamo.reset()
 
@@ -542,3 +542,13 @@ def test_gpu_bench_end_to_end(tmp_path, dynamo_config):
         assert any(r.impl == peer for r in rows) or env[f"skipped.{peer}"]
     host, _ = report.read_csv(out / "host.csv")
     assert all(h.us_per_call > 0 for h in host if h.impl in ("normkit", "torch"))
+
+
+def test_gpu_quick_profile_is_five_bf16_points_and_skips_the_compile_peers_host_section():
+    from normkit.bench.cli import PROFILES
+    prof = PROFILES[("cuda", True)]
+    pts = plan(("ln", "rms", "gn"), prof.dtypes, prof.suites, prof.widths, lambda d: prof.numel)
+    assert [(p.op, p.shape) for p in pts] == [("ln", (16384, 4096)), ("ln", (1024, 65536)), ("rms", (16384, 4096)),
+                                              ("rms", (1024, 65536)), ("gn", (16, 256, 4096))]
+    assert {p.dtype for p in pts} == {"bf16"} and all(p.numel == 2**26 for p in pts if p.op != "gn")
+    assert "compile" not in prof.host_peers and prof.warmup_ms + prof.rep_ms <= 25

@@ -297,7 +297,8 @@ def test_patched_hf_llama_fullgraph():
 
 def test_plain_eager_calls_keep_the_fast_path():
     fn, args = _case("layer_norm")
-    assert type(fn(*args).grad_fn).__name__ == "RowNormFnBackward"
+    # the autograd.Function's node, or the C++ host path's (normkit._host) where it is active (CUDA)
+    assert fn(*args).grad_fn.name() in ("RowNormFnBackward", "NormkitRowNormBackward")
 
 
 def test_dispatch_modes_see_the_custom_op():

@@ -304,16 +304,25 @@ class Recorder:
     def __init__(self, spec):
         self.spec = spec
 
+    device = 0
+
     def occupancy(self, block, smem=0):
         return model_occupancy(block, smem)
 
-    def launch(self, grid, block, args, smem=0, stream=None):
+    def smem_fits(self, smem):
+        return smem <= H100_SMEM_OPTIN
+
+    def max_active_clusters(self, block, smem, cluster):
+        return 132 * model_occupancy(block, smem) // cluster
+
+    def launch(self, grid, block, args, smem=0, stream=None, cluster=None):
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         driver.check_launch_dims(self.spec, grid, block, smem)
         driver.pack_args(self.spec, args)
         assert smem <= H100_SMEM_OPTIN
-        Recorder.launches.append((self.spec.name, grid, block, smem, args))
+        assert cluster is None or (grid[0] % cluster == 0 and 1 <= cluster <= configs.CLUSTER_MAX)
+        Recorder.launches.append((self.spec.name, grid, block, smem, args) + ((cluster,) if cluster else ()))
 
 
 @pytest.fixture
@@ -384,6 +393,95 @@ def test_group_norm_launches(recorded):
     assert dx.stride() == x3.stride() and dw.dtype == torch.float16 and db is None
     assert [r[0] for r in recorded] == ["nk::gn_reduce<__half, __half, nk::Mish, true, true>", "nk::gn_group<__half, true>",
                                         "nk::col_sum<__half, float>", "nk::gn_apply<__half, __half, nk::Mish, true, true>"]
+
+
+# ============================================================================ CPU: the Hopper cluster kernels
+
+def test_cluster_plans():
+    p = configs.plan_cluster("fwd", 16384, 2, (256, 8, 3))
+    assert (p.threads, p.cluster, p.slice, p.smem) == (256, 1, 16384, 3 * 32768)
+    p = configs.plan_cluster("fwd", 16392, 2, (256, 8, 3))  # not a power of two: slices of whole packs
+    assert p.cluster == 2 and p.slice == 8200 and p.slice % 8 == 0 and p.slice * 2 >= 16392
+    assert configs.plan_cluster("fwd", 16388, 2) is None  # not whole 16-byte packs
+    p = configs.plan_cluster("bwd", 262144, 2, (128, 4, 3, True))  # 64 CTAs of 128 threads: CTAs grow instead
+    assert p.cluster <= configs.CLUSTER_MAX and p.threads == 512 and p.recompute
+    assert p.smem == 3 * 2 * p.slice * 2  # x and dy per stage
+    assert configs.plan_cluster("bwd", 262144, 4, (512, 4, 2)) is None  # 16 CTAs of 16K fp32 columns: too much
+    assert configs.plan_cluster("fwd", 2048, 2, (512, 4, 4)).threads == 128  # narrow rows: small CTAs
+    assert not configs.plan_cluster("fwd", 4096, 2, (512, 4, 4, True)).recompute  # a backward-only flag
+    for (direction, eb, n), shape in configs.CLUSTER_SHAPES.items():  # the measured shapes are used and valid
+        p = configs.plan_cluster(direction, n, eb)
+        assert p is not None and p.threads * p.items * (16 // eb) * p.cluster >= n
+        assert (p.items, p.stages) == shape[1:3]
+
+
+def test_shared_memory_opt_in_counts_static_bytes():
+    # 48 KB of stages + 2 KB of static shared memory is past the default: an opt-in is needed
+    assert driver.needs_smem_opt_in(48 * 1024, 2176)
+    assert not driver.needs_smem_opt_in(40 * 1024, 2176)
+    assert not driver.needs_smem_opt_in(64 * 1024, 2176, granted=96 * 1024)
+    assert driver.needs_smem_opt_in(128 * 1024, 2176, granted=96 * 1024)
+
+
+@pytest.fixture
+def cluster_recorded(recorded, monkeypatch):
+    from normkit.backends.cuda import cluster
+    monkeypatch.setattr(cluster, "_load", lambda spec, index: Recorder(spec))
+    monkeypatch.setattr(cluster, "_use_device", lambda index: None)
+    cluster.prepare.cache_clear()
+    yield recorded
+    cluster.prepare.cache_clear()
+
+
+def test_cluster_launches(cluster_recorded):
+    from normkit.backends.cuda import cluster
+    x = torch.empty(300, 65536, dtype=torch.bfloat16)
+    w = torch.empty(65536, dtype=torch.float32)
+    p = cluster.prepare("fwd", 65536, torch.bfloat16, torch.float32, "silu", False, False, 0)
+    y, mean, rstd = torch.empty_like(x), torch.empty(300), torch.empty(300)
+    cluster.launch_fwd(p, x, y, w, w, mean, rstd, 1e-5)
+    name, grid, block, smem, args, cl = cluster_recorded[-1]
+    plan = configs.plan_cluster("fwd", 65536, 2)
+    assert name == f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, {plan.stages}>"
+    assert cl == plan.cluster and grid == (p.grid_clusters(300) * cl, 1, 1) and block == (plan.threads, 1, 1)
+    assert smem == plan.smem and args[-4:] == [300, 65536, plan.slice, 1e-5]
+    # backward: one partial row per cluster, the dx kernel with the weight-gradient sums
+    p = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0)
+    parts = p.grid_clusters(3)
+    assert parts == 3  # never more clusters than rows
+    xs = x[:3]
+    dw_part = torch.empty(parts, 65536)
+    assert cluster.launch_bwd(p, xs, xs, w, None, None, rstd[:3], torch.empty_like(xs), dw_part, None) == parts
+    name, grid, block, smem, args, cl = cluster_recorded[-1]
+    assert name.startswith("nk::row_bwd_cluster<__nv_bfloat16, float, nk::Identity, true,") and name.endswith("true, false>")
+    assert grid == (3 * cl, 1, 1) and args[10] is dw_part and args[11] is None
+
+
+def test_cluster_routes_are_data():
+    """The Triton backend's table says which widths and ops run on the cluster kernels (measured
+    on the H200): the weight-gradient-heavy backward of 16-bit rows from 16K, the fp32 RMSNorm
+    backward at 8K-32K; never under the interpreter; the bench's overrides win."""
+    from normkit.backends.triton import configs as tc
+    tc.row_config.cache_clear()
+    try:
+        assert tc.row_config("bwd", 16384, 2, "sm_90", False, "ln").cuda
+        assert tc.row_config("bwd", 16384, 2, "sm_90", False, "rms").cuda
+        assert not tc.row_config("bwd", 8192, 2, "sm_90", False, "ln").cuda
+        assert tc.row_config("bwd", 8192, 4, "sm_90", False, "rms").cuda
+        assert not tc.row_config("bwd", 8192, 4, "sm_90", False, "ln").cuda
+        assert not tc.row_config("bwd", 16384, 2, "sm_90", True, "ln").cuda  # interpreter
+        assert not tc.row_config("bwd", 16384, 2, "sm_80", False, "ln").cuda  # no table for the arch
+        tc.CUDA_OVERRIDES[("fwd", 2)] = (4096,)
+        tc.row_config.cache_clear()
+        assert tc.row_config("fwd", 4096, 2, "sm_90", False, "ln").cuda
+    finally:
+        tc.CUDA_OVERRIDES.clear()
+        tc.row_config.cache_clear()
+
+
+def test_cluster_refuses_what_it_cannot_take():
+    from normkit.backends.cuda import cluster
+    assert "not a CUDA tensor" in cluster.why_not(torch.ones(4, 16, dtype=torch.bfloat16))
 
 
 # ============================================================================ CPU: availability
@@ -726,7 +824,7 @@ def test_launch_failure_names_the_kernel():
     x = torch.zeros(4, 8, device=DEVICE)
     cb._begin(x)
     kernel = driver.load(kernels.col_sum(torch.float32, None), x.device.index or 0)
-    kernel.smem_limit = 10**9  # pretend the opt-in happened, so the driver itself refuses
+    kernel.smem_granted = 10**9  # pretend the opt-in happened, so the driver itself refuses
     with pytest.raises(driver.CudaDriverError, match=r"launch of kernel nk::col_sum<float, float>.*CUDA_ERROR"):
         kernel.launch((1,), (32, 8), [x, x[0], None, None, 4, 8], smem=10**6)
 
@@ -745,3 +843,100 @@ def test_ladder_end_to_end(tmp_path, capsys):
     assert re.search(r"kernel 4.*FAIL", prec) and re.search(r"kernel 3.*\| pass", prec)
     assert all("pass" in line for line in prec.splitlines() if "normkit cuda" in line)
     assert (tmp_path / "ladder.csv").stat().st_size > 0 and (tmp_path / "ladder.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------- the cluster kernels (GPU, sm_90)
+
+def _hopper():
+    return HAS_CUDA and torch.cuda.get_device_capability() >= configs.CLUSTER_MIN_CAPABILITY
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="thread-block clusters need an sm_90 GPU")
+CLUSTER_CASES = [(3, 16384), (37, 16392), (5, 24576), (2, 131072), (1, 65536), (133, 32768)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("m,n", CLUSTER_CASES)
+@pytest.mark.parametrize("op", OPS)
+def test_cluster_kernels_match_oracle(op, m, n, dtype, cuda_poison):
+    """backend="cuda" at widths configs.CLUSTER_WIDTHS sends to the cluster kernels: awkward row
+    counts (fewer rows than clusters, one row), widths that are not powers of two."""
+    x = randn(m, n, dtype=dtype, device=DEVICE) * 2 + 0.5
+    w, b = randn(n, device=DEVICE), randn(n, device=DEVICE)
+    rms = op == "rms_norm"
+    assert cb._on_clusters("fwd", x, (), w, None if rms else b, None, rms) is not None
+    assert cb._on_clusters("bwd", x, (x,), w, None, None, rms, True) is not None
+    check_fwd_bwd(op, x, (n,), w, b, backend="cuda", what=f"cluster {op} {m}x{n} {dtype}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_cluster_kernels_with_activation(activation, cuda_poison):
+    m, n = 7, 24576
+    x = randn(m, n, dtype=torch.bfloat16, device=DEVICE)
+    w, b = randn(n, device=DEVICE), randn(n, device=DEVICE)
+    y, mean, rstd = cb.row_norm_fwd(x, w, b, 1e-5, False, activation)
+    assert_close(y, ref.layer_norm(x, (n,), w, b, 1e-5, activation)[0], TOL[torch.bfloat16], "y")
+    dy = randn(m, n, dtype=torch.bfloat16, device=DEVICE)
+    dx, dw, db = cb.row_norm_bwd(dy, x, w, mean, rstd, False, torch.float32, torch.float32, bias=b,
+                                 activation=activation)
+    dx_ref, dw_ref, db_ref = ref.layer_norm_backward(dy, x, (n,), w, b, 1e-5, activation)
+    assert_close(dx, dx_ref, TOL[torch.bfloat16], "dx")
+    assert_close(dw, dw_ref, 2e-5, "dweight")
+    assert_close(db, db_ref, 2e-5, "dbias")
+
+
+@pytest.fixture
+def triton_route(monkeypatch):
+    """Both paths of the Triton backend at the widths its table routes to the cluster kernels."""
+    from normkit.backends import triton as tb
+    from normkit.backends.triton import configs as tc
+
+    def use(on: bool):
+        for key in (("fwd", 2), ("bwd", 2), ("fwd", 4), ("bwd", 4)):
+            monkeypatch.setitem(tc.CUDA_OVERRIDES, key, (16384, 32768, 131072) if on else ())
+        tb.clear_caches()
+    yield use
+    tb.clear_caches()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("routed", [True, False], ids=["cluster", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("op", OPS)
+def test_triton_backend_both_paths(op, dtype, routed, triton_route):
+    from normkit.backends import triton as tb
+    triton_route(routed)
+    n = 16384
+    x = randn(9, n, dtype=dtype, device=DEVICE)
+    cfg = tb._plan("bwd", n, x.element_size(), x.device, (op == "rms_norm", True, False, None, (True, False)))[0]
+    assert cfg.cuda == routed
+    check_fwd_bwd(op, x, (n,), randn(n, device=DEVICE), randn(n, device=DEVICE), backend="triton",
+                  what=f"triton backend {'routed' if routed else 'kernels'} {op}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("op", OPS)
+def test_cluster_weight_gradients_are_bitwise_reproducible_and_nan_stays(op, triton_route):
+    triton_route(True)
+    n = 32768
+    x = randn(301, n, dtype=torch.bfloat16, device=DEVICE)
+    x[17] = float("nan")
+    w = randn(n, device=DEVICE).requires_grad_(True)
+    b = randn(n, device=DEVICE).requires_grad_(True) if op == "layer_norm" else None
+    x.requires_grad_(True)
+    dy = randn(301, n, dtype=torch.bfloat16, device=DEVICE)
+    leaves = [t for t in (x, w, b) if t is not None]
+    y = run(op, x, (n,), w, b, backend="triton")
+    assert torch.isnan(y[17]).all() and torch.isfinite(torch.cat([y[:17], y[18:]])).all()
+    clean = torch.cat([x.detach()[:17], x.detach()[18:]]).requires_grad_(True)
+    dyc = torch.cat([dy[:17], dy[18:]])
+    grads = [torch.autograd.grad(run(op, clean, (n,), w, b, backend="triton"), [clean] + leaves[1:], dyc)
+             for _ in range(2)]
+    for g1, g2 in zip(*grads):
+        assert torch.equal(g1, g2)

@@ -318,7 +318,7 @@ def test_autocast_contract_runs_in_one_pass(op, monkeypatch):
     """Under CUDA autocast (here: CPU autocast given CUDA's rule when there is no GPU) y is float32 with
     the values of torch's op on x.float(), and x is not cast first: the kernels get bf16 rows."""
     if DEVICE != "cuda":
-        monkeypatch.setattr(nkf, "_AUTOCAST_FP32", ("cuda", "cpu"))
+        monkeypatch.setattr(nkf, "_autocast_upcasts", lambda op, device_type: True)
     device_type = "cuda" if DEVICE == "cuda" else "cpu"
     seen = _spy(monkeypatch, triton_backend)
     x = randn(4, 64, dtype=BF16, device=DEVICE).requires_grad_()

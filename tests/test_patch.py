@@ -1,14 +1,16 @@
-"""normkit.patch / unpatch on small randomly initialised models built from config objects (no
-downloads): the patched model gives the unpatched model's logits and gradients, keeps its Parameter
-objects, state_dict keys and devices, and unpatch restores it.
+"""normkit.patch / unpatch and the report they return, on small randomly initialised models built
+from config objects (no downloads) and single norm modules: the patched model keeps its Parameter
+objects, state_dict keys and devices, unpatch restores it, each recognised norm class computes what
+it computes itself, and what is not recognised is left alone and listed with a reason. Training
+whole model families patched vs unpatched is tests/test_models.py.
 
-transformers and diffusers are test dependencies on CI (CPU). The GPU machine has no diffusers,
-and timm needs torchvision, which has no CPU build for CI's torch: those two skip only where a
-GPU is absent (timm) or present (diffusers), and fail loudly anywhere else they are missing.
+transformers is a test dependency on CI (CPU); missing on the GPU machine it skips.
 """
+import collections
 import copy
 import importlib
-import warnings
+import pathlib
+import re
 
 import pytest
 import torch
@@ -31,19 +33,7 @@ FWD_TOL = 2e-6 if DEVICE == "cpu" else 1e-5
 GRAD_TOL = 2e-5
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    """No TF32 on a GPU: its rounding (2**-11) would swamp the differences these tests measure."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-def _require(name: str, where_optional: bool):
-    if where_optional:
-        return pytest.importorskip(name)
-    return importlib.import_module(name)
+pytestmark = pytest.mark.usefixtures("exact_fp32")  # no TF32 on a GPU
 
 
 # ----------------------------------------------------------------------------- model builders
@@ -136,7 +126,8 @@ def _check_patch_roundtrip(model, inputs, expected_classes: set, out_key="logits
         assert isinstance(m, replaced[name]) and type(m) is not replaced[name]
     assert [id(p) for p in model.parameters()] == params_before
     assert list(model.state_dict().keys()) == keys_before
-    assert normkit.patch(model, **patch_kw) == {}  # idempotent
+    again = normkit.patch(model, **patch_kw)  # idempotent: the second time, all are already patched
+    assert again == {} and again.skipped == {n: "already patched" for n in replaced}
 
     _compare_training_step(model, reference, inputs, out_key)
 
@@ -159,19 +150,10 @@ def _lm_inputs(vocab=128, batch=2, seq=16):
 
 # ----------------------------------------------------------------------------- transformers
 
-@pytest.mark.parametrize("kind, norm_class", [
-    ("llama", "LlamaRMSNorm"), ("qwen2", "Qwen2RMSNorm"), ("mistral", "MistralRMSNorm"),
-    ("gemma", "GemmaRMSNorm"), ("olmo2", "Olmo2RMSNorm"),
-])
-def test_hf_rms_norm_models(kind, norm_class):
-    # Gemma stores the scale as an offset from 1: center its weights at 0
-    model = _build(lambda: _causal_lm(kind), center=0.0 if kind == "gemma" else 1.0)
-    _check_patch_roundtrip(model, _lm_inputs(), {norm_class})
-
-
-def test_hf_layer_norm_models():
-    _check_patch_roundtrip(_build(_gpt2), _lm_inputs(), {"LayerNorm"})
-    _check_patch_roundtrip(_build(_bert), _lm_inputs(), {"LayerNorm"})
+@pytest.mark.parametrize("factory, norm_class", [(lambda: _causal_lm("llama"), "LlamaRMSNorm"),
+                                                 (_gpt2, "LayerNorm")], ids=["llama", "gpt2"])
+def test_patch_keeps_the_model_and_unpatch_restores_it(factory, norm_class):
+    _check_patch_roundtrip(_build(factory), _lm_inputs(), {norm_class})
 
 
 def test_patch_with_forced_backend_runs_that_backend(monkeypatch):
@@ -246,7 +228,12 @@ def test_hf_rms_norm_semantics_exactly(kind, x_dtype, w_dtype):
     normkit.patch(ours)
     assert type(ours).forward is {"llama": patch_mod._llama_forward, "gemma": patch_mod._gemma_forward,
                                   "olmo2": patch_mod._olmo2_forward}[kind]
-    x = (3 * torch.randn(64, 256)).to(DEVICE, x_dtype).requires_grad_(True)
+    _assert_computes_like(ours, theirs, x_dtype)
+
+
+def _assert_computes_like(ours, theirs, x_dtype, n=256):
+    """ours(x) is theirs(x) up to a rare last-bit difference; gradients as close as the dtype allows."""
+    x = (3 * torch.randn(64, n)).to(DEVICE, x_dtype).requires_grad_(True)
     y, y_ref = ours(x), theirs(x)
     assert y.dtype == y_ref.dtype
     differ = (y != y_ref).float().mean().item()
@@ -261,7 +248,65 @@ def test_hf_rms_norm_semantics_exactly(kind, x_dtype, w_dtype):
     gx_ref, gw_ref = torch.autograd.grad(y_ref, (x, theirs.weight), dy)
     assert gx.dtype == gx_ref.dtype and gw.dtype == gw_ref.dtype
     assert ref.rel_err(gx, gx_ref) <= (1e-5 if x_dtype == torch.float32 else 1e-2)
-    assert ref.rel_err(gw, gw_ref) <= (1e-5 if w_dtype == torch.float32 else 1e-2)
+    assert ref.rel_err(gw, gw_ref) <= (1e-5 if theirs.weight.dtype == torch.float32 else 1e-2)
+
+
+def _transformers_norm_classes():
+    """Every nn.Module class named *Norm* defined in transformers' modeling files (those that
+    define one; a module whose optional dependency is missing here cannot be checked)."""
+    root = pathlib.Path(transformers.models.__path__[0])
+    for path in sorted(root.glob("*/modeling_*.py")):
+        if not re.search(r"class \w*Norm\w*\(nn\.Module\)", path.read_text(encoding="utf-8")):
+            continue
+        try:
+            module = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
+        except ImportError:
+            continue
+        for name, cls in vars(module).items():
+            if (isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == module.__name__
+                    and "Norm" in name):
+                yield cls
+
+
+def test_every_transformers_norm_that_patch_recognises_computes_the_same():
+    """The Llama, Gemma and OLMo 2 RMSNorm code is copied into some 160 transformers families; each
+    copy that patch recognises computes with normkit what it computes itself (fp32 and bf16), and
+    every other RMSNorm/LayerNorm/GroupNorm class is left alone and listed with a reason."""
+    styles = {fwd: key for key, (names, _, fwd, _) in patch_mod._STYLES.items()}
+    checked, skipped, failures = collections.Counter(), [], []
+    for cls in _transformers_norm_classes():
+        recognised = any(key is not None and patch_mod._methods_key(cls, names) == key
+                         for names, key, _, _ in patch_mod._STYLES.values())
+        try:
+            theirs = cls(64)
+        except Exception as e:  # classes built from a config object: none that patch recognises
+            assert not recognised, f"{cls.__qualname__}: recognised, but cls(64) failed: {e}"
+            continue
+        report = normkit.patch(theirs, dry_run=True)
+        if not recognised:
+            if re.search(r"(RMS|Layer|Group)Norm$", cls.__name__):
+                # either a reason for the class itself, or it wraps a torch norm that is patched
+                assert "" not in report and (report.skipped.get("") or report), f"{cls.__qualname__}: {report}"
+                skipped.append(cls.__name__)
+            continue
+        assert set(report) == {""}, f"{cls.__qualname__}: {report}"
+        ours = copy.deepcopy(theirs)
+        normkit.patch(ours)
+        style = styles[type(ours).forward]
+        torch.manual_seed(4)
+        with torch.no_grad():
+            theirs.weight.copy_((0.0 if style == "gemma" else 1.0) + 0.5 * torch.randn(64))
+        for dtype in (torch.float32, torch.bfloat16):
+            ours.load_state_dict(theirs.state_dict())
+            try:
+                _assert_computes_like(ours.to(DEVICE, dtype), theirs.to(DEVICE, dtype), dtype, n=64)
+            except AssertionError as e:
+                failures.append(f"{cls.__module__}.{cls.__qualname__} {dtype}: {e}")
+        checked[style] += 1
+    assert not failures, "\n".join(failures)
+    # every family of the conformance suite, and the copies of each style are there
+    assert sum(checked.values()) >= 100 and set(checked) == {"llama", "gemma", "olmo2"}, checked
+    assert len(skipped) >= 10, skipped
 
 
 def test_hf_float64_input_keeps_hf_computation():
@@ -334,52 +379,53 @@ def test_patching_the_norm_itself_and_hooks_survive():
     assert normkit.unpatch(ln) == {"": nn.LayerNorm} and type(ln) is nn.LayerNorm
 
 
-# ----------------------------------------------------------------------------- diffusers, timm
+# ----------------------------------------------------------------------------- the report, dry runs
 
-def test_diffusers_unet_group_norm():
-    diffusers = _require("diffusers", where_optional=HAS_CUDA)  # not installed on the GPU machine
-    torch.manual_seed(0)
-    model = diffusers.UNet2DModel(
-        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(16, 32),
-        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-        norm_num_groups=4).to(DEVICE)
-    _randomize_norms(model, 1.0)
-    gen = torch.Generator().manual_seed(4)
-    sample = torch.randn(2, 3, 8, 8, generator=gen).to(DEVICE)
-    target = torch.randn(2, 3, 8, 8, generator=gen).to(DEVICE)
-
-    class WithLoss(nn.Module):  # the comparison helper wants .loss and an output key
-        def __init__(self, unet):
-            super().__init__()
-            self.unet = unet
-
-        def forward(self, sample):
-            out = self.unet(sample, timestep=3).sample
-            return {"sample": out, "loss": torch.nn.functional.mse_loss(out, target)}
-
-    _check_patch_roundtrip(WithLoss(model), {"sample": sample}, {"GroupNorm"}, out_key="sample")
+class _CastsLaterRMSNorm(_LlamaLikeButCastsLater):
+    """Named like a norm, with an eps: norm-like, so its being left alone is reported."""
 
 
-def test_timm_vit():
-    # timm imports torchvision; on CPU CI there is no CPU torchvision build for this torch
-    timm = _require("timm", where_optional=not HAS_CUDA)
-    torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=10,
-                              depth=2).to(DEVICE)
-    _randomize_norms(model, 1.0)
-    gen = torch.Generator().manual_seed(5)
-    images = torch.randn(2, 3, 32, 32, generator=gen).to(DEVICE)
-    labels = torch.tensor([1, 7], device=DEVICE)
+def _mixed_model():
+    model = nn.Sequential(nn.LayerNorm(8), _MyLayerNorm(8), nn.GroupNorm(2, 8), _CastsLaterRMSNorm(8),
+                          nn.RMSNorm(8), nn.Linear(8, 8), normkit.LayerNorm(8), nn.BatchNorm1d(8))
+    model[4].forward = lambda x: x  # a per-instance forward
+    return model
 
-    class WithLoss(nn.Module):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
 
-        def forward(self, images):
-            logits = self.net(images)
-            return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, labels)}
+def test_dry_run_reports_without_changing_anything():
+    model = _mixed_model()
+    classes = [type(m) for m in model.modules()]
+    report = normkit.patch(model, dry_run=True)
+    assert [type(m) for m in model.modules()] == classes and not hasattr(model[0], "_normkit_backend")
+    assert report.dry_run and isinstance(report, patch_mod.PatchReport)
+    assert report == report.patched == {"0": nn.LayerNorm, "2": nn.GroupNorm}
+    assert report.computes == {"0": "layer_norm", "2": "group_norm"}
+    # every norm-like module not patched is listed with its reason; Linear and BatchNorm are not norm-like
+    assert set(report.skipped) == {"1", "3", "4", "6"}
+    assert "LayerNorm subclass with its own forward" in report.skipped["1"]
+    assert "not one normkit knows" in report.skipped["3"]
+    assert "per-instance forward" in report.skipped["4"]
+    assert report.skipped["6"] == "already a normkit module"
+    text = str(report)
+    assert text.startswith("normkit.patch (dry run): would patch 2 modules, would skip 4")
+    for name, why in report.skipped.items():
+        assert why in text and type(model[int(name)]).__name__ in text
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _check_patch_roundtrip(WithLoss(model), {"images": images}, {"LayerNorm"})
+    real = normkit.patch(model)  # the dry run said what the real one does
+    assert real == report and real.skipped == report.skipped and not real.dry_run
+    assert str(real).startswith("normkit.patch: patched 2 modules, skipped 4")
+
+
+def test_report_lists_op_families_left_out_and_groups_by_class():
+    model = nn.Sequential(*[nn.LayerNorm(8) for _ in range(5)], nn.GroupNorm(2, 8))
+    report = normkit.patch(model, ops=("group_norm",))
+    assert report == {"5": nn.GroupNorm}
+    assert report.skipped == {str(i): "layer_norm is not in ops=('group_norm',)" for i in range(5)}
+    assert "skipped 5 LayerNorm: 0, 1, 2, ... (2 more)" in str(report)
+    with pytest.raises(TypeError, match="dry_run: expected a bool"):
+        normkit.patch(model, dry_run="yes")
+
+
+def test_report_names_a_patched_model_itself():
+    report = normkit.patch(nn.GroupNorm(2, 4), dry_run=True)
+    assert report == {"": nn.GroupNorm} and "(the model)" in str(report)

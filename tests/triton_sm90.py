@@ -52,15 +52,15 @@ def variants():
         units = ["INNER", "sx_c", "W_ROWS"] if not per_row else ["sx_c"]
         out.append((f"fwd rms={rms} res={res} fp8={fp8} amax={amax} per_row={per_row} {path}",
                     _source(kernels.row_norm_fwd_kernel, types, cx, absent, units), 8))
-    for rms, dh, dres, per_row, act, path in [(False, False, False, False, 0, "tile"), (True, True, True, True, 2, "tile"),
-                                             (False, True, True, False, 4, "split"),
-                                             (True, True, False, True, 3, "looped")]:
+    for rms, dh, dres, per_row, act, path, dy in [
+            (False, False, False, False, 0, "tile", "*bf16"), (True, True, True, True, 2, "tile", "*fp8e4nv"),
+            (False, True, True, False, 4, "split", "*fp8e5"), (True, True, False, True, 3, "looped", "*fp32")]:
         cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, WANT_DW=True, WANT_DB=not rms, ACT=act,
                   HAS_DH=dh, HAS_DRES=dres, BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024,
                   SPLIT=4 if path == "split" else 1, LOOPED=path == "looped")
         absent = [n for n, on in (("DH", dh), ("DRES", dres)) if not on]
-        out.append((f"bwd rms={rms} dh={dh} dres={dres} per_row={per_row} {path}",
-                    _source(kernels.row_norm_bwd_kernel, BWD_ARGS, cx, absent, ["sdy_c", "sx_c"]), 8))
+        out.append((f"bwd rms={rms} dh={dh} dres={dres} per_row={per_row} {path} dy={dy}",
+                    _source(kernels.row_norm_bwd_kernel, dict(BWD_ARGS, DY=dy), cx, absent, ["sdy_c", "sx_c"]), 8))
     return out
 
 

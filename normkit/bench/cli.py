@@ -30,12 +30,16 @@ class Profile:
     suites: tuple
     warmup_ms: float
     rep_ms: float
+    dtypes: tuple = tuple(DTYPES)
+    host_peers: tuple = PEER_NAMES  # peers whose host overhead is measured (normkit's always is)
 
 
-# (device, --quick) -> defaults, which the options override
+# (device, --quick) -> defaults, which the options override. --quick on a GPU must take about a
+# minute: one dtype, five points, short timings, and no compile peer in the host section (each of
+# its points costs a torch.compile; the first calls of compile, Triton, Liger and quack dominate)
 PROFILES = {
     ("cuda", False): Profile(pow2_range(32, 262144), 1 << 26, ("sweep", "llm.c", "tutorial", "gn-anchors", "gn-1d", "gn-2d"), 25, 100),
-    ("cuda", True): Profile((256, 4096, 65536), 1 << 26, ("sweep",), 10, 30),
+    ("cuda", True): Profile((4096, 65536), 1 << 26, ("quick",), 5, 20, ("bf16",), ("torch", "liger", "quack")),
     ("cpu", False): Profile((256, 4096), 1 << 16, ("sweep",), 1, 5),
     ("cpu", True): Profile((256, 1024), 1 << 13, ("sweep",), 1, 3),
 }
@@ -93,7 +97,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--ops", type=_list_of(tuple(OPS), "ops"),
                    help="ops (default: ln,rms, and gn once normkit.group_norm exists)")
     g.add_argument("--dirs", type=_list_of(DIRECTIONS, "directions"), default=DIRECTIONS, help="default: fwd,bwd")
-    g.add_argument("--dtypes", type=_list_of(tuple(DTYPES), "dtypes"), default=tuple(DTYPES), help="default: bf16,fp16,fp32")
+    g.add_argument("--dtypes", type=_list_of(tuple(DTYPES), "dtypes"), help="default: bf16,fp16,fp32 (GPU --quick: bf16)")
     g.add_argument("--widths", type=_widths,
                    help="row widths N of the sweep, e.g. 256,768 or 32-262144 (default GPU: 32-262144)")
     g.add_argument("--rows", type=_positive(int), help="rows M of every sweep point (default: from the size per input)")
@@ -124,6 +128,8 @@ def add_arguments(parser) -> None:
     o.add_argument("--compare", metavar="OLD", help="print what moved against an older results CSV or folder")
     o.add_argument("--threshold", type=_positive(float), default=0.05,
                    help="relative GB/s change that --compare reports (default 0.05)")
+    from . import models
+    models.add_arguments(parser)
 
 
 # ----------------------------------------------------------------------------- running
@@ -195,6 +201,14 @@ def _seed(base: int, p, direction: str) -> int:
 
 def run(args) -> int:
     start = time.time()  # --time-budget counts from here
+    if args.models is not None:
+        from . import models
+        if args.report:
+            return models.report_only(args)
+        device = _device(args)
+        if device == "cpu":
+            print(models.NO_GPU_LINE, flush=True)
+        return models.run(args, device, start)
     if args.report:
         return _report_only(args)
     from . import report, runner
@@ -221,7 +235,10 @@ def run(args) -> int:
     def numel_of(dtype: str) -> int:
         return int(args.mib * 2**20) // DTYPES[dtype].itemsize if args.mib else prof.numel
 
-    points = plan(ops, args.dtypes, args.suites or prof.suites, args.widths or prof.widths, numel_of, args.rows)
+    suites = args.suites or prof.suites
+    if suites == ("quick",) and (args.widths or args.rows or args.mib):  # sizes asked for: the sweep at those
+        suites = ("sweep",)
+    points = plan(ops, args.dtypes or prof.dtypes, suites, args.widths or prof.widths, numel_of, args.rows)
     done = {r.point + (r.impl,) for r in rows}
     tasks = [(p, d, todo) for p in points for d in args.dirs
              if (todo := [i for i in runnable if (p.op, d, p.dtype, p.label, i.name) not in done])]
@@ -239,7 +256,7 @@ def run(args) -> int:
     progress.close()
     if not args.no_host:
         measured = {(h.op, h.impl) for h in host_rows}
-        for impl in runnable:
+        for impl in (i for i in runnable if i.is_normkit or i.name in prof.host_peers):
             host_rows += runner.run_host([op for op in ops if (op, impl.name) not in measured], [impl], timer, device)
     _finish(args, out, rows, host_rows, env)
     compiles = [r.first_call_s for r in rows if r.impl == "compile" and r.first_call_s]

@@ -32,9 +32,10 @@ def _run(cmd, cwd=None) -> str:
 
 def _commit() -> str:
     root = Path(__file__).resolve().parents[2]
+    top = _run(["git", "rev-parse", "--show-toplevel"], cwd=root)
+    if not top or Path(top).resolve() != root:  # a copy inside another repository (a device carry folder)
+        return "unknown (no git checkout of normkit; see source_sha1)"
     head = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root)
-    if not head:
-        return "unknown (no git checkout)"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
     return head + (" + uncommitted changes" if dirty else "")
 

@@ -125,16 +125,43 @@ class Torch(Impl):
         return torch_call(p)
 
 
-class Compile(Impl):
-    """torch.compile(dynamic=False) of the torch call, compiled afresh for every point.
+# Dynamo gives up after `recompile_limit` recompiles of one function and then silently runs eager,
+# which would time eager under the name of compile: every compiled timing raises the limits, resets
+# dynamo, and checks afterwards that the compiled-graph counter moved (shared with bench/models.py)
+DYNAMO_LIMITS = {"recompile_limit": 1024, "cache_size_limit": 1024,
+                 "accumulated_recompile_limit": 4096, "accumulated_cache_size_limit": 4096}
 
-    Dynamo gives up after `recompile_limit` recompiles of one function and then silently runs
-    eager, which would time eager under the name of compile; so dynamo is reset per point, its
-    limits are raised, and after the first call the compiled-graph counter must have moved.
-    """
+
+def fresh_dynamo() -> tuple[int, int]:
+    """Reset dynamo, raise its recompile limits; returns dynamo_counts() to compare with later."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    for attr, value in DYNAMO_LIMITS.items():
+        if hasattr(torch._dynamo.config, attr):
+            setattr(torch._dynamo.config, attr, max(getattr(torch._dynamo.config, attr), value))
+    return dynamo_counts()
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) since the process started."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def compiled_path_problem(before: tuple[int, int]) -> Optional[str]:
+    """None when a graph was compiled since `before` without graph breaks, else what went wrong."""
+    graphs, breaks = dynamo_counts()
+    if graphs <= before[0]:
+        return "the compiled path did not run (dynamo compiled no graph): these are eager timings"
+    if breaks > before[1]:
+        return f"{breaks - before[1]} dynamo graph break(s): part of the call ran eager"
+    return None
+
+
+class Compile(Impl):
+    """torch.compile(dynamic=False) of the torch call, compiled afresh for every point (see
+    DYNAMO_LIMITS for why)."""
     name = "compile"
-    LIMITS = {"recompile_limit": 1024, "cache_size_limit": 1024,
-              "accumulated_recompile_limit": 4096, "accumulated_cache_size_limit": 4096}
 
     def __init__(self, backend: str = "inductor"):
         self.backend = backend
@@ -146,26 +173,11 @@ class Compile(Impl):
         return None
 
     def build(self, p, direction):
-        import torch._dynamo
-        torch._dynamo.reset()
-        for attr, value in self.LIMITS.items():
-            if hasattr(torch._dynamo.config, attr):
-                setattr(torch._dynamo.config, attr, max(getattr(torch._dynamo.config, attr), value))
-        self._before = self._counts()
+        self._before = fresh_dynamo()
         return torch.compile(torch_call(p), dynamic=False, backend=self.backend)
 
-    @staticmethod
-    def _counts() -> tuple[int, int]:
-        from torch._dynamo.utils import counters
-        return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-
     def after_first_call(self):
-        graphs, breaks = self._counts()
-        if graphs <= self._before[0]:
-            return "the compiled path did not run (dynamo compiled no graph): these are eager timings"
-        if breaks > self._before[1]:
-            return f"{breaks - self._before[1]} dynamo graph break(s): part of the call ran eager"
-        return None
+        return compiled_path_problem(self._before)
 
 
 class _PeerOnGpu(Impl):

@@ -151,7 +151,7 @@ class Suite:
     name: str
     ops: tuple
     dtypes: Optional[tuple]  # None: every dtype asked for
-    shapes: Optional[tuple]  # ((shape, groups), ...); None: the op's sweep
+    shapes: Optional[object]  # ((shape, groups), ...), or {op: ((shape, groups), ...)}; None: the op's sweep
     about: str
 
 
@@ -168,6 +168,12 @@ SUITES = {
                    "llm.c's LayerNorm: B=8, T=1024, C=768, fp32"),
     "tutorial": Suite("tutorial", ("ln",), ("fp16",), tuple(((4096, n), None) for n in pow2_range(512, 16384)),
                       "the Triton tutorial's LayerNorm: M=4096, N=512..16384, fp16"),
+    "quick": Suite("quick", ("ln", "rms", "gn"), None,
+                   {"ln": (((16384, 4096), None), ((1024, 65536), None)),
+                    "rms": (((16384, 4096), None), ((1024, 65536), None)),
+                    "gn": (((16, 256, 4096), 8),)},
+                   "--quick on a GPU: 2^26 elements at N = 4096 (one program per row block) and 65536 (rows split "
+                   "across programs), and the seed-004 GroupNorm + Mish anchor"),
     "gn-anchors": Suite("gn-anchors", ("gn",), None, (((16, 256, 4096), 8), ((32, 320, 4096), 32)),
                         "the GroupNorm + Mish shapes of the peer anchors"),
     "gn-1d": Suite("gn-1d", ("gn",), None, GN_1D,
@@ -184,7 +190,9 @@ def plan(ops, dtypes, suites, widths, numel_of: Callable[[str], int], rows: Opti
         suite = SUITES[suite_name]
         for op in (o for o in ops if o in suite.ops):
             for dtype in (d for d in dtypes if suite.dtypes is None or d in suite.dtypes):
-                shapes = suite.shapes if suite.shapes is not None else OPS[op].sweep(widths, numel_of(dtype), rows)
+                shapes = suite.shapes.get(op, ()) if isinstance(suite.shapes, dict) else suite.shapes
+                if shapes is None:
+                    shapes = OPS[op].sweep(widths, numel_of(dtype), rows)
                 for shape, groups, *layout in shapes:
                     cl = bool(layout and layout[0])
                     key = (op, dtype, tuple(shape), groups, cl)

@@ -116,10 +116,10 @@ def _env_lines(env: dict) -> str:
     return "".join(f"# {k}: {str(v).replace(chr(10), ' ')}\n" for k, v in env.items())
 
 
-def write_csv(path, rows: list, env: dict) -> Path:
-    """Rows (all Row or all HostRow) with the environment as a `# key: value` header."""
+def write_csv(path, rows: list, env: dict, cls=None) -> Path:
+    """Rows (all of one dataclass: Row, HostRow, ...) with the environment as a `# key: value` header."""
     path = Path(path)
-    cls = type(rows[0]) if rows else Row
+    cls = cls or (type(rows[0]) if rows else Row)
     names = [f.name for f in fields(cls)]
     if cls is Row:
         finalize(rows)
@@ -134,8 +134,17 @@ def write_csv(path, rows: list, env: dict) -> Path:
     return path
 
 
-def read_csv(path) -> tuple[list, dict]:
-    """(rows, env) of a CSV written by write_csv; rows are Row or HostRow by their columns."""
+def _parse_typed(type_name: str, s: str):
+    """A CSV cell by its dataclass field's (string) annotation: Optional[float], int, str, ..."""
+    if "float" in type_name:
+        return float(s) if s != "" else None
+    if "int" in type_name:
+        return int(s) if s != "" else None
+    return s
+
+
+def read_csv(path, cls=None) -> tuple[list, dict]:
+    """(rows, env) of a CSV written by write_csv; rows are `cls`, or Row or HostRow by their columns."""
     path = Path(path)
     env, body = {}, []
     for line in path.read_text().splitlines():
@@ -147,12 +156,17 @@ def read_csv(path) -> tuple[list, dict]:
     if not body:
         raise ValueError(f"{path}: expected a CSV header after the environment lines, found none")
     reader = csv.DictReader(body)
-    cls = HostRow if "us_per_call" in reader.fieldnames else Row
+    if cls is None:
+        cls = HostRow if "us_per_call" in reader.fieldnames else Row
+        parse = _parse
+    else:
+        types = {f.name: str(f.type) for f in fields(cls)}
+        parse = lambda k, v: _parse_typed(types[k], v)  # noqa: E731
     wanted = {f.name for f in fields(cls)}
     missing = wanted - set(reader.fieldnames) - {"note"}
     if missing:
         raise ValueError(f"{path}: expected the columns of a normkit bench CSV, missing {sorted(missing)}")
-    rows = [cls(**{k: _parse(k, v) for k, v in rec.items() if k in wanted}) for rec in reader]
+    rows = [cls(**{k: parse(k, v) for k, v in rec.items() if k in wanted}) for rec in reader]
     return (finalize(rows) if cls is Row else rows), env
 
 

@@ -54,24 +54,25 @@ class CpuTimer:
         return statistics.median(times), n_rep
 
 
+def spin_cycles_per_ms() -> float:
+    """How many torch.cuda._sleep cycles the GPU spins per millisecond."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / max(start.elapsed_time(end), 1e-3)
+
+
 class CudaTimer:
     device = "cuda"
     about = ("CUDA events around each call behind a GPU spin that hides host overhead, "
              "rotating input sets over 4x L2, median")
 
     def __init__(self):
-        self.cycles_per_ms = self._calibrate_spin()
-
-    @staticmethod
-    def _calibrate_spin() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)
-        cycles = 10_000_000
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        torch.cuda.synchronize()
-        return cycles / max(start.elapsed_time(end), 1e-3)
+        self.cycles_per_ms = spin_cycles_per_ms()
 
     def sync(self):
         torch.cuda.synchronize()

@@ -148,10 +148,34 @@ def _row_fwd(x, weight, bias, eps, rms, activation=None, *, force=None, pack=Non
     return y, mean, rstd, plan
 
 
+def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_params=False):
+    """The prepared cluster kernel (cluster.py) when configs.CLUSTER_WIDTHS sends rows of this
+    width there and it can take these tensors; else None (the OneFlow-style kernels run)."""
+    M, N = x.shape
+    lo, hi = configs.CLUSTER_WIDTHS.get((direction, x.element_size()), (1, 0))
+    if M == 0 or not lo <= configs.next_pow2(N) <= hi:
+        return None
+    from . import cluster
+    if cluster.why_not(x, rows_like, weight, bias) is not None:
+        return None
+    wdtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
+    return cluster.prepare(direction, N, x.dtype, wdtype, activation, rms, want_params, _begin(x))
+
+
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
     """Returns (y [M, N] contiguous in x.dtype, mean [M] fp32 or None, rstd [M] fp32 or None).
-    Without store_stats (inference) the kernels still write the 8 bytes of statistics per row,
-    which are dropped: a flag in every kernel would cost more template instantiations than it saves."""
+    Without store_stats (inference) the OneFlow-style kernels still write the 8 bytes of
+    statistics per row, which are dropped: a flag in every kernel would cost more template
+    instantiations than it saves."""
+    prepared = _on_clusters("fwd", x, (), weight, bias, activation, rms)
+    if prepared is not None:
+        from . import cluster
+        M, N = x.shape
+        y = _empty((M, N), dtype=x.dtype, device=x.device)
+        rstd = _empty((M,), dtype=torch.float32, device=x.device) if store_stats else None
+        mean = _empty((M,), dtype=torch.float32, device=x.device) if store_stats and not rms else None
+        cluster.launch_fwd(prepared, x, y, weight, bias, mean, rstd, eps)
+        return y, mean, rstd
     y, mean, rstd, _ = _row_fwd(x, weight, bias, eps, rms, activation)
     return (y, mean, rstd) if store_stats else (y, None, None)
 
@@ -167,10 +191,20 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
     if M == 0 or N == 0:
         return (dx, torch.zeros(N, dtype=dweight_dtype, device=device) if want_dw else None,
                 torch.zeros(N, dtype=dbias_dtype, device=device) if want_db else None)
-    index = _begin(x)
-    (w, b), wdtype = _params(x, weight, bias)
     mean = None if rms else mean.contiguous()
     rstd = rstd.contiguous()
+    b_act = bias if activation is not None else None  # the bias only matters to recompute z
+    prepared = _on_clusters("bwd", x, (dy,), weight, b_act, activation, rms, want_dw or want_db)
+    if prepared is not None:
+        from . import cluster
+        parts = prepared.grid_clusters(M)
+        dw_part = _empty((parts, N), dtype=torch.float32, device=device) if want_dw else None
+        db_part = _empty((parts, N), dtype=torch.float32, device=device) if want_db else None
+        cluster.launch_bwd(prepared, dy, x, weight, b_act, mean, rstd, dx, dw_part, db_part)
+        dw, db = _col_sum(_index(x), dw_part, dweight_dtype, db_part, dbias_dtype, parts, N, device)
+        return dx, dw, db
+    index = _begin(x)
+    (w, b), wdtype = _params(x, weight, bias)
     pack = configs.pick_pack(N, x.element_size(),
                              _aligned((x, x.stride(0)), (dy, dy.stride(0)), (dx, N), (w, None), (b, None)))
     want = want_dw or want_db

@@ -48,6 +48,37 @@ struct alignas(pack_align(int(sizeof(T)) * P)) Pack {
   T v[P];
 };
 
+// Packs move as whole vectors (16 bytes at most per access). Copying a Pack of __half or
+// __nv_bfloat16 member by member compiles to one 2-byte access per element (seen in SASS: 64
+// STG.E.U16 per row step where 8 STG.E.128 do), so loads and stores go through these.
+template <typename V, typename T, int P>
+__device__ __forceinline__ void copy_words(Pack<T, P>* dst, const Pack<T, P>* src) {
+#pragma unroll
+  for (int i = 0; i < int(sizeof(Pack<T, P>) / sizeof(V)); ++i)
+    reinterpret_cast<V*>(dst)[i] = reinterpret_cast<const V*>(src)[i];
+}
+
+template <typename T, int P>
+__device__ __forceinline__ void copy_pack(Pack<T, P>* dst, const Pack<T, P>* src) {
+  constexpr int bytes = int(sizeof(Pack<T, P>));
+  if constexpr (bytes % 16 == 0) {
+    copy_words<uint4>(dst, src);
+  } else if constexpr (bytes == 8) {
+    copy_words<uint2>(dst, src);
+  } else if constexpr (bytes == 4) {
+    copy_words<unsigned>(dst, src);
+  } else {
+    copy_words<unsigned short>(dst, src);
+  }
+}
+
+template <int P, typename T>
+__device__ __forceinline__ Pack<T, P> load_pack(const T* src) {
+  Pack<T, P> p;
+  copy_pack(&p, reinterpret_cast<const Pack<T, P>*>(src));
+  return p;
+}
+
 template <int P, typename T>
 __device__ __forceinline__ void pack_to_floats(const Pack<T, P>& p, float* out) {
 #pragma unroll
@@ -56,15 +87,49 @@ __device__ __forceinline__ void pack_to_floats(const Pack<T, P>& p, float* out) 
 
 template <int P, typename T>
 __device__ __forceinline__ void load_floats(const T* src, float* out) {
-  pack_to_floats<P>(*reinterpret_cast<const Pack<T, P>*>(src), out);
+  pack_to_floats<P>(load_pack<P>(src), out);
 }
 
+// two values rounded to T (16 bits each) as one 32-bit word, the first in the low half
+template <typename T> __device__ __forceinline__ unsigned round_pair(float a, float b);
+template <> __device__ __forceinline__ unsigned round_pair<__half>(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned round_pair<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+
+// Global memory only. The rounded values are gathered into 32-bit words and stored 16 bytes at a
+// time: a Pack filled element by element was stored 2 or 4 bytes at a time.
 template <int P, typename T>
 __device__ __forceinline__ void store_floats(T* dst, const float* in) {
-  Pack<T, P> p;
+  constexpr int bytes = int(sizeof(T)) * P;
+  if constexpr (bytes < 4) {
+    dst[0] = from_float<T>(in[0]);
+  } else {
+    constexpr int W = bytes / 4;
+    unsigned w[W];
 #pragma unroll
-  for (int i = 0; i < P; ++i) p.v[i] = from_float<T>(in[i]);
-  *reinterpret_cast<Pack<T, P>*>(dst) = p;
+    for (int i = 0; i < W; ++i) {
+      if constexpr (sizeof(T) == 4) {
+        w[i] = __float_as_uint(in[i]);
+      } else {
+        w[i] = round_pair<T>(in[2 * i], in[2 * i + 1]);
+      }
+    }
+    if constexpr (W % 4 == 0) {  // NVVM split a uint4 assignment into four 32-bit stores
+#pragma unroll
+      for (int j = 0; j < W / 4; ++j)
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<uint4*>(dst) + j),
+                     "r"(w[4 * j]), "r"(w[4 * j + 1]), "r"(w[4 * j + 2]), "r"(w[4 * j + 3]));
+    } else if constexpr (W == 2) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    } else {
+      *reinterpret_cast<unsigned*>(dst) = w[0];
+    }
+  }
 }
 
 // weight/bias are optional: a null pointer reads as the neutral value
@@ -135,7 +200,7 @@ struct RowLoad {
   const T* ptr;
   i64 stride;
   template <int P> __device__ __forceinline__ Pack<T, P> raw(i64 row, int col) const {
-    return *reinterpret_cast<const Pack<T, P>*>(ptr + row * stride + col);
+    return load_pack<P>(ptr + row * stride + col);
   }
   template <int P> __device__ __forceinline__ void load(float* out, i64 row, int col) const {
     load_floats<P>(ptr + row * stride + col, out);
@@ -269,6 +334,33 @@ __device__ V block_allreduce(V v) {
   const V r = total;
   __syncthreads();  // a following call reuses warp_total / total
   return r;
+}
+
+// ------------------------------------------------------------------ row backward, per pack
+// (g = dz * w, dz = dy * act'(z), z = xhat * w + b recomputed from x)
+
+// One pack of the backward's elementwise part: xhat, and the gradients reaching z and xhat.
+template <int P, typename W, typename ACT, bool RMS>
+__device__ __forceinline__ void pack_grads(const W* w, const W* b, int col, float mean, float rstd, const float* x,
+                                           const float* dy, float* xhat, float* dz, float* g) {
+  float wv[P], bv[P];
+  load_param<P>(w, col, 1.f, wv);
+  load_param<P>(b, col, 0.f, bv);  // dead (and removed) unless ACT needs z
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    xhat[i] = RMS ? x[i] * rstd : (x[i] - mean) * rstd;
+    dz[i] = dy[i] * ACT::grad(xhat[i] * wv[i] + bv[i]);
+    g[i] = dz[i] * wv[i];
+  }
+}
+
+// dx for one pack from the row sums s = (sum xhat*g, sum g)
+template <int P, bool RMS>
+__device__ __forceinline__ void pack_dx(const float* xhat, const float* g, Sum2 s, float inv_cols, float rstd,
+                                        float* dx) {
+  const float c1 = s.a * inv_cols, c2 = RMS ? 0.f : s.b * inv_cols;
+#pragma unroll
+  for (int i = 0; i < P; ++i) dx[i] = rstd * (g[i] - xhat[i] * c1 - c2);
 }
 
 }  // namespace nk

@@ -31,6 +31,30 @@ PARAM_TILE = (32, 8)  # row_param_grad's block (columns, rows): row_norm.cu kPar
 PARAM_SPLITS_PER_SM = 4  # row_param_grad: row splits (partial rows) per SM
 COL_SUM_BLOCK = (32, 8)  # col_sum: 32 columns x 8 lanes over the partial rows (row_norm.cu kColSum*)
 
+# ---- rows on Hopper thread-block clusters (row_cluster.cu, cluster.py)
+CLUSTER_MIN_CAPABILITY = (9, 0)
+CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable sizes)
+# (direction, element bytes) -> (threads, items, stages[, recompute]): a CTA holds threads * items
+# packs of 16 bytes of a row (its slice); a row wider than that is spread over a cluster, and
+# past CLUSTER_MAX CTAs the CTAs grow (threads x 2). Backward with recompute: the dx step reads
+# the stage again instead of keeping xhat and g in registers. CLUSTER_SHAPES: the shape measured
+# best per padded width (H200, benchmarks/speed_sweep.py runs S4-1/S4-2), over these defaults.
+CLUSTER_KERNELS = {("fwd", 2): (256, 8, 3), ("fwd", 4): (512, 8, 2), ("bwd", 2): (512, 2, 2),
+                   ("bwd", 4): (512, 4, 2)}
+CLUSTER_SHAPES = {
+    ("fwd", 2, 262144): (512, 8, 3),
+    ("bwd", 2, 131072): (256, 4, 3, True), ("bwd", 2, 262144): (256, 4, 3, True),
+    ("fwd", 4, 131072): (512, 8, 3),
+    ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
+}
+CLUSTER_SMEM_MAX = 220 * 1024
+CLUSTER_MIN_THREADS = 128
+CLUSTER_MAX_THREADS = 512  # block kernels: 128 registers per thread at most (see row_norm.cu)  # dynamic shared memory of the stages (the kernel has ~7 KB static)
+# the widths (padded to a power of two) the CUDA backend runs on clusters rather than on the
+# OneFlow-style kernels, per (direction, bytes): where the clusters measured faster (S4-1/S4-2)
+CLUSTER_WIDTHS = {("fwd", 2): (16384, 262144), ("fwd", 4): (16384, 131072), ("bwd", 2): (16384, 262144),
+                  ("bwd", 4): (8192, 131072)}
+
 # ---- GroupNorm
 GN_REDUCE_BLOCK = (32, 8)  # gn_reduce: 32 lanes along the unit-stride axis
 GN_TARGET_BLOCKS_PER_SM = 4  # split S into chunks until gn_reduce has about this many blocks per SM
@@ -146,6 +170,45 @@ def plan_rows(direction: str, n: int, pack: int, elem_bytes: int, smem_optin: in
         raise ValueError(f"block-smem cannot hold a row of {n} columns ({smem} B) on this GPU")
     # uncached: UNCACHED_BLOCK is among the candidates whenever acc_packs > 0
     return RowPlan("block", pack, UNCACHED_BLOCK, cached=False, acc_packs=acc_packs, param_kernel=param_kernel)
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    threads: int
+    items: int  # 16-byte packs per thread
+    stages: int
+    cluster: int  # CTAs per row
+    slice: int  # columns per CTA (a multiple of the pack)
+    smem: int  # dynamic shared memory bytes (the stages)
+    recompute: bool = False  # backward: dx from the stage again (row_cluster.cu RECOMPUTE)
+
+
+def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> ClusterPlan | None:
+    """The cluster kernel's plan for rows of `cols` columns, or None when they cannot take it
+    (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
+    shape: (threads, items, stages[, recompute]); default: CLUSTER_SHAPES' for the width, else
+    CLUSTER_KERNELS'."""
+    shape = shape or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
+        or CLUSTER_KERNELS[(direction, elem_bytes)]
+    threads, items, stages, *rest = shape
+    recompute = bool(rest and rest[0]) and direction == "bwd"
+    pack = 16 // elem_bytes
+    if cols < 1 or cols % pack:
+        return None
+    cluster = cdiv(cols, threads * items * pack)
+    while cluster > CLUSTER_MAX and threads < CLUSTER_MAX_THREADS:
+        threads *= 2  # wider CTAs rather than more of them
+        cluster = cdiv(cols, threads * items * pack)
+    if cluster > CLUSTER_MAX:
+        return None
+    while cluster == 1 and threads > CLUSTER_MIN_THREADS and (threads // 2) * items * pack >= cols:
+        threads //= 2  # narrow rows: smaller CTAs, more of them per SM
+    slice_ = cdiv(cdiv(cols, cluster), pack) * pack
+    arrays = 1 if direction == "fwd" else 2
+    smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
+    if smem > CLUSTER_SMEM_MAX:
+        return None
+    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute)
 
 
 def grid_blocks(work_blocks: int, sms: int, resident: int, waves: int) -> int:

@@ -70,6 +70,16 @@ def _to_ctype(spec, pname, ctype, a):
     raise ValueError(f"kernel {spec.name}: parameter {pname!r} has unknown C type {ctype!r}")
 
 
+def needs_smem_opt_in(dynamic: int, static: int, granted: int | None = None) -> bool:
+    """Whether `dynamic` bytes of dynamic shared memory need a larger opt-in than `granted`: the
+    default 48 KB covers static plus dynamic. (Counting only the dynamic bytes, a kernel with
+    exactly 48 KB of stages and 2 KB of static shared memory could not launch, and its occupancy
+    query said 0, which sent every such call to the fallback path: runs S4-1/S4-2.)"""
+    if granted is not None:  # the dynamic bytes an earlier opt-in granted
+        return dynamic > granted
+    return dynamic + static > SMEM_DEFAULT_LIMIT
+
+
 def check_launch_dims(spec: KernelSpec, grid, block, smem: int) -> None:
     """The launch configuration is within CUDA's limits (checked before the driver sees it)."""
     grid, block = tuple(grid), tuple(block)
@@ -178,8 +188,9 @@ class Kernel:
     device: int
     module: object
     function: object
-    smem_limit: int = SMEM_DEFAULT_LIMIT
+    smem_granted: int | None = None  # dynamic shared memory opted in to (None: the default 48 KB in all)
     _occupancy: dict = field(default_factory=dict)
+    _nonportable: bool = False
 
     @functools.cached_property
     def static_smem(self) -> int:
@@ -191,8 +202,8 @@ class Kernel:
         return nbytes + self.static_smem <= max_smem_optin(self.device)
 
     def allow_smem(self, nbytes: int) -> None:
-        """Opt in to `nbytes` of dynamic shared memory (needed above 48 KB)."""
-        if nbytes <= self.smem_limit:
+        """Opt in to `nbytes` of dynamic shared memory (needed once static + dynamic pass 48 KB)."""
+        if not needs_smem_opt_in(nbytes, self.static_smem, self.smem_granted):
             return
         if not self.smem_fits(nbytes):
             raise CudaBackendError(f"kernel {self.spec.name}: needs {nbytes} + {self.static_smem} bytes of shared "
@@ -201,7 +212,7 @@ class Kernel:
         attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         check(drv.cuFuncSetAttribute(self.function, attr, nbytes),
               f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes}) for kernel {self.spec.name}")
-        self.smem_limit = nbytes
+        self.smem_granted = nbytes
 
     def occupancy(self, block_threads: int, smem: int = 0) -> int:
         """Resident blocks per SM at this block size and dynamic shared memory (0: cannot launch)."""
@@ -222,23 +233,80 @@ class Kernel:
         attr = getattr(drv.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")
         return int(check(drv.cuFuncGetAttribute(attr, self.function), f"cuFuncGetAttribute({name})"))
 
-    def launch(self, grid, block, args, smem: int = 0, stream=None) -> None:
+    def allow_cluster(self, size: int) -> None:
+        """Clusters of more than 8 CTAs are "non-portable": the kernel must opt in."""
+        if size > 8 and not self._nonportable:
+            drv = bindings()
+            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            check(drv.cuFuncSetAttribute(self.function, attr, 1),
+                  f"cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED) for kernel {self.spec.name}")
+            self._nonportable = True
+
+    def max_active_clusters(self, block_threads: int, smem: int, cluster: int) -> int:
+        """Clusters of `cluster` CTAs that fit on the GPU at once (0: cannot launch)."""
+        key = ("clusters", block_threads, smem, cluster)
+        if key not in self._occupancy:
+            if not self.smem_fits(smem):
+                self._occupancy[key] = 0
+            else:
+                self.allow_smem(smem)
+                self.allow_cluster(cluster)
+                drv = bindings()
+                config = launch_config((cluster, 1, 1), (block_threads, 1, 1), smem, 0, (cluster, 1, 1))
+                self._occupancy[key] = int(check(drv.cuOccupancyMaxActiveClusters(self.function, config),
+                                                 f"cuOccupancyMaxActiveClusters for kernel {self.spec.name}"))
+        return self._occupancy[key]
+
+    def launch(self, grid, block, args, smem: int = 0, stream=None, cluster=None) -> None:
+        """Launch on `stream` (default: torch's current stream of the device); cluster: CTAs per
+        cluster along x (None: a plain launch)."""
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         check_launch_dims(self.spec, grid, block, smem)
         self.allow_smem(smem)
+        if cluster is not None:
+            if grid[0] % cluster:
+                raise ValueError(f"kernel {self.spec.name}: grid {grid} is not a whole number of clusters of {cluster}")
+            self.allow_cluster(cluster)
         params, _values = pack_args(self.spec, args)  # _values must outlive the call
         if stream is None:
             import torch
             stream = torch.cuda.current_stream(self.device).cuda_stream
-        drv = bindings()
-        result = drv.cuLaunchKernel(self.function, *grid, *block, smem, stream, ctypes.addressof(params), 0)
-        if result[0] != drv.CUresult.CUDA_SUCCESS:
-            raise CudaDriverError(f"launch of kernel {self.spec.name} (grid {grid}, block {block}, "
-                                  f"{smem} B shared) failed: {error_text(result[0])}")
-        if SYNC_AFTER_LAUNCH:
-            check(drv.cuStreamSynchronize(stream), f"kernel {self.spec.name} (grid {grid}, block {block}) "
-                                                   f"while running")
+        launch(self.function, grid, block, smem, stream, params, None if cluster is None else (cluster, 1, 1),
+               self.spec.name)
+
+
+def launch_config(grid, block, smem: int, stream, cluster):
+    """A CUlaunchConfig with the cluster dimension attribute."""
+    drv = bindings()
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem
+    config.hStream = drv.CUstream(int(stream))
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
+
+
+def launch(function, grid, block, smem: int, stream, params, cluster=None, name: str = "kernel") -> None:
+    """The one place a CUDA-backend kernel is launched: a CUfunction, 3D grid and block, dynamic
+    shared memory bytes, a stream handle, the kernelParams array (pack_args), and the cluster dims
+    (None: a plain cuLaunchKernel; else cuLaunchKernelEx with the cluster attribute)."""
+    drv = bindings()
+    if cluster is None:
+        result = drv.cuLaunchKernel(function, *grid, *block, smem, stream, ctypes.addressof(params), 0)
+    else:
+        result = drv.cuLaunchKernelEx(launch_config(grid, block, smem, stream, cluster), function,
+                                      ctypes.addressof(params), 0)
+    if result[0] != drv.CUresult.CUDA_SUCCESS:
+        raise CudaDriverError(f"launch of kernel {name} (grid {grid}, block {block}, cluster {cluster}, "
+                              f"{smem} B shared) failed: {error_text(result[0])}")
+    if SYNC_AFTER_LAUNCH:
+        check(drv.cuStreamSynchronize(stream), f"kernel {name} (grid {grid}, block {block}) while running")
 
 
 _loaded: dict = {}

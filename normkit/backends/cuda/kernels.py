@@ -28,6 +28,9 @@ ROW_BWD_PARAMS = _p("dy:ptr dy_stride:i64 x:ptr x_stride:i64 weight:ptr bias:ptr
                     "dx:ptr dx_stride:i64 dw_part:ptr db_part:ptr rows:i64 cols:i32")
 PARAM_GRAD_PARAMS = _p("dy:ptr dy_stride:i64 x:ptr x_stride:i64 weight:ptr bias:ptr mean:ptr rstd:ptr "
                        "dw_part:ptr db_part:ptr rows:i64 cols:i32 rows_per_split:i64")
+ROW_FWD_CLUSTER_PARAMS = _p("x:ptr x_stride:i64 y:ptr y_stride:i64 weight:ptr bias:ptr mean:ptr rstd:ptr "
+                            "rows:i64 cols:i32 slice:i32 eps:f32")
+ROW_BWD_CLUSTER_PARAMS = ROW_BWD_PARAMS + _p("slice:i32")
 COL_SUM_PARAMS = _p("a_part:ptr a:ptr b_part:ptr b:ptr parts:i64 cols:i32")
 GN_REDUCE_PARAMS = _p("x:ptr xB:i64 xC:i64 xS:i64 dy:ptr dB:i64 dC:i64 dS:i64 weight:ptr bias:ptr "
                       "mean:ptr rstd:ptr p1:ptr p2:ptr coef:ptr C:i32 S:i32 G:i32 chunk:i32 chunks:i32")
@@ -81,6 +84,19 @@ def row_bwd(dtype, wdtype, activation, rms: bool, plan: configs.RowPlan, want_pa
 def row_param_grad(dtype, wdtype, activation, rms: bool) -> KernelSpec:
     name = f"nk::row_param_grad<{_ctype(dtype)}, {_ctype(wdtype)}, {_act(activation)}, {_b(rms)}>"
     return KernelSpec("row_norm.cu", name, PARAM_GRAD_PARAMS)
+
+
+def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: configs.ClusterPlan,
+                want_params: bool = False) -> KernelSpec:
+    """The Hopper cluster kernel (row_cluster.cu) for one direction and plan."""
+    t, w, a = _ctype(dtype), _ctype(wdtype), _act(activation)
+    shape = f"{plan.threads}, {plan.items}, {plan.stages}"
+    if direction == "fwd":
+        return KernelSpec("row_cluster.cu", f"nk::row_fwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}>",
+                          ROW_FWD_CLUSTER_PARAMS)
+    return KernelSpec("row_cluster.cu",
+                      f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}>",
+                      ROW_BWD_CLUSTER_PARAMS)
 
 
 def col_sum(a_dtype, b_dtype) -> KernelSpec:
@@ -210,6 +226,13 @@ def catalog() -> list[KernelSpec]:
     for wd in CTYPE:
         for bwd in (False, True):
             specs.append(gn_group(wd, bwd))
+    for (direction, elem_bytes), shape in configs.CLUSTER_KERNELS.items():  # sm_90 code (a stub below)
+        dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
+        plan = configs.ClusterPlan(*shape[:3], cluster=1, slice=0, smem=0, recompute=len(shape) > 3 and shape[3])
+        for rms, act in ((False, None), (True, "silu")):
+            for params in ((False, True) if direction == "bwd" else (False,)):
+                specs.append(row_cluster(direction, dtype, torch.float32, act, rms, plan, params))
+        specs.append(row_cluster(direction, torch.float16, torch.float16, "gelu", False, plan, direction == "bwd"))
     specs += [llmc(n) for n in LLMC]
     specs += [seed004_group_norm_mish(1 << k) for k in range(5, 11)]
     return list(dict.fromkeys(specs))

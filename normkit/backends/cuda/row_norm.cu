@@ -165,30 +165,6 @@ __global__ void __launch_bounds__(kMaxBlockThreads) row_fwd_block(NK_ROW_FWD_PAR
 
 // ================================================================== backward
 
-// One pack of the backward's elementwise part: xhat, and the gradients reaching z and xhat.
-template <int P, typename W, typename ACT, bool RMS>
-__device__ __forceinline__ void pack_grads(const W* w, const W* b, int col, float mean, float rstd, const float* x,
-                                           const float* dy, float* xhat, float* dz, float* g) {
-  float wv[P], bv[P];
-  load_param<P>(w, col, 1.f, wv);
-  load_param<P>(b, col, 0.f, bv);  // dead (and removed) unless ACT needs z
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    xhat[i] = RMS ? x[i] * rstd : (x[i] - mean) * rstd;
-    dz[i] = dy[i] * ACT::grad(xhat[i] * wv[i] + bv[i]);
-    g[i] = dz[i] * wv[i];
-  }
-}
-
-// dx for one pack from the row sums s = (sum xhat*g, sum g)
-template <int P, bool RMS>
-__device__ __forceinline__ void pack_dx(const float* xhat, const float* g, Sum2 s, float inv_cols, float rstd,
-                                        float* dx) {
-  const float c1 = s.a * inv_cols, c2 = RMS ? 0.f : s.b * inv_cols;
-#pragma unroll
-  for (int i = 0; i < P; ++i) dx[i] = rstd * (g[i] - xhat[i] * c1 - c2);
-}
-
 #define NK_ROW_BWD_PARAMS                                                                                  \
   const T *__restrict__ dy, i64 dy_stride, const T *__restrict__ x, i64 x_stride, const W *__restrict__ w, \
       const W *__restrict__ b, const float *__restrict__ mean, const float *__restrict__ rstd,             \
@@ -308,8 +284,8 @@ __global__ void __launch_bounds__(kMaxBlockThreads) row_bwd_block(NK_ROW_BWD_PAR
         xp = x_cache[p];
         dyp = dy_cache[p];
       } else {
-        xp = *reinterpret_cast<const Pack<T, P>*>(x + row * x_stride + p * P);
-        dyp = *reinterpret_cast<const Pack<T, P>*>(dy + row * dy_stride + p * P);
+        xp = load_pack<P>(x + row * x_stride + p * P);
+        dyp = load_pack<P>(dy + row * dy_stride + p * P);
       }
     };
     auto grads = [&](const Pack<T, P>& xp, const Pack<T, P>& dyp, int p, float* xhat, float* dz, float* g) {

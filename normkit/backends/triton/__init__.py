@@ -131,8 +131,8 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     flags: (rms, has_w, has_b, activation, extra[, per-head parameters]); fusion: the fused
     epilogue's constexprs."""
     device_index, arch, sms = _device_facts(device)
-    cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0)
     rms, has_w, has_b, activation, extra, *per_row = flags
+    cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0, "rms" if rms else "ln")
     per_row = bool(per_row and per_row[0])
     if per_row and cfg.split > 1:  # per-head weight rows: no split rows (their programs must not wait on heads)
         chunk, num_warps = configs.LOOPED[direction]
@@ -166,6 +166,8 @@ def clear_caches() -> None:
     _triton_missing.cache_clear()
     _plan.cache_clear()
     _gn_plan.cache_clear()
+    from ... import _host
+    _host.clear()  # launch plans recorded with the old configurations
 
 
 def _scratch(cfg, groups_upper: int, device):
@@ -222,6 +224,13 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     cfg, constexprs, device_index, sms = _plan(
         "fwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, store_stats, w_rows > 1),
         fusion if fusion != _NO_FWD_FUSION else ())
+    # the widths the table routes to the CUDA backend's Hopper cluster kernels, for plain [M, N] rows
+    cluster_ok = cfg.cuda and fusion == _NO_FWD_FUSION and w_rows == 1 and weight_offset == 0 and x.dim() == 2 \
+        and y.dtype == x.dtype
+    prepared = _on_clusters("fwd", x, (), weight, bias, activation, rms) if cluster_ok else None
+    if prepared is not None:
+        _cuda_cluster().launch_fwd(prepared, x, y, weight, bias, mean, rstd, eps)
+        return y, mean, rstd, h, _amax_out(amax)
     row_blocks = -(-M // cfg.block_m)
     sync, scratch = _scratch(cfg, sms * 32 // cfg.split + 1, device)
     inner, sx_o, sx_i, sx_c = _strides(x)
@@ -282,6 +291,16 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
         "bwd", N, itemsize, device,
         (rms, weight is not None, bias is not None, activation, (want_dw, want_db), w_rows > 1),
         fusion if any(fusion) else ())
+    cluster_ok = cfg.cuda and not any(fusion) and w_rows == 1 and weight_offset == 0 and x.dim() == 2 \
+        and dy.dim() == 2 and dx.dtype == x.dtype
+    prepared = _on_clusters("bwd", x, (dy,), weight, bias, activation, rms, want_dw or want_db) if cluster_ok else None
+    if prepared is not None:
+        parts = prepared.grid_clusters(M)
+        dw_part = _empty((parts, N), dtype=torch.float32, device=device) if want_dw else None
+        db_part = _empty((parts, N), dtype=torch.float32, device=device) if want_db else None
+        _cuda_cluster().launch_bwd(prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part)
+        _reduce_partials(dw_part, dw, db_part, db, parts, N, device_index)
+        return dx, dres, dw, db
     row_blocks = -(-(M // w_rows) // cfg.block_m)  # per head: a group walks the rows of one head
     # the partial buffers need the group count, which needs the compiled kernel: size them for
     # the upper bound and hand the kernel exactly as many programs as groups fit
@@ -299,6 +318,23 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     # partial row g belongs to head g % w_rows: [groups / heads, heads * N] sums to [heads, N]
     _reduce_partials(dw_part, dw, db_part, db, groups // w_rows, N * w_rows, device_index)
     return dx, dres, dw, db
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_cluster():
+    from ..cuda import cluster
+    return cluster
+
+
+def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_params=False):
+    """For widths the table routes to the CUDA backend's cluster kernels: the prepared kernel if
+    this call can take it, else None (the Triton kernels run)."""
+    cluster = _cuda_cluster()
+    if cluster.why_not(x, rows_like, weight, bias) is not None:
+        return None
+    wdtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
+    return cluster.prepare(direction, x.shape[1], x.dtype, wdtype, activation, rms, want_params,
+                           _device_facts(x.device)[0])
 
 
 def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: int) -> None:

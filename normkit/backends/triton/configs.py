@@ -30,6 +30,7 @@ class RowConfig:
     programs_per_sm: int
     looped: bool = False
     num_stages: int = 1  # 1: no software pipelining (it would stage tiles through shared memory)
+    cuda: bool = False  # rows go to the CUDA backend's Hopper cluster kernels when the call allows
 
     @property
     def options(self):
@@ -62,6 +63,11 @@ INTERPRETER_PROGRAMS = 4
 _TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 # (direction, elem bytes, padded n) -> row; wins over everything (the tuner's candidates go here)
 OVERRIDES: dict = {}
+# (direction, elem bytes) -> padded widths whose rows run on the CUDA backend's thread-block
+# cluster kernels (normkit/backends/cuda/cluster.py) when the call can take them (16-byte aligned
+# rows, x's dtype or fp32 parameters). A measured table lists them under "cuda", per direction,
+# element bytes and op ("ln", "rms"); CUDA_OVERRIDES (the bench's variants; both ops) wins over it.
+CUDA_OVERRIDES: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,16 +78,31 @@ def tuned_table(arch: str) -> dict:
         return {}
     with open(path) as f:
         raw = json.load(f)
-    return {(d, int(b), int(n)): tuple(v) for d, by_bytes in raw["configs"].items()
-            for b, by_n in by_bytes.items() for n, v in by_n.items()}
+    table = {(d, int(b), int(n)): tuple(v) for d, by_bytes in raw["configs"].items()
+             for b, by_n in by_bytes.items() for n, v in by_n.items()}
+    for d, by_bytes in raw.get("cuda", {}).items():
+        for b, by_op in by_bytes.items():
+            for op, widths in by_op.items():
+                table[("cuda", d, int(b), op)] = frozenset(int(n) for n in widths)
+    return table
+
+
+def _cuda_route(direction: str, elem_bytes: int, key: int, arch: str, op: str) -> bool:
+    widths = CUDA_OVERRIDES.get((direction, elem_bytes))
+    if widths is None:
+        widths = tuned_table(arch).get(("cuda", direction, elem_bytes, op), ()) if arch else ()
+    return key in widths
 
 
 @functools.lru_cache(maxsize=None)
-def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpreted: bool = False) -> RowConfig:
+def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpreted: bool = False,
+               op: str = "") -> RowConfig:
+    """The configuration for rows of n columns; op ("ln" or "rms") only selects the CUDA route."""
     padded = triton.next_power_of_2(max(n, 1))
     elem_bytes = 2 if elem_bytes <= 2 else 4
     key = max(padded, 32)  # the narrowest tabulated width; narrower rows pack more rows per tile
     row = None
+    cuda = not interpreted and _cuda_route(direction, elem_bytes, key, arch, op)
     if padded <= MAX_TILED_N:
         row = OVERRIDES.get((direction, elem_bytes, key))
         row = row or (tuned_table(arch).get((direction, elem_bytes, key)) if arch else None)
@@ -91,9 +112,10 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
         block_m *= key // padded
         # a split row needs its programs running side by side; the interpreter runs them in turn
         if not (interpreted and split > 1):
-            return RowConfig(block_m, padded // split, split, num_warps, programs_per_sm, False, *stages)
+            return RowConfig(block_m, padded // split, split, num_warps, programs_per_sm, False, *stages,
+                             cuda=cuda)
     chunk, num_warps = LOOPED[direction]
-    return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True)
+    return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda)
 
 
 # ----------------------------------------------------------------------------- group norm

@@ -334,7 +334,11 @@ def group_norm_staged_stats_kernel(
         ks = j * N_SUB + i
         b_idx, kc, _, offs, mask, ch, c_mask = _staged_tile(bc * n_sb + ks, C, S, n_cb, n_sb,
                                                              stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
-        mask = mask & ((offs * 0 + ks) < n_sb)  # the last span may hold fewer tiles
+        # the last span may hold fewer tiles; a tile past it decodes to the next (batch, channel
+        # block), past the tensor's end for the last one: its per-channel loads are masked too
+        # (unmasked, the shift load read past x: an illegal address on the H200, run S4-1)
+        c_mask = c_mask & ((ch * 0 + ks) < n_sb)
+        mask = mask & c_mask[:, None]
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         if BWD:
             grp = b_idx * G + ch // Cg

@@ -9,10 +9,16 @@ constexprs and launch options. Under the Triton interpreter everything goes thro
 """
 from __future__ import annotations
 
+from threading import get_ident
+
 import torch
 
 _I32_MAX = 2**31 - 1
 _Tensor = torch.Tensor
+# normkit._host records a run of the backend's host functions as a launch plan: while it does, this
+# is (recording thread's id, list), and each launch of that thread is appended to the list as
+# (CompiledKernel or None under the interpreter, jit function, grid, args, constexprs, options)
+recording = None
 
 
 def spec_key(args) -> tuple:
@@ -59,7 +65,13 @@ class Kernel:
         interpreter) returning one, for grids sized by the kernel's resource use. Returns the grid."""
         if self.interpreted:
             grid = grid(None) if callable(grid) else grid
-            self.jit_fn[grid](*args, num_warps=options[0], num_stages=options[1], **constexprs)
+            if recording is None or recording[0] != get_ident():
+                self.jit_fn[grid](*args, num_warps=options[0], num_stages=options[1], **constexprs)
+                return grid
+            recording[1].append((None, self.jit_fn, grid, args, constexprs, options))
+            from torch.utils._python_dispatch import _disable_current_modes
+            with _disable_current_modes():  # the interpreter's own torch ops are not the host function's
+                self.jit_fn[grid](*args, num_warps=options[0], num_stages=options[1], **constexprs)
             return grid
         if device_index != torch._C._cuda_getDevice():  # kernels load into the current device
             with torch.cuda.device(device_index):
@@ -67,6 +79,8 @@ class Kernel:
         kernel = self.compiled(args, constexprs, options, device_index)
         grid = grid(kernel) if callable(grid) else grid
         stream = torch._C._cuda_getCurrentRawStream(device_index)
+        if recording is not None and recording[0] == get_ident():
+            recording[1].append((kernel, self.jit_fn, grid, args, constexprs, options))
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None,

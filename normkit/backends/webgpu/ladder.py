@@ -150,7 +150,7 @@ def run(args) -> int:
         for dtype in dtypes:
             nbytes = m * n * np.dtype(NP_DTYPES[dtype]).itemsize
             ceiling_s = statistics.median(r.time_copy(nbytes, **timing))
-            for op in shaders.OPS:
+            for op in shaders.ROW_OPS:
                 for row in _rows_for(r, op, dtype, m, n, timing, rng, ceiling_s):
                     rows.append(row)
                     print(_markdown([row])[-1], flush=True)

@@ -2,7 +2,8 @@
 
 runner() returns the process-wide Runner, creating the device on first use; every failure to get
 one (wgpu missing, no adapter) is a WebGPUUnavailable with one sentence saying why, remembered so
-later calls answer at once. Runner.run() normalizes the rows of a 2-D numpy array; Runner.time()
+later calls answer at once. Runner.run() normalizes the rows of a 2-D numpy array, Runner.group_norm()
+the groups of a [B, C, S] (or channels_last [B, S, C]) one; Runner.time()
 times a variant for the ladder.
 """
 from __future__ import annotations
@@ -54,6 +55,19 @@ def _as_bytes(a: np.ndarray) -> bytes:
 
 
 @dataclass
+class _Job:
+    """One kernel call's data: x in memory order and how its values split into workgroup rows."""
+    op: str                     # layer_norm | rms_norm | group_norm
+    x: np.ndarray               # contiguous; y comes back in the same shape
+    rows: int                   # rows, or batch x groups: one workgroup each
+    n: int                      # values per row
+    param_len: int              # values in weight/bias: n, or the channel count for GroupNorm
+    groups: int = 0             # GroupNorm only
+    spatial: int = 1            # GroupNorm only
+    channels_last: bool = False  # GroupNorm only: x is [B, S, C] memory
+
+
+@dataclass
 class _Launch:
     """Everything one dispatch of a kernel needs, kept for repeated dispatches (timing)."""
     pipeline: object
@@ -61,8 +75,7 @@ class _Launch:
     grid: tuple[int, int]
     y: object
     stats: object
-    shape: tuple[int, int]
-    np_dtype: np.dtype
+    job: _Job
 
 
 class Runner:
@@ -158,20 +171,23 @@ class Runner:
                                  f"{self.summary} does not have; use float32")
         return name
 
-    def check_variant(self, variant: Variant, n: int) -> None:
+    def check_variant(self, variant: Variant, n: int, op: str = "layer_norm", spatial: int = 1,
+                      channels_last: bool = False) -> None:
         if variant.subgroup and not self.has_subgroups:
             raise FeatureMissing(f"variant {variant.name!r} needs subgroups, but {self.subgroups_off}")
-        if n % variant.width:
-            raise ValueError(f"x: variant {variant.name!r} loads vec4s and needs a row length divisible by 4, got N={n}")
+        why = shaders.vec4_blocker(variant, op, n, spatial, channels_last)
+        if why is not None:
+            raise ValueError(why)
 
-    def best_variant(self, n: int) -> Variant:
-        return shaders.best_variant(n, self.has_subgroups)
+    def best_variant(self, n: int, op: str = "layer_norm", spatial: int = 1, channels_last: bool = False) -> Variant:
+        return shaders.best_variant(n, self.has_subgroups, op, spatial, channels_last)
 
-    def pipeline(self, variant: Variant, op: str, dtype: str):
-        key = (variant.name, op, dtype)
+    def pipeline(self, variant: Variant, op: str, dtype: str, activation=None):
+        key = (variant.name, op, dtype, activation)
         p = self._pipelines.get(key)
         if p is None:
-            p = self.compile(f"{op}_{variant.name}_{dtype}", shaders.source(variant, op, dtype))
+            name = f"{op}_{variant.name}_{dtype}" + (f"_{activation}" if activation else "")
+            p = self.compile(name, shaders.source(variant, op, dtype, activation))
             self._pipelines[key] = p
         return p
 
@@ -180,37 +196,38 @@ class Runner:
     def _buffer(self, data: np.ndarray):
         return self.device.create_buffer_with_data(data=_as_bytes(data), usage=self._storage)
 
-    def _prepare(self, x, weight, bias, eps, rms, variant) -> _Launch:
-        m, n = _rows(x)
+    def _prepare(self, job: _Job, weight, bias, eps, variant, activation=None) -> _Launch:
+        x = job.x
         dtype = self.dtype_name(x.dtype)
-        variant = self.best_variant(n) if variant is None else _variant(variant)
-        self.check_variant(variant, n)
+        kw = dict(op=job.op, spatial=job.spatial, channels_last=job.channels_last)
+        variant = self.best_variant(job.n, **kw) if variant is None else _variant(variant)
+        self.check_variant(variant, job.n, **kw)
         if x.nbytes > self.max_binding:
             raise ValueError(f"x: {x.nbytes} bytes is more than this adapter binds at once "
                              f"(max-storage-buffer-binding-size {self.max_binding}); split the rows")
-        op = "rms_norm" if rms else "layer_norm"
-        flags = 0
+        flags = shaders.FLAGS["channels_last"] if job.channels_last else 0
         buffers = []
-        for bit, (arg, p) in ((1, ("weight", weight)), (2, ("bias", bias))):
+        for arg, p in (("weight", weight), ("bias", bias)):
             if p is None:
                 buffers.append(self._absent)
                 continue
             p = np.asarray(p, dtype=np.float32).reshape(-1)
-            if p.shape != (n,):
-                raise ValueError(f"{arg}: expected {n} values (x's row length), got shape {p.shape}")
+            if p.shape != (job.param_len,):
+                what = "x's row length" if job.op != "group_norm" else "x's channel count"
+                raise ValueError(f"{arg}: expected {job.param_len} values ({what}), got shape {p.shape}")
             buffers.append(self._buffer(p))
-            flags |= bit
-        params = np.zeros(4, dtype=np.uint32)
-        params[0], params[1], params[3] = m, n, flags
+            flags |= shaders.FLAGS[arg]
+        params = np.zeros(shaders.PARAMS_BYTES // 4, dtype=np.uint32)
+        params[[0, 1, 3, 4, 5]] = job.rows, job.n, flags, job.groups, job.spatial
         params[2:3].view(np.float32)[0] = eps
         uniform = self.device.create_buffer_with_data(data=params.tobytes(), usage=self._uniform)
         xb = self._buffer(x)
-        y, stats = self._output(x.nbytes), self._output(m * 8)
+        y, stats = self._output(x.nbytes), self._output(job.rows * 8)
         resources = [uniform, xb, y, buffers[0], buffers[1], stats]
         group = self.device.create_bind_group(
             layout=self._layout,
             entries=[{"binding": i, "resource": {"buffer": b}} for i, b in enumerate(resources)])
-        return _Launch(self.pipeline(variant, op, dtype), group, shaders.grid(m), y, stats, (m, n), x.dtype)
+        return _Launch(self.pipeline(variant, job.op, dtype, activation), group, shaders.grid(job.rows), y, stats, job)
 
     def _output(self, nbytes: int):
         """A buffer the kernel must fully write (tests replace this to fill it with NaN first)."""
@@ -227,37 +244,63 @@ class Runner:
         self.device.queue.submit([encoder.finish()])
 
     def _results(self, launch: _Launch, stats: bool):
-        m, n = launch.shape
+        x, rows = launch.job.x, launch.job.rows
         read = self.device.queue.read_buffer
-        y = np.frombuffer(read(launch.y), dtype=launch.np_dtype)[: m * n].reshape(m, n).copy()
+        y = np.frombuffer(read(launch.y), dtype=x.dtype)[: x.size].reshape(x.shape).copy()
         if not stats:
             return y, None, None
-        s = np.frombuffer(read(launch.stats), dtype=np.float32)[: 2 * m].reshape(m, 2)
+        s = np.frombuffer(read(launch.stats), dtype=np.float32)[: 2 * rows].reshape(rows, 2)
         return y, s[:, 0].copy(), s[:, 1].copy()
 
+    def _execute(self, job: _Job, weight, bias, eps, variant, activation, stats: bool):
+        if job.x.size == 0:  # nothing to dispatch; the statistics of empty rows are undefined
+            self.dtype_name(job.x.dtype)
+            nan = np.full(job.rows, np.nan, np.float32)
+            return np.empty(job.x.shape, job.x.dtype), nan, nan.copy()
+        with self._lock:
+            launch = self._prepare(job, weight, bias, eps, variant, activation)
+            self._submit(launch.pipeline, launch.bind_group, launch.grid, 1)
+            return self._results(launch, stats)
+
     def run(self, x: np.ndarray, weight=None, bias=None, eps: float = 1e-5, rms: bool = False, variant=None,
-            *, stats: bool = True):
+            *, stats: bool = True, activation=None):
         """Normalizes each row of x [M, N] (float32, or float16 with shader-f16).
 
         weight/bias: [N] or None (any float type; used as float32). variant: a name from
-        shaders.VARIANTS, or None for the best one here. Returns (y like x, mean [M], rstd [M]) with
-        mean/rstd float32 (mean is 0 for RMSNorm), or None for both with stats=False.
+        shaders.VARIANTS, or None for the best one here. activation: None or a name in
+        shaders.activation_codes(). Returns (y like x, mean [M], rstd [M]) with mean/rstd float32
+        (mean is 0 for RMSNorm), or None for both with stats=False.
         """
         m, n = _rows(x)
-        if m == 0 or n == 0:  # nothing to dispatch; the statistics of empty rows are undefined
-            self.dtype_name(x.dtype)
-            return np.empty((m, n), x.dtype), np.full(m, np.nan, np.float32), np.full(m, np.nan, np.float32)
-        with self._lock:
-            launch = self._prepare(x, weight, bias, eps, rms, variant)
-            self._submit(launch.pipeline, launch.bind_group, launch.grid, 1)
-            return self._results(launch, stats)
+        job = _Job("rms_norm" if rms else "layer_norm", x, m, n, n)
+        return self._execute(job, weight, bias, eps, variant, activation, stats)
+
+    def group_norm(self, x: np.ndarray, groups: int, weight=None, bias=None, eps: float = 1e-5, variant=None,
+                   *, channels_last: bool = False, stats: bool = True, activation=None):
+        """GroupNorm of x, a 3-D array in memory order: [B, C, S], or [B, S, C] with channels_last.
+
+        weight/bias: [C] or None. Returns (y like x, mean [B, groups], rstd [B, groups]) with
+        mean/rstd float32, or None for both with stats=False.
+        """
+        if not isinstance(x, np.ndarray) or x.ndim != 3:
+            raise ValueError(f"x: expected a 3-D numpy array [B, C, S] (or [B, S, C] with channels_last), "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+        b, c, s = (x.shape[0], x.shape[2], x.shape[1]) if channels_last else x.shape
+        if not isinstance(groups, int) or groups <= 0 or c % groups:
+            raise ValueError(f"groups: expected a positive divisor of the channel count C={c}, got {groups!r}")
+        job = _Job("group_norm", x, b * groups, c // groups * s, c, groups, s, channels_last)
+        y, mean, rstd = self._execute(job, weight, bias, eps, variant, activation, stats)
+        if mean is not None:
+            mean, rstd = mean.reshape(b, groups), rstd.reshape(b, groups)
+        return y, mean, rstd
 
     def time(self, x: np.ndarray, weight=None, bias=None, eps: float = 1e-5, rms: bool = False, variant=None,
              *, repeats: int = 5, budget_s: float = 0.05):
         """Seconds per kernel, one sample per repeat: wall time of R back-to-back dispatches in one
         submission, divided by R, with R chosen so a sample takes about budget_s."""
+        m, n = _rows(x)
         with self._lock:
-            launch = self._prepare(x, weight, bias, eps, rms, variant)
+            launch = self._prepare(_Job("rms_norm" if rms else "layer_norm", x, m, n, n), weight, bias, eps, variant)
             return self._samples(
                 lambda r: self._submit(launch.pipeline, launch.bind_group, launch.grid, r), repeats, budget_s)
 

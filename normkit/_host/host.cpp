@@ -1,0 +1,945 @@
+// normkit's C++ host path: LayerNorm / RMSNorm / GroupNorm calls as cheap as torch's own norms.
+//
+// A call is: recognise the case (plain CUDA tensors, no mode or transform active, arguments this
+// path knows), look its launch plan up by everything the Triton backend's host function reads
+// (shapes, strides, dtypes, flags, eps, pointer alignment, device), allocate the outputs from
+// torch's caching allocator, and cuLaunchKernel the recorded kernels on the current stream. When
+// gradients are needed the output gets a C++ autograd node (no Python on the way), whose backward
+// replays the backward's plan the same way. Plans are recorded from one run of the Python host
+// functions (plans.py); a case the C++ side does not know returns None, and normkit.functional
+// runs its Python path (which also raises the errors for bad arguments).
+//
+// Built by torch.utils.cpp_extension as a plain C++ extension: no CUDA headers. The few CUDA
+// driver API entry points it needs are declared here and taken from libcuda.so.1 at run time; the
+// current device and stream come from c10's device-guard interface, and the caching allocator
+// from a tensor torch allocated, so the same source builds against CPU-only torch (CI).
+#include <Python.h>
+#include <dlfcn.h>
+
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+using at::Tensor;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+namespace {
+
+// ----------------------------------------------------------------------------- CUDA driver API
+
+namespace cu {
+using Result = int;
+using Function = struct CUfunc_st*;
+using Stream = struct CUstream_st*;
+using Context = struct CUctx_st*;
+using Device = int;
+Result (*launch_kernel)(Function, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, Stream,
+                        void**, void**) = nullptr;
+Result (*ctx_get_current)(Context*) = nullptr;
+Result (*ctx_set_current)(Context) = nullptr;
+Result (*primary_ctx_retain)(Context*, Device) = nullptr;
+Result (*device_get)(Device*, int) = nullptr;
+Result (*get_error_string)(Result, const char**) = nullptr;
+
+std::string load() {  // "" on success, else why not
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!h) h = dlopen("libcuda.so.1", RTLD_NOW);
+  if (!h) return "libcuda.so.1 could not be opened (no NVIDIA driver)";
+  auto sym = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
+    return fn != nullptr;
+  };
+  if (!sym(launch_kernel, "cuLaunchKernel") || !sym(ctx_get_current, "cuCtxGetCurrent") ||
+      !sym(ctx_set_current, "cuCtxSetCurrent") || !sym(primary_ctx_retain, "cuDevicePrimaryCtxRetain") ||
+      !sym(device_get, "cuDeviceGet") || !sym(get_error_string, "cuGetErrorString"))
+    return "libcuda.so.1 lacks a driver API entry point";
+  return "";
+}
+
+void check(Result r, const char* what) {
+  if (r == 0) return;
+  const char* msg = nullptr;
+  if (get_error_string) get_error_string(r, &msg);
+  TORCH_CHECK(false, "normkit host path: ", what, " failed: CUDA error ", r, " (", msg ? msg : "?", ")");
+}
+
+Context primary_context(int index) {  // retained once per device, never released
+  static std::mutex mu;
+  static std::array<Context, 64> ctxs{};
+  TORCH_CHECK(index >= 0 && index < 64, "normkit host path: device index ", index);
+  std::lock_guard<std::mutex> g(mu);
+  if (!ctxs[index]) {
+    Device dev = 0;
+    check(device_get(&dev, index), "cuDeviceGet");
+    check(primary_ctx_retain(&ctxs[index], dev), "cuDevicePrimaryCtxRetain");
+  }
+  return ctxs[index];
+}
+}  // namespace cu
+
+// ----------------------------------------------------------------------------- torch plumbing
+
+// torch < 2.13 holds autograd nodes in std::shared_ptr (deleted through deleteNode), later ones in
+// c10::intrusive_ptr: make ours with whichever this torch's Edge holds.
+using NodePtr = decltype(torch::autograd::Edge::function);
+template <class P> struct IsSharedPtr : std::false_type {};
+template <class T> struct IsSharedPtr<std::shared_ptr<T>> : std::true_type {};
+
+template <class N> NodePtr make_node() {
+  if constexpr (IsSharedPtr<NodePtr>::value) {
+    return NodePtr(new N(), [](N* n) { deleteNode(n); });  // found by ADL in torch::autograd
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+PyTypeObject* tensor_type = nullptr;
+PyTypeObject* parameter_type = nullptr;
+c10::DispatchKeySet bad_tensor_keys;  // wrappers, lazy conjugates, functorch/Python tensors
+c10::DispatchKeySet bad_tls_keys;     // a functorch transform or Python dispatcher is active
+c10::Allocator* cuda_allocator = nullptr;
+const c10::DispatchKeySet cuda_keys(c10::DispatchKey::CUDA);
+
+bool plain_tensor(PyObject* o) { return Py_TYPE(o) == tensor_type || Py_TYPE(o) == parameter_type; }
+
+bool dtype_ok(at::ScalarType s) {
+  return s == at::kHalf || s == at::kBFloat16 || s == at::kFloat;
+}
+
+bool tensor_ok(const Tensor& t, c10::Device dev) {
+  if (t.device() != dev || t.layout() != c10::kStrided || !dtype_ok(t.scalar_type())) return false;
+  if (t.key_set().has_any(bad_tensor_keys)) return false;
+  return !(t.unsafeGetTensorImpl()->autograd_meta() && t._fw_grad(0).defined());  // forward-AD dual
+}
+
+bool modes_ok() {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return false;
+  if (at::impl::PythonTorchFunctionTLS::stack_len() > 0) return false;
+  return !c10::impl::tls_local_dispatch_key_set().included_.has_any(bad_tls_keys);
+}
+
+// Under CUDA autocast torch runs the norms in float32: with every tensor already float32 there is
+// nothing to cast and the kernels give what torch's contract asks; otherwise Python casts first.
+bool autocast_ok(const Tensor& x, const Tensor& w, const Tensor& b) {
+  if (!at::autocast::is_autocast_enabled(at::kCUDA)) return true;
+  for (const Tensor* t : {&x, &w, &b})
+    if (t->defined() && t->scalar_type() != at::kFloat) return false;
+  return true;
+}
+
+bool functorch_active() {
+  return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+}
+
+bool aligned(const Tensor& t) {
+  return !t.defined() || (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0;
+}
+
+Tensor alloc(c10::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::detail::empty_generic(sizes, cuda_allocator, cuda_keys, dtype, std::nullopt);
+}
+
+Tensor alloc_strided(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::ScalarType dtype) {
+  return at::detail::empty_strided_generic(sizes, strides, cuda_allocator, cuda_keys, dtype);
+}
+
+// The current device switched to `dev` for the scope (only if it differs).
+struct DeviceScope {
+  const c10::impl::DeviceGuardImplInterface* impl;
+  c10::Device prev;
+  bool switched;
+  explicit DeviceScope(c10::Device dev)
+      : impl(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)), prev(impl->getDevice()), switched(prev != dev) {
+    if (switched) impl->setDevice(dev);
+  }
+  ~DeviceScope() {
+    if (switched) impl->uncheckedSetDevice(prev);
+  }
+  cu::Stream stream(c10::Device dev) const {
+    return static_cast<cu::Stream>(impl->getStream(dev).native_handle());
+  }
+};
+
+// ----------------------------------------------------------------------------- plans
+
+constexpr int kMaxSlots = 64;
+constexpr int kMaxParams = 64;
+constexpr size_t kMaxParamBytes = 1024;
+constexpr size_t kMaxPlans = 4096;  // then the cache starts over
+constexpr int kMaxRecordFailures = 3;
+
+struct Patch {
+  uint32_t offset, slot;
+  int64_t byte_offset;
+  bool aligned16;  // the kernel was specialized on this pointer being 16-byte aligned
+};
+struct LaunchSpec {
+  cu::Function fn;
+  unsigned grid[3], block, shared;
+  std::vector<uint8_t> params;
+  std::vector<uint32_t> offsets;
+  std::vector<Patch> patches;
+};
+struct AllocSpec {
+  int role;  // 0: temporary in the recorded layout; 1-3: the op's outputs, allocated by the op
+  at::ScalarType dtype;
+  std::vector<int64_t> sizes, strides;
+};
+struct Plan {
+  int n_inputs = 0;
+  cu::Context ctx = nullptr;
+  std::vector<AllocSpec> allocs;
+  std::vector<Tensor> persistent;  // backend state the kernels use across calls (kept alive here)
+  std::vector<LaunchSpec> launches;
+};
+using PlanPtr = std::shared_ptr<const Plan>;
+
+struct Key {
+  std::array<int64_t, 32> v{};
+  int n = 0;
+  void add(int64_t a) {
+    TORCH_INTERNAL_ASSERT(n < 32);
+    v[n++] = a;
+  }
+  void add_double(double d) {
+    int64_t bits;
+    std::memcpy(&bits, &d, 8);
+    add(bits);
+  }
+  bool operator==(const Key& o) const { return n == o.n && std::memcmp(v.data(), o.v.data(), 8 * n) == 0; }
+  std::vector<int64_t> list() const { return std::vector<int64_t>(v.begin(), v.begin() + n); }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < k.n; i++) h = (h ^ static_cast<uint64_t>(k.v[i])) * 1099511628211ull;
+    return h ^ (h >> 31);
+  }
+};
+
+// A key's first call runs the Python host function as it is (compiling kernels, creating backend
+// state); its second records that function's run as the plan; later calls replay. A run that
+// cannot be replayed is recorded again at most kMaxRecordFailures times, then the key stays Python.
+struct Entry {
+  PlanPtr plan;
+  int failures = 0;
+};
+enum class Action { kReplay, kPython, kRecord };
+
+std::mutex cache_mu;
+std::unordered_map<Key, Entry, KeyHash> cache;
+std::string last_failure;
+std::atomic<uint64_t> n_replays{0}, n_python{0}, n_records{0}, n_failures{0}, n_vjp{0}, n_misaligned{0};
+
+Action lookup(const Key& key, PlanPtr& plan) {
+  std::lock_guard<std::mutex> g(cache_mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (cache.size() >= kMaxPlans) cache.clear();
+    cache.emplace(key, Entry{});
+    return Action::kPython;
+  }
+  if (it->second.plan) {
+    plan = it->second.plan;
+    return Action::kReplay;
+  }
+  return it->second.failures >= kMaxRecordFailures ? Action::kPython : Action::kRecord;
+}
+
+template <class T> T item(py::handle seq, size_t i) { return py::cast<T>(seq[py::int_(i)]); }
+
+// Plan data from plans.build_plan -> Plan (GIL held).
+PlanPtr to_plan(py::handle data, int n_inputs, int device) {
+  auto plan = std::make_shared<Plan>();
+  plan->n_inputs = n_inputs;
+  plan->ctx = cu::primary_context(device);
+  py::tuple allocs = data[py::int_(0)], persistent = data[py::int_(1)], launches = data[py::int_(2)];
+  for (auto a : allocs) {
+    AllocSpec s;
+    s.role = item<int>(a, 0);
+    s.dtype = reinterpret_cast<THPDtype*>(a[py::int_(1)].ptr())->scalar_type;
+    s.sizes = item<std::vector<int64_t>>(a, 2);
+    s.strides = item<std::vector<int64_t>>(a, 3);
+    plan->allocs.push_back(std::move(s));
+  }
+  for (auto t : persistent) plan->persistent.push_back(THPVariable_Unpack(t.ptr()));
+  const size_t slots = n_inputs + plan->allocs.size() + plan->persistent.size();
+  TORCH_CHECK(slots <= kMaxSlots, "normkit host path: plan with ", slots, " buffers");
+  for (auto l : launches) {
+    LaunchSpec s;
+    s.fn = reinterpret_cast<cu::Function>(static_cast<uintptr_t>(item<uint64_t>(l, 0)));
+    for (int i = 0; i < 3; i++) s.grid[i] = item<unsigned>(l, 1 + i);
+    s.block = item<unsigned>(l, 4);
+    s.shared = item<unsigned>(l, 5);
+    std::string bytes = item<py::bytes>(l, 6);
+    s.params.assign(bytes.begin(), bytes.end());
+    for (auto o : py::tuple(l[py::int_(7)])) s.offsets.push_back(py::cast<uint32_t>(o));
+    for (auto p : py::tuple(l[py::int_(8)])) {
+      Patch q{item<uint32_t>(p, 0), item<uint32_t>(p, 1), item<int64_t>(p, 2), item<bool>(p, 3)};
+      TORCH_CHECK(q.slot < slots && q.offset + 8 <= s.params.size(), "normkit host path: bad plan patch");
+      s.patches.push_back(q);
+    }
+    TORCH_CHECK(s.params.size() <= kMaxParamBytes && s.offsets.size() <= kMaxParams,
+                "normkit host path: plan with too many kernel parameters");
+    for (auto o : s.offsets) TORCH_CHECK(o < s.params.size(), "normkit host path: bad plan offset");
+    plan->launches.push_back(std::move(s));
+  }
+  return plan;
+}
+
+void store(const Key& key, py::handle plan_data, py::handle why, int n_inputs, int device) {
+  PlanPtr plan;
+  if (!plan_data.is_none()) plan = to_plan(plan_data, n_inputs, device);
+  std::lock_guard<std::mutex> g(cache_mu);
+  Entry& e = cache[key];
+  if (plan) {
+    e.plan = std::move(plan);
+    n_records++;
+  } else if (!why.is_none()) {  // None and None: the recorder was busy in another thread; try later
+    e.failures++;
+    n_failures++;
+    last_failure = py::cast<std::string>(why);
+  }
+}
+
+// Replays `plan` with the call's input pointers; `make(role, spec)` allocates the op's outputs.
+// Returns false, launching nothing, if a buffer's alignment is not what the kernels assume.
+template <class Make>
+bool replay(const Plan& plan, const Tensor* inputs, c10::Device dev, Make&& make, Tensor (&outs)[4]) {
+  DeviceScope scope(dev);
+  cu::Context cur = nullptr;
+  cu::check(cu::ctx_get_current(&cur), "cuCtxGetCurrent");
+  if (cur != plan.ctx) cu::check(cu::ctx_set_current(plan.ctx), "cuCtxSetCurrent");  // e.g. a fresh thread
+  uint64_t ptrs[kMaxSlots];
+  int s = 0;
+  for (; s < plan.n_inputs; s++) ptrs[s] = inputs[s].defined() ? reinterpret_cast<uint64_t>(inputs[s].data_ptr()) : 0;
+  c10::SmallVector<Tensor, 8> temps;
+  for (const auto& a : plan.allocs) {
+    Tensor t = a.role ? make(a.role, a) : alloc_strided(a.sizes, a.strides, a.dtype);
+    ptrs[s++] = reinterpret_cast<uint64_t>(t.data_ptr());
+    if (a.role) {
+      outs[a.role] = std::move(t);
+    } else {
+      temps.push_back(std::move(t));
+    }
+  }
+  for (const auto& t : plan.persistent) ptrs[s++] = reinterpret_cast<uint64_t>(t.data_ptr());
+  for (const auto& l : plan.launches)
+    for (const auto& p : l.patches)
+      if (p.aligned16 && ((ptrs[p.slot] + p.byte_offset) & 15)) {
+        n_misaligned++;
+        return false;
+      }
+  cu::Stream stream = scope.stream(dev);
+  for (const auto& l : plan.launches) {
+    alignas(16) uint8_t buf[kMaxParamBytes];
+    std::memcpy(buf, l.params.data(), l.params.size());
+    for (const auto& p : l.patches) {
+      uint64_t v = ptrs[p.slot] + p.byte_offset;
+      std::memcpy(buf + p.offset, &v, 8);
+    }
+    void* params[kMaxParams];
+    for (size_t i = 0; i < l.offsets.size(); i++) params[i] = buf + l.offsets[i];
+    cu::check(cu::launch_kernel(l.fn, l.grid[0], l.grid[1], l.grid[2], l.block, 1, 1, l.shared, stream, params,
+                                nullptr),
+              "cuLaunchKernel");
+  }
+  n_replays++;
+  return true;
+}
+
+// ----------------------------------------------------------------------------- Python callbacks
+
+struct Callbacks {
+  py::object row_fwd, row_bwd, gn_fwd, gn_bwd, row_vjp, gn_vjp;
+};
+Callbacks* callbacks = nullptr;   // set by _init, never freed (lives as long as the process)
+PyObject* act_names[8] = {};      // activation code -> name (code 0: None)
+int n_acts = 0;
+PyObject* triton_name = nullptr;
+
+py::object wrap(const Tensor& t) {
+  if (!t.defined()) return py::none();
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+}
+
+Tensor unwrap(py::handle o) { return o.is_none() ? Tensor() : THPVariable_Unpack(o.ptr()); }
+
+py::handle act_name(int act) { return act ? py::handle(act_names[act]) : py::handle(Py_None); }
+
+int activation_code(PyObject* a) {
+  if (a == Py_None) return 0;
+  if (!PyUnicode_CheckExact(a)) return -1;
+  for (int i = 1; i <= n_acts; i++)
+    if (a == act_names[i] || PyUnicode_Compare(a, act_names[i]) == 0) return i;
+  if (PyErr_Occurred()) PyErr_Clear();
+  return -1;
+}
+
+// ----------------------------------------------------------------------------- layouts
+
+// An [M, N] view of t's last k dims with unit column stride (what the kernels read), or false when
+// none exists: the Python path then copies. row_stride is the stride between rows (N if M <= 1).
+bool rows_view(const Tensor& t, int64_t k, int64_t& M, int64_t& N, int64_t& row_stride) {
+  const auto sz = t.sizes();
+  const auto st = t.strides();
+  const int64_t d = static_cast<int64_t>(sz.size());
+  M = 1;
+  N = 1;
+  for (int64_t i = 0; i < d - k; i++) M *= sz[i];
+  for (int64_t i = d - k; i < d; i++) N *= sz[i];
+  if (N > 1) {
+    int64_t expect = 1;
+    for (int64_t i = d - 1; i >= d - k; i--) {
+      if (sz[i] == 1) continue;
+      if (st[i] != expect) return false;
+      expect *= sz[i];
+    }
+  }
+  row_stride = N;
+  if (M > 1) {
+    bool first = true;
+    int64_t expect = 0;
+    for (int64_t i = d - k - 1; i >= 0; i--) {
+      if (sz[i] == 1) continue;
+      if (first) {
+        row_stride = st[i];
+        first = false;
+      } else if (st[i] != expect) {
+        return false;
+      }
+      expect = st[i] * sz[i];
+    }
+  }
+  return true;
+}
+
+// GroupNorm layouts: 0 NCHW (contiguous), 1 channels_last (channels innermost, dense), -1 neither.
+int gn_layout(const Tensor& x) {
+  if (x.is_contiguous()) return 0;
+  const int64_t d = x.dim();
+  if (d < 3 || x.size(1) == 1) return -1;
+  int64_t expect = 1;
+  auto dense = [&](int64_t i) {
+    if (x.size(i) == 1) return true;
+    if (x.stride(i) != expect) return false;
+    expect *= x.size(i);
+    return true;
+  };
+  if (!dense(1)) return -1;
+  for (int64_t i = d - 1; i >= 2; i--)
+    if (!dense(i)) return -1;
+  return dense(0) ? 1 : -1;
+}
+
+// A fresh tensor of x's sizes in GroupNorm layout `layout`, strides as the Python path makes them.
+Tensor alloc_like(const Tensor& x, int layout, at::ScalarType dtype) {
+  if (layout == 0) return alloc(x.sizes(), dtype);
+  const int64_t d = x.dim();
+  std::vector<int64_t> strides(d);
+  int64_t expect = x.size(1);
+  strides[1] = 1;
+  for (int64_t i = d - 1; i >= 2; i--) {
+    strides[i] = expect;
+    expect *= x.size(i);
+  }
+  strides[0] = expect;
+  return alloc_strided(x.sizes(), strides, dtype);
+}
+
+bool read_eps(PyObject* o, double& eps) {
+  if (PyFloat_CheckExact(o)) {
+    eps = PyFloat_AS_DOUBLE(o);
+  } else if (PyLong_CheckExact(o)) {
+    eps = PyLong_AsDouble(o);
+    if (eps == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  } else {
+    return false;
+  }
+  return std::isfinite(eps) && eps >= 0.0;
+}
+
+// normalized_shape as the user passed it: an int or a tuple/list of ints; false otherwise.
+bool read_shape(PyObject* o, int64_t* dims, int64_t& k) {
+  if (PyLong_CheckExact(o)) {
+    k = 1;
+    dims[0] = PyLong_AsLongLong(o);
+  } else if (PyTuple_Check(o) || PyList_Check(o)) {
+    k = PySequence_Fast_GET_SIZE(o);
+    if (k < 1 || k > 16) return false;
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    for (int64_t i = 0; i < k; i++) {
+      if (!PyLong_CheckExact(items[i])) return false;
+      dims[i] = PyLong_AsLongLong(items[i]);
+    }
+  } else {
+    return false;
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+bool needs_grad(const Tensor& x, const Tensor& w, const Tensor& b) {
+  return c10::GradMode::is_enabled() &&
+         (x.requires_grad() || (w.defined() && w.requires_grad()) || (b.defined() && b.requires_grad()));
+}
+
+int64_t dtype_code(const Tensor& t) { return t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1; }
+
+// ----------------------------------------------------------------------------- ops, shared
+
+bool backend_ok(PyObject* o) {
+  if (o == Py_None) return true;
+  if (!PyUnicode_CheckExact(o)) return false;
+  if (o == triton_name) return true;
+  const int cmp = PyUnicode_Compare(o, triton_name);
+  if (PyErr_Occurred()) PyErr_Clear();
+  return cmp == 0;
+}
+
+bool distinct(const Tensor& x, const Tensor& w, const Tensor& b) {  // else the plan's slots are ambiguous
+  const void* px = x.data_ptr();
+  const void* pw = w.defined() ? w.data_ptr() : nullptr;
+  const void* pb = b.defined() ? b.data_ptr() : nullptr;
+  return !((px && (px == pw || px == pb)) || (pw && pw == pb));
+}
+
+bool plain_args(PyObject* x, PyObject* w, PyObject* b) {
+  return plain_tensor(x) && (w == Py_None || plain_tensor(w)) && (b == Py_None || plain_tensor(b));
+}
+
+bool param_ok(const Tensor& p, c10::Device dev, c10::IntArrayRef shape) {
+  return !p.defined() || (tensor_ok(p, dev) && p.sizes() == shape && p.is_contiguous());
+}
+
+// One call of an op through its plan: replay it, or run the Python host function (`python(record)`
+// -> (out1, out2, out3, plan, why)), recording it when the key is due. outs[1..3]: the op's outputs.
+template <class Make, class Python>
+void run(const Key& key, const Tensor* inputs, int n_inputs, c10::Device dev, Make&& make, Python&& python,
+         Tensor (&outs)[4]) {
+  PlanPtr plan;
+  Action action = lookup(key, plan);
+  if (action == Action::kReplay && replay(*plan, inputs, dev, make, outs)) return;
+  const bool record = action == Action::kRecord;
+  n_python++;
+  py::gil_scoped_acquire gil;  // held already in a forward; the backward runs on autograd's thread
+  py::tuple r = python(record);
+  for (int i = 0; i < 3; i++) outs[i + 1] = unwrap(r[i]);
+  if (record) store(key, r[3], r[4], n_inputs, dev.index());
+}
+
+// The backward node of either op: its saved tensors and the differentiable fallback.
+struct NormBackward : public Node {
+  SavedVariable x_, w_, b_, mean_, rstd_;
+  double eps_ = 0;
+  int act_ = 0;
+
+  void release_variables() override {
+    x_.reset_data();
+    w_.reset_data();
+    b_.reset_data();
+    mean_.reset_data();
+    rstd_.reset_data();
+  }
+  // A backward that is itself differentiated (create_graph) or transformed: torch ops, in Python.
+  bool differentiable(const Tensor& dy) const {
+    return c10::GradMode::is_enabled() || functorch_active() || !tensor_ok(dy, dy.device());
+  }
+  template <class Python> variable_list differentiable_grads(const bool (&need)[3], Python&& python) {
+    n_vjp++;
+    variable_list out(3);
+    py::gil_scoped_acquire gil;
+    py::tuple r = python(py::make_tuple(need[0], need[1], need[2]));
+    for (int i = 0; i < 3; i++) out[i] = need[i] ? unwrap(r[i]) : Tensor();
+    return out;
+  }
+};
+
+// The output y gets a node of type N saving what its backward needs.
+template <class N>
+N* attach(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& mean, const Tensor& rstd,
+          double eps, int act) {
+  auto node = make_node<N>();
+  auto* n = static_cast<N*>(node.get());
+  n->set_next_edges(torch::autograd::collect_next_edges(x, w, b));
+  n->x_ = SavedVariable(x, false);
+  n->w_ = SavedVariable(w, false);
+  n->b_ = SavedVariable(b, false);
+  n->mean_ = SavedVariable(mean, false);
+  n->rstd_ = SavedVariable(rstd, false);
+  n->eps_ = eps;
+  n->act_ = act;
+  torch::autograd::set_history(y, node);
+  return n;
+}
+
+int64_t bwd_align(const Tensor* t) {  // dy, x, w, b (with an activation), mean, rstd
+  return aligned(t[0]) | aligned(t[1]) << 1 | aligned(t[2]) << 2 | aligned(t[3]) << 3 | aligned(t[4]) << 4 |
+         aligned(t[5]) << 5;
+}
+
+// ----------------------------------------------------------------------------- LayerNorm / RMSNorm
+
+struct RowNormBackward : public NormBackward {
+  int64_t ndim_ = 1;
+  bool rms_ = false;
+  std::string name() const override { return "NormkitRowNormBackward"; }
+  variable_list apply(variable_list&& grads) override;
+};
+
+struct RowCall {
+  Tensor x, w, b;
+  int64_t ndim, M, N, row_stride;
+  double eps;
+  bool rms;
+  int act;
+};
+
+// Recognises a call this path serves: (x, normalized_shape, weight, bias, eps, rms, activation,
+// backend) as normkit.functional passes them; false for anything else (the Python path runs).
+bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCall& c) {
+  if (nargs != 8 || (kwnames && PyTuple_GET_SIZE(kwnames))) return false;
+  PyObject *pw = args[2], *pb = args[3], *prms = args[5];
+  if (!plain_args(args[0], pw, pb) || !backend_ok(args[7]) || (prms != Py_True && prms != Py_False)) return false;
+  c.rms = prms == Py_True;
+  c.act = activation_code(args[6]);
+  if (c.act < 0 || (c.rms && pb != Py_None)) return false;
+  if (c.rms && args[4] == Py_None) {
+    c.eps = 1.1920928955078125e-07;  // torch.finfo(float32).eps, F.rms_norm's default for these dtypes
+  } else if (!read_eps(args[4], c.eps)) {
+    return false;
+  }
+  int64_t dims[16];
+  if (!read_shape(args[1], dims, c.ndim) || !modes_ok() || functorch_active()) return false;
+  c.x = THPVariable_Unpack(args[0]);
+  const c10::Device dev = c.x.device();
+  const int64_t d = c.x.dim();
+  if (c.ndim > d || !tensor_ok(c.x, dev)) return false;
+  const c10::IntArrayRef shape(dims, c.ndim);
+  if (c.x.sizes().slice(d - c.ndim) != shape) return false;
+  if (pw != Py_None) c.w = THPVariable_Unpack(pw);
+  if (pb != Py_None) c.b = THPVariable_Unpack(pb);
+  return param_ok(c.w, dev, shape) && param_ok(c.b, dev, shape) && rows_view(c.x, c.ndim, c.M, c.N, c.row_stride) &&
+         distinct(c.x, c.w, c.b) && autocast_ok(c.x, c.w, c.b);
+}
+
+Key row_fwd_key(const RowCall& c, bool store_stats) {
+  Key key;
+  for (int64_t v : {int64_t(1), int64_t(c.x.device().index()), dtype_code(c.x), dtype_code(c.w), dtype_code(c.b),
+                    int64_t(c.rms), int64_t(c.act), int64_t(store_stats), c.M, c.N, c.row_stride})
+    key.add(v);
+  key.add_double(c.eps);
+  key.add(aligned(c.x) | aligned(c.w) << 1 | aligned(c.b) << 2);
+  return key;
+}
+
+PyObject* py_row_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  RowCall c;
+  if (!callbacks || !parse_row(args, nargs, kwnames, c) || !c.x.is_cuda()) Py_RETURN_NONE;
+  const bool grad = needs_grad(c.x, c.w, c.b);  // then the forward keeps its statistics
+  const Tensor inputs[3] = {c.x, c.w, c.b};
+  Tensor outs[4];
+  auto make = [&](int role, const AllocSpec& a) {
+    return role == 1 ? alloc(c.x.sizes(), a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+  };
+  run(row_fwd_key(c, grad), inputs, 3, c.x.device(), make, [&](bool record) {
+    return callbacks->row_fwd(py::handle(args[0]), py::handle(args[2]), py::handle(args[3]), c.ndim, c.eps, c.rms,
+                              act_name(c.act), grad, record);
+  }, outs);
+  if (grad) {
+    auto* n = attach<RowNormBackward>(outs[1], c.x, c.w, c.b, outs[2], outs[3], c.eps, c.act);
+    n->ndim_ = c.ndim;
+    n->rms_ = c.rms;
+  }
+  return THPVariable_Wrap(std::move(outs[1]));
+  END_HANDLE_TH_ERRORS
+}
+
+// Test hook: what the fast path makes of a call (None: not its case), and the forward's plan key.
+PyObject* py_parse_row(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  RowCall c;
+  if (!parse_row(args, nargs, kwnames, c)) Py_RETURN_NONE;
+  const bool grad = needs_grad(c.x, c.w, c.b);
+  return py::make_tuple(c.ndim, c.M, c.N, c.row_stride, c.eps, c.act, grad, row_fwd_key(c, grad).list()).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+variable_list RowNormBackward::apply(variable_list&& grads) {
+  Tensor dy = grads[0];
+  if (!dy.defined()) return variable_list(3);
+  const bool need[3] = {task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2)};
+  Tensor x = x_.unpack(), w = w_.unpack(), b = b_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
+  if (differentiable(dy) || dy.device() != x.device()) {
+    return differentiable_grads(need, [&](py::tuple needs) {
+      return callbacks->row_vjp(wrap(dy), wrap(x), wrap(w), wrap(b), ndim_, eps_, rms_, act_name(act_), needs);
+    });
+  }
+  int64_t M, N, sx, sdy;
+  rows_view(x, ndim_, M, N, sx);
+  if (!rows_view(dy, ndim_, M, N, sdy)) {  // e.g. the expanded gradient of a sum()
+    dy = dy.contiguous();
+    rows_view(dy, ndim_, M, N, sdy);
+  }
+  const c10::Device dev = x.device();
+  const bool want_dw = need[1] && w.defined(), want_db = need[2] && b.defined();
+  const Tensor inputs[6] = {dy, x, w, act_ ? b : Tensor(), mean, rstd};  // the bias only recomputes act's input
+  Key key;
+  for (int64_t v : {int64_t(2), int64_t(dev.index()), dtype_code(x), dtype_code(dy), dtype_code(w),
+                    dtype_code(inputs[3]), want_db ? dtype_code(b) : int64_t(-1), int64_t(rms_), int64_t(act_),
+                    int64_t(want_dw), int64_t(want_db), M, N, sx, sdy, bwd_align(inputs)})
+    key.add(v);
+  Tensor outs[4];
+  auto make = [&](int role, const AllocSpec& a) {
+    return alloc(role == 1 ? x.sizes() : role == 2 ? w.sizes() : b.sizes(), a.dtype);
+  };
+  run(key, inputs, 6, dev, make, [&](bool record) {
+    return callbacks->row_bwd(wrap(dy), wrap(x), wrap(w), wrap(b), wrap(mean), wrap(rstd), ndim_, rms_,
+                              act_name(act_), want_dw, want_db, record);
+  }, outs);
+  return {need[0] ? outs[1] : Tensor(), need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor()};
+}
+
+// ----------------------------------------------------------------------------- GroupNorm
+
+struct GroupNormBackward : public NormBackward {
+  int64_t groups_ = 1;
+  int layout_ = 0;
+  std::string name() const override { return "NormkitGroupNormBackward"; }
+  variable_list apply(variable_list&& grads) override;
+};
+
+int64_t spatial(const Tensor& x) {
+  int64_t s = 1;
+  for (int64_t i = 2; i < x.dim(); i++) s *= x.size(i);
+  return s;
+}
+
+struct GnCall {
+  Tensor x, w, b;
+  int64_t groups, B, C, S;
+  double eps;
+  int act, layout;
+};
+
+// (x, num_groups, weight, bias, eps, activation, backend) as normkit.functional passes them.
+bool parse_gn(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, GnCall& c) {
+  if (nargs != 7 || (kwnames && PyTuple_GET_SIZE(kwnames))) return false;
+  PyObject *pw = args[2], *pb = args[3];
+  if (!plain_args(args[0], pw, pb) || !backend_ok(args[6]) || !PyLong_CheckExact(args[1])) return false;
+  c.groups = PyLong_AsLongLong(args[1]);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  c.act = activation_code(args[5]);
+  if (c.act < 0 || !read_eps(args[4], c.eps) || !modes_ok() || functorch_active()) return false;
+  c.x = THPVariable_Unpack(args[0]);
+  const c10::Device dev = c.x.device();
+  if (c.x.dim() < 2 || !tensor_ok(c.x, dev)) return false;
+  c.B = c.x.size(0);
+  c.C = c.x.size(1);
+  c.S = spatial(c.x);
+  if (c.groups <= 0 || c.C % c.groups) return false;
+  if (pw != Py_None) c.w = THPVariable_Unpack(pw);
+  if (pb != Py_None) c.b = THPVariable_Unpack(pb);
+  const int64_t C = c.C;
+  c.layout = gn_layout(c.x);
+  return param_ok(c.w, dev, C) && param_ok(c.b, dev, C) && c.layout >= 0 && distinct(c.x, c.w, c.b) &&
+         autocast_ok(c.x, c.w, c.b);
+}
+
+Key gn_fwd_key(const GnCall& c) {
+  Key key;
+  for (int64_t v : {int64_t(3), int64_t(c.x.device().index()), dtype_code(c.x), dtype_code(c.w), dtype_code(c.b),
+                    int64_t(c.act), c.B, c.C, c.S, c.groups, int64_t(c.layout)})
+    key.add(v);
+  key.add_double(c.eps);
+  key.add(aligned(c.x) | aligned(c.w) << 1 | aligned(c.b) << 2);
+  return key;
+}
+
+PyObject* py_group_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  GnCall c;
+  if (!callbacks || !parse_gn(args, nargs, kwnames, c) || !c.x.is_cuda()) Py_RETURN_NONE;
+  const Tensor inputs[3] = {c.x, c.w, c.b};
+  Tensor outs[4];
+  auto make = [&](int role, const AllocSpec& a) {
+    return role == 1 ? alloc_like(c.x, c.layout, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+  };
+  run(gn_fwd_key(c), inputs, 3, c.x.device(), make, [&](bool record) {
+    return callbacks->gn_fwd(py::handle(args[0]), py::handle(args[2]), py::handle(args[3]), c.groups, c.eps,
+                             act_name(c.act), bool(c.layout), record);
+  }, outs);
+  if (needs_grad(c.x, c.w, c.b)) {
+    auto* n = attach<GroupNormBackward>(outs[1], c.x, c.w, c.b, outs[2], outs[3], c.eps, c.act);
+    n->groups_ = c.groups;
+    n->layout_ = c.layout;
+  }
+  return THPVariable_Wrap(std::move(outs[1]));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_parse_gn(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  GnCall c;
+  if (!parse_gn(args, nargs, kwnames, c)) Py_RETURN_NONE;
+  return py::make_tuple(c.groups, c.B, c.C, c.S, c.eps, c.act, c.layout, needs_grad(c.x, c.w, c.b),
+                        gn_fwd_key(c).list())
+      .release()
+      .ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+variable_list GroupNormBackward::apply(variable_list&& grads) {
+  Tensor dy = grads[0];
+  if (!dy.defined()) return variable_list(3);
+  const bool need[3] = {task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2)};
+  Tensor x = x_.unpack(), w = w_.unpack(), b = b_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
+  if (differentiable(dy) || dy.device() != x.device()) {
+    return differentiable_grads(need, [&](py::tuple needs) {
+      return callbacks->gn_vjp(wrap(dy), wrap(x), wrap(w), wrap(b), groups_, eps_, act_name(act_), needs);
+    });
+  }
+  if (gn_layout(dy) != layout_ || dy.sizes() != x.sizes()) {  // the kernels walk dy with x's strides
+    Tensor d2 = alloc_like(x, layout_, dy.scalar_type());
+    d2.copy_(dy);
+    dy = d2;
+  }
+  const c10::Device dev = x.device();
+  const bool want_dw = need[1] && w.defined(), want_db = need[2] && b.defined();
+  const Tensor inputs[6] = {dy, x, w, act_ ? b : Tensor(), mean, rstd};
+  Key key;
+  for (int64_t v : {int64_t(4), int64_t(dev.index()), dtype_code(x), dtype_code(dy), dtype_code(w),
+                    dtype_code(inputs[3]), want_db ? dtype_code(b) : int64_t(-1), int64_t(act_), int64_t(want_dw),
+                    int64_t(want_db), x.size(0), x.size(1), spatial(x), groups_, int64_t(layout_), bwd_align(inputs)})
+    key.add(v);
+  Tensor outs[4];
+  auto make = [&](int role, const AllocSpec& a) {
+    return role == 1 ? alloc_like(x, layout_, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+  };
+  run(key, inputs, 6, dev, make, [&](bool record) {
+    return callbacks->gn_bwd(wrap(dy), wrap(x), wrap(w), wrap(b), wrap(mean), wrap(rstd), groups_, act_name(act_),
+                             want_dw, want_db, bool(layout_), record);
+  }, outs);
+  return {need[0] ? outs[1] : Tensor(), need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor()};
+}
+
+// ----------------------------------------------------------------------------- module
+
+#define NORMKIT_FASTCALL(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)), METH_FASTCALL | METH_KEYWORDS
+PyMethodDef fast_methods[] = {
+    {"row_norm", NORMKIT_FASTCALL(py_row_norm),
+     "row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend) -> Tensor, or None: not its case"},
+    {"group_norm", NORMKIT_FASTCALL(py_group_norm),
+     "group_norm(x, num_groups, weight, bias, eps, activation, backend) -> Tensor, or None: not its case"},
+    {"_parse_row", NORMKIT_FASTCALL(py_parse_row), "test hook: row_norm's reading of a call"},
+    {"_parse_gn", NORMKIT_FASTCALL(py_parse_gn), "test hook: group_norm's reading of a call"},
+    {nullptr, nullptr, 0, nullptr}};
+
+// What needs no GPU: the tensor types, key sets and the activation names (at import).
+void setup(py::tuple activations) {
+  tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  py::object parameter = py::module_::import("torch.nn").attr("Parameter");
+  parameter_type = reinterpret_cast<PyTypeObject*>(parameter.release().ptr());
+  TORCH_CHECK(activations.size() < 8, "normkit host path: too many activations");
+  n_acts = static_cast<int>(activations.size());
+  for (int i = 0; i < n_acts; i++) act_names[i + 1] = py::object(activations[i]).release().ptr();
+  triton_name = PyUnicode_InternFromString("triton");
+  using K = c10::DispatchKey;
+  bad_tensor_keys = c10::DispatchKeySet({K::Python, K::PythonTLSSnapshot, K::FuncTorchBatched,
+                                         K::FuncTorchGradWrapper, K::Functionalize, K::Conjugate, K::Negative,
+                                         K::ZeroTensor, K::BatchedNestedTensor});
+  bad_tls_keys = c10::DispatchKeySet({K::FuncTorchDynamicLayerFrontMode, K::Python, K::PythonDispatcher,
+                                      K::PythonTLSSnapshot, K::Tracer});  // Tracer: torch.jit.trace
+}
+
+// What needs the driver and a CUDA device: called on the first CUDA call. "" or why it cannot run.
+std::string init(py::dict cbs) {
+  std::string why = cu::load();
+  if (!why.empty()) return why;
+  // torch's CUDA caching allocator (or the one configured in its place), as at::empty uses it
+  cuda_allocator = at::empty({1}, at::TensorOptions().device(at::kCUDA)).storage().allocator();
+  if (!cuda_allocator) return "torch's CUDA tensors have no allocator to share";
+  auto* c = new Callbacks();
+  c->row_fwd = cbs["row_fwd"];
+  c->row_bwd = cbs["row_bwd"];
+  c->gn_fwd = cbs["gn_fwd"];
+  c->gn_bwd = cbs["gn_bwd"];
+  c->row_vjp = cbs["row_vjp"];
+  c->gn_vjp = cbs["gn_vjp"];
+  callbacks = c;
+  return "";
+}
+
+}  // namespace
+
+// Test hooks: the layout logic on plain tensors (no GPU needed).
+py::tuple rows_view_py(const Tensor& t, int64_t k) {
+  int64_t M = 0, N = 0, s = 0;
+  bool ok = rows_view(t, k, M, N, s);
+  return py::make_tuple(ok, M, N, s);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  PyModule_AddFunctions(m.ptr(), fast_methods);
+  m.def("_setup", &setup);
+  m.def("_init", &init);
+  m.def("_rows_view", &rows_view_py);
+  m.def("_gn_layout", [](const Tensor& t) { return gn_layout(t); });
+  m.def("_stats", []() {
+    std::lock_guard<std::mutex> g(cache_mu);
+    py::dict d;
+    d["plans"] = cache.size();
+    d["replays"] = n_replays.load();
+    d["python_runs"] = n_python.load();
+    d["records"] = n_records.load();
+    d["record_failures"] = n_failures.load();
+    d["differentiable_backwards"] = n_vjp.load();
+    d["misaligned"] = n_misaligned.load();
+    d["last_failure"] = last_failure;
+    return d;
+  });
+  m.def("_clear", []() {
+    std::lock_guard<std::mutex> g(cache_mu);
+    cache.clear();
+  });
+}

@@ -1,0 +1,113 @@
+"""Rows on Hopper thread-block clusters (row_cluster.cu): host side.
+
+The CUDA backend runs the widths configs.CLUSTER_WIDTHS names here; the Triton backend routes the
+widths its tuned table names (triton/configs.py, "cuda" entries) here too. A call is `why_not`
+(per call: device, dtypes, alignment), `prepare` (cached per kind of call: plan, loaded kernel,
+clusters resident at once), then a launch into buffers the caller allocated, so the caller keeps
+its own allocation (and recording) of every buffer.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import configs, kernels
+
+
+@dataclass(frozen=True)
+class Prepared:
+    plan: configs.ClusterPlan
+    kernel: object  # driver.Kernel
+    clusters: int  # clusters resident at once: the persistent grid, before capping by rows
+
+    def grid_clusters(self, rows: int) -> int:
+        """Clusters a launch over `rows` rows uses; in the backward, also its partial rows."""
+        return max(1, min(self.clusters, rows))
+
+
+def _aligned16(t) -> bool:
+    return t is None or t.data_ptr() % 16 == 0
+
+
+def why_not(x: torch.Tensor, rows_like=(), weight=None, bias=None) -> str | None:
+    """None if the cluster kernels can take x (and the other [M, N] tensors `rows_like`, and the
+    parameters), else why not. Cheap: called on every routed call."""
+    if x.device.type != "cuda":
+        return "x is not a CUDA tensor"
+    if x.dtype not in kernels.CTYPE:
+        return f"dtype {x.dtype}"
+    if _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
+            < configs.CLUSTER_MIN_CAPABILITY:
+        return "thread-block clusters need compute capability 9.0"
+    pack = 16 // x.element_size()
+    if x.shape[-1] % pack:
+        return f"rows of {x.shape[-1]} columns are not whole 16-byte packs"
+    for t in (x,) + tuple(rows_like):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return "a row does not start on a 16-byte boundary"
+    params = [p for p in (weight, bias) if p is not None]
+    if params:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1 or next(iter(dtypes)) not in (x.dtype, torch.float32):
+            return f"weight/bias dtypes {sorted(map(str, dtypes))} (x's dtype or float32 expected)"
+        if not all(p.is_contiguous() and _aligned16(p) for p in params):
+            return "weight/bias not 16-byte aligned"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    from . import driver
+    return driver.capability(index)
+
+
+def _use_device(index: int) -> None:
+    """torch's context current in this thread (autograd's device threads may have none)."""
+    from . import driver
+    driver.use_device(index)
+
+
+def _load(spec, index):
+    from . import driver
+    return driver.load(spec, index)
+
+
+@functools.lru_cache(maxsize=1024)
+def prepare(direction: str, cols: int, dtype, wdtype, activation, rms: bool, want_params: bool, index: int,
+            shape=None) -> Prepared | None:
+    """The plan and loaded kernel for one kind of call; None if the rows cannot take a cluster
+    kernel (too wide, or not resident on this GPU). shape: (threads, items, stages) override."""
+    plan = configs.plan_cluster(direction, cols, torch.empty((), dtype=dtype).element_size(), shape)
+    if plan is None:
+        return None
+    kernel = _load(kernels.row_cluster(direction, dtype, wdtype, activation, rms, plan, want_params), index)
+    if not kernel.smem_fits(plan.smem):
+        return None
+    clusters = kernel.max_active_clusters(plan.threads, plan.smem, plan.cluster)
+    return Prepared(plan, kernel, clusters) if clusters > 0 else None
+
+
+def launch_fwd(p: Prepared, x, y, weight, bias, mean, rstd, eps: float) -> None:
+    """y = norm(x) (and mean/rstd unless None) for x [M, N]; y contiguous like x."""
+    M, N = x.shape
+    plan = p.plan
+    _use_device(p.kernel.device)
+    p.kernel.launch((p.grid_clusters(M) * plan.cluster,), (plan.threads,),
+                    [x, x.stride(0), y, y.stride(0), weight, bias, mean, rstd, M, N, plan.slice, float(eps)],
+                    smem=plan.smem, cluster=plan.cluster)
+
+
+def launch_bwd(p: Prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part) -> int:
+    """dx, and (unless None) the [grid_clusters(M), N] fp32 partial sums of dweight/dbias.
+    Returns the number of partial rows written."""
+    M, N = x.shape
+    plan = p.plan
+    clusters = p.grid_clusters(M)
+    _use_device(p.kernel.device)
+    p.kernel.launch((clusters * plan.cluster,), (plan.threads,),
+                    [dy, dy.stride(0), x, x.stride(0), weight, bias, mean, rstd, dx, dx.stride(0), dw_part, db_part,
+                     M, N, plan.slice], smem=plan.smem, cluster=plan.cluster)
+    return clusters
+

@@ -1,0 +1,391 @@
+// row_cluster.cu: LayerNorm and RMSNorm for Hopper (sm_90), forward and backward, for rows of any
+// width up to 16 CTAs' worth, with no trip of the statistics through global memory.
+//
+// A row is cut into slices, one per CTA of a thread-block cluster (1..16 CTAs, launched with the
+// cluster dimension attribute). The grid is persistent: cluster c walks rows c, c + clusters, ...
+// and, since a CTA owns the same columns in every row, its threads keep per-column state (the
+// weight-gradient sums) in registers. Per CTA:
+//
+//   * streaming: thread 0 keeps the next STAGES rows' slices in flight, each a 1D bulk copy (TMA)
+//     into its own shared-memory stage that completes on that stage's mbarrier, so HBM reads run
+//     ahead of the arithmetic and no register holds data before it is needed;
+//   * statistics: each thread reads its packs of the stage once into registers; a sum is reduced
+//     per warp (shuffles), then lanes 0..C-1 store the warp's sum into slot [rank, warp] of every
+//     CTA of the cluster (distributed shared memory); one cluster barrier; then every warp adds
+//     the C x WARPS sums in the same fixed order (the same bits in every CTA and every run);
+//   * the first barrier also says every thread has read the stage, so thread 0 refills it with
+//     the row STAGES ahead before the rest of the row's work.
+//
+// Partial slots alternate between two buffers by row parity: a CTA writes row i + 2's partials only
+// after the barrier of row i + 1, which every CTA reaches after merging row i's.
+//
+// LayerNorm statistics are two passes over the registers, each summed over the cluster: the mean
+// of x shifted by the row's first element, then the squared deviations from it (no
+// E[x^2] - E[x]^2). RMSNorm: one sum of squares. Backward:
+// dx = rstd * (g - xhat * mean(xhat * g) - mean(g)) with the two row sums exchanged the same way;
+// dweight/dbias accumulate per thread over its rows and each cluster writes one fp32
+// partial row (rows = clusters) that col_sum (row_norm.cu) adds in a fixed order.
+//
+// The host (cluster.py) guarantees: cols and slice are multiples of the pack P (16 bytes of T), x,
+// dy, y, dx and their row strides are 16-byte aligned, weight/bias 16-byte aligned, and
+// slice <= THREADS * ITEMS * P.
+#include "common.cuh"
+
+namespace nk {
+namespace cl {
+
+constexpr int kMaxCluster = 16;
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+// the CTA's rank in its cluster, the cluster's size, the cluster's index and the number of clusters
+#define NK_SPECIAL_REGISTER(fn, reg)                     \
+  __device__ __forceinline__ unsigned fn() {            \
+    unsigned r;                                         \
+    asm volatile("mov.u32 %0, %%" reg ";" : "=r"(r));   \
+    return r;                                           \
+  }
+NK_SPECIAL_REGISTER(special_ctarank, "cluster_ctarank")
+NK_SPECIAL_REGISTER(special_nctarank, "cluster_nctarank")
+NK_SPECIAL_REGISTER(special_clusterid, "clusterid.x")
+NK_SPECIAL_REGISTER(special_nclusterid, "nclusterid.x")
+#undef NK_SPECIAL_REGISTER
+
+// every thread of every CTA of the cluster: arrive (release), then wait (acquire)
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// store v at the address `local` has in CTA `rank` of the cluster
+__device__ __forceinline__ void store_remote(const float* local, unsigned rank, float v) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+
+typedef unsigned long long Barrier;
+
+__device__ __forceinline__ void barrier_init(Barrier* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void barrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void barrier_expect(Barrier* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool barrier_try_wait(Barrier* bar, unsigned parity) {
+  unsigned done;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void barrier_wait(Barrier* bar, unsigned parity) {
+  while (!barrier_try_wait(bar, parity)) {
+  }
+}
+// 1D bulk copy of `bytes` (a multiple of 16) from global memory into this CTA's shared memory
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, Barrier* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+// generic-proxy reads of a stage are ordered before the async-proxy (bulk copy) writes that refill it
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Each stage holds ARRAYS slices (x; or x and dy), each padded to 128 bytes.
+template <typename T>
+__device__ __forceinline__ int stage_elems(int slice) {
+  return (slice * int(sizeof(T)) + 127) / 128 * (128 / int(sizeof(T)));
+}
+
+// The CTA's place in its cluster and the slice it owns.
+struct Slice {
+  unsigned rank, size;
+  i64 cluster, clusters;
+  int c0, n;  // first column, columns (0 for a CTA past the row's end)
+  __device__ Slice(int cols, int slice) {
+    rank = special_ctarank();
+    size = special_nctarank();
+    cluster = special_clusterid();
+    clusters = special_nclusterid();
+    c0 = int(rank) * slice;
+    n = cols - c0 < slice ? cols - c0 : slice;
+    n = n > 0 ? n : 0;
+  }
+};
+
+// Thread 0's producer: slices of row (cluster + it * clusters) of ARRAYS tensors into stage it % STAGES.
+template <typename T, int STAGES, int ARRAYS>
+struct Stream {
+  T* base;
+  Barrier* bars;
+  int elems;  // per slice, padded
+  __device__ T* slice_at(int stage, int array) const { return base + (stage * ARRAYS + array) * elems; }
+  __device__ void issue(const Slice& s, i64 rows, int it, const T* a, i64 a_stride, const T* b, i64 b_stride) const {
+    const i64 row = s.cluster + i64(it) * s.clusters;
+    if (row >= rows || s.n == 0) return;
+    const int st = it % STAGES;
+    const unsigned bytes = unsigned(s.n) * sizeof(T);
+    barrier_expect(&bars[st], bytes * ARRAYS);
+    bulk_load(slice_at(st, 0), a + row * a_stride + s.c0, bytes, &bars[st]);
+    if (ARRAYS > 1) bulk_load(slice_at(st, 1), b + row * b_stride + s.c0, bytes, &bars[st]);
+  }
+  // every thread: thread 0 sets up the stage barriers and issues the first STAGES rows
+  __device__ void start(const Slice& s, i64 rows, const T* a, i64 a_stride, const T* b, i64 b_stride) const {
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < STAGES; ++st) barrier_init(&bars[st], 1);
+      barrier_init_fence();
+      for (int it = 0; it < STAGES; ++it) issue(s, rows, it, a, a_stride, b, b_stride);
+    }
+    __syncthreads();
+  }
+  __device__ void wait(const Slice& s, int it) const {
+    if (s.n > 0) barrier_wait(&bars[it % STAGES], unsigned(it / STAGES) & 1u);
+  }
+};
+
+// Exchange one warp-reduced value V (a struct of floats) with the cluster and merge all of them:
+// slot [rank * WARPS + warp] of every CTA; returns the merge over the cluster, the same in every
+// thread. Includes the cluster barrier.
+template <int WARPS, typename V>
+__device__ __forceinline__ V cluster_allreduce(V v, V (*slots)[kMaxCluster * WARPS], int it, const Slice& s) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  v = group_allreduce<kWarpSize>(v);
+  V* slot = &slots[it & 1][s.rank * WARPS + warp];
+  if (lane < int(s.size)) {
+    const float* f = reinterpret_cast<const float*>(&v);
+#pragma unroll
+    for (int i = 0; i < int(sizeof(V) / sizeof(float)); ++i)
+      store_remote(reinterpret_cast<const float*>(slot) + i, lane, f[i]);
+  }
+  cluster_sync();
+  V m = V::zero();
+  for (int e = lane; e < int(s.size) * WARPS; e += kWarpSize) m = V::merge(m, slots[it & 1][e]);
+  return group_allreduce<kWarpSize>(m);
+}
+
+// one float summed over the cluster (the two passes' sums)
+struct Sum1 {
+  float a;
+  __device__ static Sum1 zero() { Sum1 r; r.a = 0.f; return r; }
+  __device__ static Sum1 merge(const Sum1& x, const Sum1& y) { Sum1 r; r.a = x.a + y.a; return r; }
+};
+
+template <int ITEMS, int P>
+__device__ __forceinline__ float thread_sum(const float (&v)[ITEMS][P], bool squares) {
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k)
+#pragma unroll
+    for (int i = 0; i < P; ++i) s = squares ? fmaf(v[k][i], v[k][i], s) : s + v[k][i];  // invalid packs hold 0
+  return s;
+}
+
+}  // namespace cl
+
+// ================================================================== forward
+
+// The forward's body; OUT stores a normalized pack: out.store<P>(xhat, row, col).
+template <typename T, bool RMS, int THREADS, int ITEMS, int STAGES, typename OUT>
+__device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_stride, const OUT& out,
+                                            float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
+                                            int slice, float eps) {
+  constexpr int P = 16 / int(sizeof(T));
+  constexpr int WARPS = THREADS / kWarpSize;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ cl::Barrier bars[STAGES];
+  __shared__ cl::Sum1 slots[2][2][cl::kMaxCluster * WARPS];  // [pass][row parity][rank * WARPS + warp]
+  const cl::Slice s(cols, slice);
+  const cl::Stream<T, STAGES, 1> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
+  const int tid = threadIdx.x;
+  stream.start(s, rows, x, x_stride, x, x_stride);
+  // the next row's shift (its first element), loaded a row ahead so its latency is hidden
+  float shift_next = (!RMS && s.cluster < rows) ? to_float(x[s.cluster * x_stride]) : 0.f;
+  int valid = 0;  // this thread's packs inside the slice
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) valid += (tid + k * THREADS) * P < s.n ? 1 : 0;
+  int it = 0;
+  for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
+    const float shift = shift_next;
+    if (!RMS && row + s.clusters < rows) shift_next = to_float(x[(row + s.clusters) * x_stride]);
+    stream.wait(s, it);
+    const T* src = stream.slice_at(it % STAGES, 0);
+    float v[ITEMS][P];
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (k < valid) {
+        load_floats<P>(src + (tid + k * THREADS) * P, v[k]);
+#pragma unroll
+        for (int i = 0; i < P; ++i) v[k][i] -= shift;
+      } else {
+#pragma unroll
+        for (int i = 0; i < P; ++i) v[k][i] = 0.f;
+      }
+    }
+    // two passes over the registers: the sum (of squares for RMSNorm), then for LayerNorm the
+    // squared deviations from the mean; each summed over the cluster
+    const float total = cl::cluster_allreduce<WARPS>(cl::Sum1{cl::thread_sum(v, RMS)}, slots[0], it, s).a;
+    if (tid == 0) {  // every thread has read the stage: refill it
+      cl::fence_proxy_async();
+      stream.issue(s, rows, it + STAGES, x, x_stride, x, x_stride);
+    }
+    const float mu = RMS ? 0.f : total / float(cols);
+    float m2 = total;
+    if (!RMS) {
+      float d2 = 0.f;
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k)
+        if (k < valid)
+#pragma unroll
+          for (int i = 0; i < P; ++i) d2 = fmaf(v[k][i] - mu, v[k][i] - mu, d2);
+      m2 = cl::cluster_allreduce<WARPS>(cl::Sum1{d2}, slots[1], it, s).a;
+    }
+    const float r = rsqrtf(m2 / float(cols) + eps);
+    if (s.rank == 0 && tid == 0) {
+      if (rstd != nullptr) rstd[row] = r;
+      if (!RMS && mean != nullptr) mean[row] = shift + mu;
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (k < valid) {
+        float f[P];
+#pragma unroll
+        for (int i = 0; i < P; ++i) f[i] = (v[k][i] - mu) * r;
+        out.template store<P>(f, row, s.c0 + (tid + k * THREADS) * P);
+      }
+    }
+  }
+}
+
+template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES>
+__global__ void __launch_bounds__(THREADS, 1)
+    row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
+                    const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
+                    int slice, float eps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES>(x, x_stride, AffineActStore<T, W, ACT>{y, y_stride, w, b}, mean, rstd,
+                                               rows, cols, slice, eps);
+#endif
+}
+
+// ================================================================== backward
+
+// RECOMPUTE: the dx step reads x and dy from the stage again and recomputes xhat and g instead of
+// keeping them in registers (2 registers per element fewer: more CTAs per SM); the stage is then
+// refilled after the dx step.
+template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool PARAMS,
+          bool RECOMPUTE>
+__global__ void __launch_bounds__(THREADS, 1)
+    row_bwd_cluster(const T* __restrict__ dy, i64 dy_stride, const T* __restrict__ x, i64 x_stride,
+                    const W* __restrict__ w, const W* __restrict__ b, const float* __restrict__ mean,
+                    const float* __restrict__ rstd, T* __restrict__ dx, i64 dx_stride, float* __restrict__ dw_part,
+                    float* __restrict__ db_part, i64 rows, int cols, int slice) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int P = 16 / int(sizeof(T));
+  constexpr int WARPS = THREADS / kWarpSize;
+  constexpr int ACC = PARAMS ? ITEMS : 1;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ cl::Barrier bars[STAGES];
+  __shared__ Sum2 slots[2][cl::kMaxCluster * WARPS];
+  const cl::Slice s(cols, slice);
+  const cl::Stream<T, STAGES, 2> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
+  const int tid = threadIdx.x;
+  stream.start(s, rows, x, x_stride, dy, dy_stride);
+  const float inv_cols = 1.f / float(cols);
+  int valid = 0;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) valid += (tid + k * THREADS) * P < s.n ? 1 : 0;
+  float dw_acc[ACC][P], db_acc[ACC][P];
+#pragma unroll
+  for (int k = 0; k < ACC; ++k)
+#pragma unroll
+    for (int i = 0; i < P; ++i) dw_acc[k][i] = db_acc[k][i] = 0.f;
+  // the next row's statistics, loaded a row ahead
+  float mu_next = 0.f, rs_next = 0.f;
+  if (s.cluster < rows) {
+    mu_next = RMS ? 0.f : mean[s.cluster];
+    rs_next = rstd[s.cluster];
+  }
+  int it = 0;
+  for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
+    const float mu = mu_next, rs = rs_next;
+    if (row + s.clusters < rows) {
+      mu_next = RMS ? 0.f : mean[row + s.clusters];
+      rs_next = rstd[row + s.clusters];
+    }
+    stream.wait(s, it);
+    const T* xs = stream.slice_at(it % STAGES, 0);
+    const T* dys = stream.slice_at(it % STAGES, 1);
+    constexpr int HELD = RECOMPUTE ? 1 : ITEMS;
+    float xhat[HELD][P], g[HELD][P];
+    Sum2 part = Sum2::zero();
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (k < valid) {
+        const int p = tid + k * THREADS;
+        const int h = RECOMPUTE ? 0 : k;
+        float xv[P], dyv[P], dz[P];
+        load_floats<P>(xs + p * P, xv);
+        load_floats<P>(dys + p * P, dyv);
+        pack_grads<P, W, ACT, RMS>(w, b, s.c0 + p * P, mu, rs, xv, dyv, xhat[h], dz, g[h]);
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+          part.a = fmaf(xhat[h][i], g[h][i], part.a);
+          part.b += g[h][i];
+          if (PARAMS) {
+            dw_acc[PARAMS ? k : 0][i] = fmaf(dz[i], xhat[h][i], dw_acc[PARAMS ? k : 0][i]);
+            db_acc[PARAMS ? k : 0][i] += dz[i];
+          }
+        }
+      }
+    }
+    const Sum2 sums = cl::cluster_allreduce<WARPS>(part, slots, it, s);
+    if (!RECOMPUTE && tid == 0) {
+      cl::fence_proxy_async();
+      stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (k < valid) {
+        const int p = tid + k * THREADS;
+        const int h = RECOMPUTE ? 0 : k;
+        if (RECOMPUTE) {
+          float xv[P], dyv[P], dz[P];
+          load_floats<P>(xs + p * P, xv);
+          load_floats<P>(dys + p * P, dyv);
+          pack_grads<P, W, ACT, RMS>(w, b, s.c0 + p * P, mu, rs, xv, dyv, xhat[h], dz, g[h]);
+        }
+        float d[P];
+        pack_dx<P, RMS>(xhat[h], g[h], sums, inv_cols, rs, d);
+        store_floats<P>(dx + row * dx_stride + s.c0 + p * P, d);
+      }
+    }
+    if (RECOMPUTE) {
+      __syncthreads();  // every thread is done with the stage
+      if (tid == 0) {
+        cl::fence_proxy_async();
+        stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);
+      }
+    }
+  }
+  if (PARAMS) {  // partial row `cluster`: this CTA's columns
+#pragma unroll
+    for (int k = 0; k < ACC; ++k) {
+      if (k < valid) {
+        const i64 at = s.cluster * cols + s.c0 + (tid + k * THREADS) * P;
+        if (dw_part != nullptr) store_floats<P>(dw_part + at, dw_acc[k]);
+        if (db_part != nullptr) store_floats<P>(db_part + at, db_acc[k]);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace nk

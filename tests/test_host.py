@@ -1,0 +1,410 @@
+"""The C++ host path without a GPU: a real g++ build of the extension against this torch, the way
+it reads a call (the cases it serves, the ones it leaves to Python, its plan keys, the row and
+GroupNorm layouts it accepts), and the plan recorder on real runs of the Triton backend's host
+functions under the Triton interpreter: every recorded kernel argument must come back, bit for bit,
+when the plan's parameter buffers are rebuilt from its slots. GPU tests: test_host_gpu.py."""
+import os
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from normkit import _host
+from normkit._host import plans
+from normkit.backends import triton as tb
+
+from conftest import DEVICE, HAS_CUDA
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return _host.load_extension()  # builds with g++ and ninja the first time
+
+
+# ----------------------------------------------------------------------------- reading a call
+
+def test_row_calls_it_serves(ext):
+    x = torch.randn(4, 6, 8)
+    w, b = torch.randn(8), torch.randn(8)
+    ndim, M, N, row_stride, eps, act, grad, key = ext._parse_row(x, 8, w, b, 1e-5, False, None, None)
+    assert (ndim, M, N, row_stride, eps, act, grad) == (1, 24, 8, 8, 1e-5, 0, False)
+    assert ext._parse_row(x, (6, 8), None, None, 0, False, "silu", "triton")[:6] == (2, 4, 48, 48, 0.0, 1)
+    assert ext._parse_row(x, torch.Size([8]), w, None, None, True, None, None)[4] == torch.finfo(torch.float32).eps
+    strided = x[:, ::2, :]  # rows 16 elements apart: a strided [12, 8] view, no copy
+    assert ext._parse_row(strided, 8, None, None, 1e-5, False, None, None)[1:4] == (12, 8, 16)
+    assert ext._parse_row(x, 8, torch.nn.Parameter(w), None, 1e-5, False, None, None) is not None
+    xr = x.clone().requires_grad_()
+    assert ext._parse_row(xr, 8, w, b, 1e-5, False, None, None)[6] is True
+    with torch.no_grad():
+        assert ext._parse_row(xr, 8, w, b, 1e-5, False, None, None)[6] is False
+    empty = torch.randn(0, 8)
+    assert ext._parse_row(empty, 8, w, b, 1e-5, False, None, None)[1:3] == (0, 8)
+
+
+@pytest.mark.parametrize("case", [
+    "numpy int shape", "bad activation", "backend cuda", "kwarg", "rms with bias", "nan eps", "negative eps",
+    "bool eps", "shape mismatch", "weight shape", "weight strided", "columns strided", "rows not mergeable",
+    "float64", "subclass", "forward-AD dual", "dispatch mode", "vmap", "same tensor twice", "bool rms", "jit trace",
+])
+def test_row_calls_it_leaves_to_python(ext, case):
+    import numpy as np
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w, b = torch.randn(4, 6, 8), torch.randn(8), torch.randn(8)
+    args = [x, 8, w, b, 1e-5, False, None, None]
+    kwargs = {}
+    mode = None
+    if case == "numpy int shape":
+        args[1] = np.int64(8)
+    elif case == "bad activation":
+        args[6] = "swish"
+    elif case == "backend cuda":
+        args[7] = "cuda"
+    elif case == "kwarg":
+        kwargs = {"residual": x}
+    elif case == "rms with bias":
+        args[5] = True
+    elif case == "nan eps":
+        args[4] = float("nan")
+    elif case == "negative eps":
+        args[4] = -1.0
+    elif case == "bool eps":
+        args[4] = True
+    elif case == "shape mismatch":
+        args[1] = 6
+    elif case == "weight shape":
+        args[2] = torch.randn(4)
+    elif case == "weight strided":
+        args[2] = torch.randn(16)[::2]
+    elif case == "columns strided":
+        args[0] = x.transpose(1, 2)
+        args[1], args[2], args[3] = 6, None, None
+    elif case == "rows not mergeable":
+        args[0] = x.transpose(0, 1)
+    elif case == "float64":
+        args[0] = x.double()
+    elif case == "subclass":
+        class Sub(torch.Tensor):
+            pass
+        args[0] = x.as_subclass(Sub)
+    elif case == "forward-AD dual":
+        import torch.autograd.forward_ad as fwAD
+        with fwAD.dual_level():
+            args[0] = fwAD.make_dual(x, torch.randn_like(x))
+            assert ext._parse_row(*args) is None
+        return
+    elif case == "dispatch mode":
+        mode = TorchDispatchMode()
+    elif case == "vmap":
+        seen = []
+        torch.func.vmap(lambda r: seen.append(ext._parse_row(r, 8, w, b, 1e-5, False, None, None)) or r)(x)
+        assert seen == [None]
+        return
+    elif case == "jit trace":  # the tracer records dispatcher ops; the C++ path launches kernels it would not see
+        seen = []
+
+        def f(t):
+            seen.append(ext._parse_row(t, 8, w, b, 1e-5, False, None, None))
+            return t * 2
+        torch.jit.trace(f, (x,), check_trace=False)
+        assert seen == [None]
+        return
+    elif case == "same tensor twice":
+        args[3] = w
+    elif case == "bool rms":
+        args[5] = 1
+    if mode is not None:
+        with mode:
+            assert ext._parse_row(*args, **kwargs) is None
+    else:
+        assert ext._parse_row(*args, **kwargs) is None
+
+
+def test_autocast_takes_float32_only(ext):
+    """Under CUDA autocast torch computes the norms in float32: calls already in float32 are served,
+    others go to Python, which casts them."""
+    x, w = torch.randn(4, 8), torch.randn(8)
+    torch.set_autocast_enabled("cuda", True)  # the autocast state itself: CPU-only torch has no CUDA autocast
+    try:
+        assert ext._parse_row(x, 8, w, None, 1e-5, False, None, None) is not None
+        assert ext._parse_gn(x.view(4, 8, 1), 2, w, None, 1e-5, None, None) is not None
+        assert ext._parse_row(x.half(), 8, w, None, 1e-5, False, None, None) is None
+        assert ext._parse_row(x, 8, w.bfloat16(), None, 1e-5, False, None, None) is None
+        assert ext._parse_gn(x.view(4, 8, 1).bfloat16(), 2, None, None, 1e-5, None, None) is None
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+
+
+def test_row_plan_keys(ext):
+    """Calls that the Triton host function treats alike share a key; any difference it reads does not."""
+    x = torch.randn(8, 64)
+    w, b = torch.randn(64), torch.randn(64)
+
+    def key(*args):
+        return tuple(ext._parse_row(*args)[-1])
+
+    base = key(x, 64, w, b, 1e-5, False, None, None)
+    assert key(torch.randn(8, 64), 64, torch.randn(64), torch.randn(64), 1e-5, False, None, None) == base
+    assert key(torch.randn(2, 4, 64), 64, w, b, 1e-5, False, None, None) == base  # same [M, N]
+    others = [
+        key(torch.randn(9, 64), 64, w, b, 1e-5, False, None, None),  # M
+        key(torch.randn(8, 64, dtype=torch.bfloat16), 64, w, b, 1e-5, False, None, None),  # dtype
+        key(x, 64, w.half(), b, 1e-5, False, None, None),  # weight dtype
+        key(x, 64, w, None, 1e-5, False, None, None),  # no bias
+        key(x, 64, w, b, 1e-6, False, None, None),  # eps
+        key(x, 64, w, b, 1e-5, False, "gelu", None),  # activation
+        key(torch.randn(8, 128)[:, :64], 64, w, b, 1e-5, False, None, None),  # row stride
+        key(torch.randn(8, 65)[:, 1:], 64, w, b, 1e-5, False, None, None),  # x not 16-byte aligned (and stride)
+        key(x, 64, torch.randn(65)[1:], b, 1e-5, False, None, None),  # weight not 16-byte aligned
+    ]
+    assert len(set(others) | {base}) == len(others) + 1
+    xr = x.clone().requires_grad_()
+    assert key(xr, 64, w, b, 1e-5, False, None, None) != base  # with grad the forward writes statistics
+
+
+def test_rows_view_matches_torch_view(ext):
+    """The [M, N] row view the C++ side accepts is the one torch's view() gives, unit column stride."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for _ in range(300):
+        d = int(torch.randint(1, 5, (1,), generator=g))
+        sizes = [int(s) for s in torch.randint(1, 4, (d,), generator=g)]
+        base = torch.randn(*[s * 2 for s in sizes])
+        perm = torch.randperm(d, generator=g).tolist()
+        t = base[tuple(slice(0, s * (1 + (i % 2)), 1 + (i % 2)) for i, s in enumerate(sizes))].permute(perm)
+        for k in range(1, t.dim() + 1):
+            ok, M, N, row_stride = ext._rows_view(t, k)
+            lead, inner = t.shape[: t.dim() - k], t.shape[t.dim() - k:]
+            m, n = int(torch.tensor(lead).prod()) if lead else 1, int(torch.tensor(inner).prod())
+            assert (M, N) == (m, n)
+            try:
+                v = t.view(m, n)
+                viewable = n <= 1 or v.stride(1) == 1
+            except RuntimeError:
+                viewable = False
+            assert ok == viewable, (t.shape, t.stride(), k)
+            if ok and m > 1:
+                assert row_stride == v.stride(0)
+            checked += ok
+    assert checked > 50
+
+
+def test_group_norm_layouts(ext):
+    x = torch.randn(2, 8, 3, 5)
+    assert ext._gn_layout(x) == 0
+    assert ext._gn_layout(x.to(memory_format=torch.channels_last)) == 1
+    assert ext._gn_layout(torch.randn(2, 7, 8).transpose(1, 2)) == 1  # [B, C, L] channels innermost
+    assert ext._gn_layout(x.transpose(2, 3)) == -1
+    assert ext._gn_layout(x[:, :, :, ::2]) == -1
+    assert ext._gn_layout(torch.randn(2, 8)) == 0
+    w = torch.randn(8)
+    assert ext._parse_gn(x, 4, w, w.clone(), 1e-5, "mish", None)[:7] == (4, 2, 8, 15, 1e-5, 2, 0)
+    assert ext._parse_gn(x.to(memory_format=torch.channels_last), 2, None, None, 1e-5, None, "triton")[6] == 1
+    for bad in ((x, 3, None, None, 1e-5, None, None), (x, 4, torch.randn(4), None, 1e-5, None, None),
+                (x, True, None, None, 1e-5, None, None), (x.transpose(2, 3), 4, None, None, 1e-5, None, None),
+                (torch.randn(8), 4, None, None, 1e-5, None, None), (x, 4, None, None, 1e-5, "tanh", None)):
+        assert ext._parse_gn(*bad) is None
+
+
+# ----------------------------------------------------------------------------- the recorder
+
+def _records(launches):
+    """LaunchRecords of the recorded launches: from the CompiledKernel on a GPU, as host.cpp's
+    plans get them; under the interpreter with the signature Triton's own specialization gives each
+    argument (what CompiledKernel.src.signature holds when compiled)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    out = []
+    for kernel, fn, grid, args, constexprs, options in launches:
+        if kernel is not None:
+            out.append(plans.LaunchRecord.from_compiled(kernel, grid, args, constexprs))
+            continue
+        sig = [native_specialize_impl(BaseBackend, a, False, True, True)[0] for a in args]
+        out.append(plans.LaunchRecord(sig + ["constexpr"] * len(constexprs), tuple(args) + tuple(constexprs.values()),
+                                      tuple(grid), options[0], function=id(fn)))
+    return out
+
+
+def _check_replay(plan, records, inputs, allocs):
+    """Rebuild each launch's parameters from the plan with the recorded run's own buffers (what
+    host.cpp does with a new call's buffers) and compare them with the arguments Triton got."""
+    alloc_specs, persistent, launches = plan
+    device = next(t.device for t in inputs if t is not None)
+    allocs = [a for a in allocs if a.device == device]
+    assert len(allocs) == len(alloc_specs)
+    ptrs = [0 if t is None else t.data_ptr() for t in inputs] + [a.data_ptr() for a in allocs] + \
+        [p.data_ptr() for p in persistent]
+    assert len(launches) == len(records)
+    for (fn, gx, gy, gz, block, shared, template, offsets, patches), rec in zip(launches, records):
+        assert (gx, gy, gz) == tuple(rec.grid) + (1,) * (3 - len(rec.grid)) and block == 32 * rec.num_warps
+        buf = bytearray(template)
+        for off, slot, byte_offset, _ in patches:
+            struct.pack_into("<Q", buf, off, ptrs[slot] + byte_offset)
+        params = [(ty, a) for ty, a in zip(rec.signature, rec.args) if ty != "constexpr"]
+        assert len(offsets) == len(params) + 2  # + global and profile scratch
+        for (ty, a), off in zip(params, offsets):
+            if ty.startswith("*"):
+                assert struct.unpack_from("<Q", buf, off)[0] == (0 if a is None else a.data_ptr()) and off % 8 == 0
+            else:
+                fmt = plans._SCALAR[ty]
+                assert off % struct.calcsize(fmt) == 0
+                assert struct.unpack_from(fmt, buf, off)[0] == struct.unpack(fmt, struct.pack(fmt, a))[0]
+        for off in offsets[-2:]:
+            assert struct.unpack_from("<Q", buf, off)[0] == 0
+
+
+def _record(fn, inputs, n_out=3):
+    with plans.Recorder() as rec:
+        outs = fn()
+    assert rec.watch.other == []
+    records = _records(rec.launches)
+    plan = plans.build_plan(records, inputs, rec.watch.allocs, list(zip((1, 2, 3), outs[:n_out])))
+    _check_replay(plan, records, inputs, rec.watch.allocs)
+    return plan, outs
+
+
+def _roles(plan):
+    return [spec[0] for spec in plan[0]]
+
+
+def test_record_row_norm_forward_and_backward():
+    x = torch.randn(5, 33, device=DEVICE)
+    w, b = torch.randn(33, device=DEVICE), torch.randn(33, device=DEVICE)
+    tb.row_norm_fwd(x, w, b, 1e-5, False, "silu", True)  # the first run compiles and caches
+    plan, (y, mean, rstd) = _record(lambda: tb.row_norm_fwd(x, w, b, 1e-5, False, "silu", True), (x, w, b))
+    assert sorted(r for r in _roles(plan) if r) == [1, 2, 3] and plan[1] == ()
+    # every pointer the kernel got is a slot: x, w, b are inputs 0-2, y/mean/rstd the run's buffers
+    (_, _, _, _, _, _, _, _, patches), = plan[2]
+    assert {slot for _, slot, _, _ in patches} == {0, 1, 2, 3, 4, 5}
+    dy = torch.randn(5, 33, device=DEVICE)
+    tb.row_norm_bwd(dy, x, w, mean, rstd, False, w.dtype, b.dtype, bias=b, activation="silu")
+    plan, _ = _record(lambda: tb.row_norm_bwd(dy, x, w, mean, rstd, False, w.dtype, b.dtype, bias=b,
+                                              activation="silu"), (dy, x, w, b, mean, rstd))
+    assert len(plan[2]) == 2  # the backward, then the fixed-order sum of the weight-gradient partials
+    assert _roles(plan).count(0) >= 2  # the partials are temporaries
+
+
+def test_record_rms_inference_and_strided_rows():
+    x = torch.randn(6, 40, device=DEVICE)[:, :32]  # rows 40 apart
+    w = torch.randn(32, device=DEVICE)
+    tb.row_norm_fwd(x, w, None, 1e-6, True, None, False)
+    plan, (y, mean, rstd) = _record(lambda: tb.row_norm_fwd(x, w, None, 1e-6, True, None, False), (x, w, None))
+    assert mean is None and rstd is None and _roles(plan) == [1]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_record_group_norm(channels_last):
+    x = torch.randn(2, 8, 4, 4, device=DEVICE)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = torch.randn(8, device=DEVICE), torch.randn(8, device=DEVICE)
+    from normkit._layout import bcs
+
+    x3 = bcs(x, channels_last)
+    tb.group_norm_fwd(x3, 4, w, b, 1e-5, "mish")
+    plan, (y3, mean, rstd) = _record(lambda: tb.group_norm_fwd(x3, 4, w, b, 1e-5, "mish"), (x3, w, b))
+    dy3 = bcs(torch.randn_like(x), channels_last)
+    tb.group_norm_bwd(dy3, x3, 4, w, b, mean, rstd, "mish", w.dtype, b.dtype)
+    plan, _ = _record(lambda: tb.group_norm_bwd(dy3, x3, 4, w, b, mean, rstd, "mish", w.dtype, b.dtype),
+                      (dy3, x3, w, b, mean, rstd))
+    assert len(plan[2]) >= 2
+
+
+def test_a_run_that_writes_memory_is_not_replayable():
+    x = torch.randn(4, 16)
+    with plans.Recorder() as rec:
+        y = torch.empty_like(x).zero_()  # what a replay would not redo
+    plan, why = rec.plan((x,), [(1, y)])
+    assert plan is None and "zero_" in why
+
+
+def test_a_second_recording_at_once_records_nothing():
+    held = threading.Event()
+    release = threading.Event()
+
+    def other():
+        with plans.Recorder():
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    held.wait(10)
+    try:
+        with plans.Recorder() as rec:
+            y = torch.empty(3)
+        assert rec.plan((y,), []) == (None, None)
+    finally:
+        release.set()
+        t.join()
+
+
+def test_pointer_slots():
+    x, w = torch.randn(4, 8), torch.randn(8)
+    state = torch.zeros(16, dtype=torch.int32)  # backend state made before the run: kept, passed as is
+    with plans.Recorder() as rec:
+        y = torch.empty(4, 8)
+        part = torch.empty(2, 8)
+    allocs = rec.watch.allocs
+    persistent = []
+    assert plans.pointer_slot(x, (x, w), allocs, persistent) == (0, 0)
+    assert plans.pointer_slot(x.view(32), (x, w), allocs, persistent) == (0, 0)
+    assert plans.pointer_slot(y, (x, w), allocs, persistent) == (2, 0)
+    assert plans.pointer_slot(part[1], (x, w), allocs, persistent) == (3, 32)  # byte offset into a buffer
+    assert plans.pointer_slot(state, (x, w), allocs, persistent) == (4, 0) and persistent == [state]
+    assert plans.pointer_slot(state, (x, w), allocs, persistent) == (4, 0) and len(persistent) == 1
+    assert plans.pointer_slot(None, (x, w), allocs, persistent) == (-1, 0)
+    with pytest.raises(plans.NotReplayable, match="view into an input"):
+        plans.pointer_slot(x[1:], (x, w), allocs, persistent)
+
+
+def test_parameter_packing():
+    t = torch.randn(4)
+    template, offsets, pointers = plans.pack_params(
+        ["*fp32", "constexpr", "i32", "i64", "fp32", "*bf16", "constexpr", "u64", "fp64"],
+        (t, None, 7, 2**40, 0.5, t, 1, 2**63, 0.25))
+    # pointer 0, i32 8, i64 16, fp32 24, pointer 32, u64 40, fp64 48, scratch 56 and 64
+    assert offsets == (0, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert struct.unpack_from("<i", template, 8)[0] == 7
+    assert struct.unpack_from("<q", template, 16)[0] == 2**40 and struct.unpack_from("<f", template, 24)[0] == 0.5
+    assert struct.unpack_from("<Qd", template, 40) == (2**63, 0.25)
+    assert [off for off, _ in pointers] == [0, 32]
+    for sig, args in ((["i1"], (True,)), (["fp16"], (0.5,)), ([("*fp32", "i32")], ((t, 1),)), (["i32"], (0.5,)),
+                      (["*fp32"], (5,)), (["i32", "i32"], (1,))):
+        with pytest.raises(plans.NotReplayable):
+            plans.pack_params(sig, args)
+
+
+def test_launch_attributes_it_does_not_replay():
+    t = torch.randn(4)
+    for extra in ({"num_ctas": 2}, {"cooperative": True}, {"pdl": True}, {"scratch": 256}, {"shared": 300_000}):
+        rec = plans.LaunchRecord(["*fp32"], (t,), (1,), 4, **extra)
+        with pytest.raises(plans.NotReplayable):
+            plans.build_plan([rec], (t,), [], [])
+
+
+# ----------------------------------------------------------------------------- the package
+
+def test_pending_host_path_ignores_cpu_tensors():
+    fast = _host._Pending()
+    assert fast.row_norm(torch.randn(2, 4), 4, None, None, 1e-5, False, None, None) is None
+    assert fast.group_norm(torch.randn(2, 4, 3), 2, None, None, 1e-5, None, None) is None
+
+
+def test_switched_off_by_environment():
+    code = "import normkit._host as h, normkit.info as i; print(h.fast is None); print(i.host_path_line())"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NORMKIT_HOST="0"), capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[0] == "True" and "NORMKIT_HOST=0" in out[1]
+
+
+def test_info_says_which_host_path():
+    from normkit.info import host_path_line
+
+    line = host_path_line()
+    assert ("C++ host path: active" in line) if HAS_CUDA else ("no CUDA device" in line)

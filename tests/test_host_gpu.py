@@ -1,0 +1,287 @@
+"""The C++ host path on a GPU: every call it serves must give the Python path's results bit for bit
+(the same kernels with the same configurations, launched from a recorded plan), forward and
+backward, for every requires_grad subset, strided and misaligned rows, empty batches, in-place ops
+on the output, double backward, side streams and CUDA graph capture. Each case runs three times:
+the first call of a shape takes the Python host function, the second records its plan, the third
+replays it."""
+import pytest
+import torch
+
+import normkit
+from normkit import _host
+
+pytestmark = pytest.mark.gpu
+
+bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.fixture(scope="module")
+def fast():
+    ext = _host.activate()
+    assert ext is not None, _host.status
+    return ext
+
+
+def _replays():
+    return _host.stats()["replays"]
+
+
+def _same(a, b, what):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride(), what
+    assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num()), what
+
+
+def _grads(fn, inputs, wanted):
+    """(y, grads of the wanted inputs) of one call on fresh leaves; dy is a function of y."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_(i in wanted) for i, t in enumerate(inputs)]
+    y = fn(*leaves)
+    if not wanted:
+        return y, []
+    dy = (y.detach().float() * 0.7 + 0.3).cos().to(y.dtype)
+    return y, list(torch.autograd.grad(y, [leaves[i] for i in sorted(wanted)], dy))
+
+
+def _check(fast, fn, inputs, wanted):
+    """Three calls through the C++ path (Python run, record, replay) against the Python path; the
+    number of plan replays they made."""
+    with _host.python_path():
+        ref = _grads(fn, inputs, wanted)
+    before = _replays()
+    for i in range(3):
+        got = _grads(fn, inputs, wanted)
+        _same(got[0], ref[0], f"y, call {i}")
+        for k, (g, r) in enumerate(zip(got[1], ref[1])):
+            _same(g, r, f"grad {k}, call {i}")
+    return _replays() - before
+
+
+ROW_CASES = [
+    # (x shape, normalized dims, dtype, weight dtype, affine, activation, rms)
+    ((4, 4096), 1, bf16, bf16, "wb", None, False),
+    ((3, 5, 768), 1, fp16, fp16, "wb", "silu", False),
+    ((2, 3, 4, 8), 2, fp32, fp32, "w", None, True),
+    ((7, 1000), 1, bf16, fp32, "wb", "gelu_tanh", False),
+    ((16, 65536), 1, bf16, bf16, "wb", None, False),  # split rows: the plan keeps the exchange counters
+    ((5, 1), 1, fp32, fp32, "wb", None, False),
+    ((33, 128), 1, fp16, fp16, "", None, True),
+    ((1, 8192), 1, bf16, bf16, "w", "mish", True),
+]
+
+
+def _row_inputs(shape, ndim, dtype, wdtype, affine):
+    x = torch.randn(shape, device="cuda", dtype=dtype) * 2 + 0.5
+    pshape = shape[len(shape) - ndim:]
+    w = torch.randn(pshape, device="cuda", dtype=wdtype) if "w" in affine else None
+    b = torch.randn(pshape, device="cuda", dtype=wdtype) if "b" in affine else None
+    return x, w, b
+
+
+def _row_fn(ndim, act, rms, pshape):
+    if rms:
+        return lambda x, w, b: normkit.rms_norm(x, pshape, w, activation=act)
+    return lambda x, w, b: normkit.layer_norm(x, pshape, w, b, activation=act)
+
+
+@pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: f"{'rms' if c[6] else 'ln'}-{'x'.join(map(str, c[0]))}-"
+                         f"{str(c[2])[6:]}-{c[4] or 'noaffine'}-{c[5]}")
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_row_norm_matches_the_python_path(fast, case, grad):
+    shape, ndim, dtype, wdtype, affine, act, rms = case
+    x, w, b = _row_inputs(shape, ndim, dtype, wdtype, affine)
+    fn = _row_fn(ndim, act, rms, shape[len(shape) - ndim:])
+    wanted = {i for i, t in enumerate((x, w, b)) if t is not None} if grad else set()
+    assert _check(fast, fn, (x, w, b), wanted) >= 1  # the third call replayed its plan(s)
+
+
+@pytest.mark.parametrize("wanted", [{0}, {1}, {2}, {0, 1}, {1, 2}, {0, 2}], ids=str)
+def test_requires_grad_subsets(fast, wanted):
+    x, w, b = _row_inputs((6, 1024), 1, bf16, bf16, "wb")
+    _check(fast, lambda x, w, b: normkit.layer_norm(x, 1024, w, b), (x, w, b), wanted)
+
+
+def test_strided_and_misaligned_rows(fast):
+    base = torch.randn(8, 5000, device="cuda", dtype=bf16)
+    w, b = torch.randn(4096, device="cuda", dtype=bf16), torch.randn(4096, device="cuda", dtype=bf16)
+    strided = base[:, :4096]  # rows 5000 apart, read in place
+    misaligned = torch.randn(4 * 4096 + 1, device="cuda", dtype=bf16)[1:].view(4, 4096)  # 2 bytes off 16
+    assert misaligned.data_ptr() % 16
+    for x in (strided, misaligned):
+        assert _check(fast, lambda x, w, b: normkit.layer_norm(x, 4096, w, b), (x, w, b), {0, 1, 2}) >= 1
+
+
+def test_empty_batch(fast):
+    x, w, b = _row_inputs((0, 64), 1, bf16, bf16, "wb")
+    _check(fast, lambda x, w, b: normkit.layer_norm(x, 64, w, b), (x, w, b), set())
+    _check(fast, lambda x, w, b: normkit.layer_norm(x, 64, w, b), (x, w, b), {0, 1, 2})
+
+
+def test_plan_cache(fast):
+    x, w, b = _row_inputs((3, 2048), 1, fp16, fp16, "wb")
+    _host.clear()
+    s0 = _host.stats()
+    for _ in range(3):
+        normkit.layer_norm(x, 2048, w, b)
+    s1 = _host.stats()
+    assert s1["plans"] == 1 and s1["python_runs"] - s0["python_runs"] == 2
+    assert s1["records"] - s0["records"] == 1 and s1["replays"] - s0["replays"] == 1
+    normkit.layer_norm(x[:2], 2048, w, b)  # another shape: another plan
+    assert _host.stats()["plans"] == 2
+    _host.clear()
+    assert _host.stats()["plans"] == 0
+
+
+def test_output_is_fresh_and_in_place_ops_work(fast):
+    x, w, b = _row_inputs((4, 512), 1, bf16, bf16, "wb")
+    dy = torch.randn(4, 512, device="cuda", dtype=bf16)
+
+    def run():
+        xl, wl, bl = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        y = normkit.layer_norm(xl, 512, wl, bl)
+        assert not y._is_view() and y.grad_fn is not None
+        y.mul_(2).relu_()  # in place on the output, as ResNets do
+        return [y.detach()] + list(torch.autograd.grad(y, (xl, wl, bl), dy))
+
+    with _host.python_path():
+        ref = run()
+    for _ in range(3):
+        for g, r in zip(run(), ref):
+            _same(g, r, "in-place")
+    y = normkit.layer_norm(x.clone().requires_grad_(), 512, w, b)
+    assert y.grad_fn.name() == "NormkitRowNormBackward"
+
+
+def test_gradient_of_a_reduction_has_stride_zero(fast):
+    x, w, b = _row_inputs((4, 256), 1, fp32, fp32, "wb")
+
+    def run():
+        xl = x.detach().clone().requires_grad_()
+        normkit.layer_norm(xl, 256, w, b).sum().backward()  # dy is an expanded scalar
+        return xl.grad
+
+    with _host.python_path():
+        ref = run()
+    for _ in range(3):
+        _same(run(), ref, "sum().backward()")
+
+
+def test_double_backward_takes_the_differentiable_path(fast):
+    x, w, b = _row_inputs((4, 64), 1, fp32, fp32, "wb")
+    v = torch.randn(4, 64, device="cuda")
+    dy = torch.randn(4, 64, device="cuda")
+
+    def run():
+        xl, wl = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = normkit.layer_norm(xl, 64, wl, b, activation="silu")
+        g, = torch.autograd.grad(y, xl, dy, create_graph=True)
+        return torch.autograd.grad((g * v).sum(), (xl, wl))
+
+    with _host.python_path():
+        ref = run()
+    before = _host.stats()["differentiable_backwards"]
+    for _ in range(2):
+        for g, r in zip(run(), ref):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert _host.stats()["differentiable_backwards"] - before == 2
+
+
+def test_side_stream(fast):
+    x, w, b = _row_inputs((4, 1024), 1, bf16, bf16, "wb")
+    new = torch.randn_like(x)
+    for _ in range(3):
+        normkit.layer_norm(x, 1024, w, b)
+    with _host.python_path():
+        want = normkit.layer_norm(new, 1024, w, b)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # the copy below waits for this; a launch on another stream would not
+        x.copy_(new)
+        y = normkit.layer_norm(x, 1024, w, b)
+    s.synchronize()
+    _same(y, want, "side stream")
+
+
+def test_cuda_graph_capture(fast):
+    x, w, b = _row_inputs((8, 2048), 1, bf16, bf16, "wb")
+    w.requires_grad_()
+    x.requires_grad_()
+    dy = torch.randn(8, 2048, device="cuda", dtype=bf16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # Python run, record, replay: plans exist before the capture
+            torch.autograd.grad(normkit.layer_norm(x, 2048, w, b), (x, w), dy)
+            normkit.group_norm(x.detach().view(8, 64, 32), 8, None, None, activation="silu")
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    replays = _replays()
+    with torch.cuda.graph(g):
+        y = normkit.layer_norm(x, 2048, w, b)
+        dx, dw = torch.autograd.grad(y, (x, w), dy)
+        yg = normkit.group_norm(x.detach().view(8, 64, 32), 8, None, None, activation="silu")
+    assert _replays() - replays == 3  # captured from the plans, not the Python path
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+        dy.copy_(torch.randn_like(dy))
+    g.replay()
+    torch.cuda.synchronize()
+    with _host.python_path():
+        ry = normkit.layer_norm(x, 2048, w, b)
+        rdx, rdw = torch.autograd.grad(ry, (x, w), dy)
+        ryg = normkit.group_norm(x.detach().view(8, 64, 32), 8, None, None, activation="silu")
+    for a, r in ((y, ry), (dx, rdx), (dw, rdw), (yg, ryg)):
+        _same(a.detach(), r.detach(), "graph replay")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_another_device_than_the_current_one(fast):
+    x, w, b = (t.to("cuda:1") for t in _row_inputs((4, 1024), 1, bf16, bf16, "wb"))
+    assert _check(fast, lambda x, w, b: normkit.layer_norm(x, 1024, w, b), (x, w, b), {0, 1, 2}) >= 1
+    assert torch.cuda.current_device() == 0
+
+
+GN_CASES = [
+    # (x shape, groups, dtype, activation, channels_last)
+    ((2, 64, 8, 8), 8, bf16, "mish", False),
+    ((2, 64, 8, 8), 8, bf16, None, True),
+    ((4, 320, 16, 16), 32, fp16, "silu", True),  # the staged channels_last path: three launches
+    ((1, 64, 4096), 8, fp32, "mish", False),  # seed 004's 1D block
+    ((3, 32), 4, bf16, "relu", False),
+    ((2, 48, 5, 7), 6, fp32, "gelu", False),
+]
+
+
+@pytest.mark.parametrize("case", GN_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-g{c[1]}-{str(c[2])[6:]}-"
+                         f"{c[3]}{'-cl' if c[4] else ''}")
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_group_norm_matches_the_python_path(fast, case, grad):
+    shape, groups, dtype, act, cl = case
+    x = torch.randn(shape, device="cuda", dtype=dtype) + 1.0
+    if cl:
+        x = x.to(memory_format=torch.channels_last)  # kept by the clones _check makes
+    w = torch.randn(shape[1], device="cuda", dtype=dtype)
+    b = torch.randn(shape[1], device="cuda", dtype=dtype)
+    wanted = {0, 1, 2} if grad else set()
+    fn = lambda x, w, b: normkit.group_norm(x, groups, w, b, activation=act)  # noqa: E731
+    assert _check(fast, fn, (x, w, b), wanted) >= 1
+
+
+def test_modes_and_transforms_take_the_python_path(fast):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w, b = _row_inputs((4, 256), 1, bf16, bf16, "wb")
+    assert fast.row_norm(x, 256, w, b, 1e-5, False, None, None) is not None
+    with TorchDispatchMode():
+        assert fast.row_norm(x, 256, w, b, 1e-5, False, None, None) is None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert fast.row_norm(x, 256, w, b, 1e-5, False, None, None) is None  # Python casts to float32
+        assert normkit.layer_norm(x, 256, w, b).dtype == torch.float32  # torch's autocast contract
+        assert fast.row_norm(x.float(), 256, w.float(), b.float(), 1e-5, False, None, None).dtype == torch.float32
+    out = torch.func.vmap(lambda r: normkit.layer_norm(r, 256, w, b))(x.view(2, 2, 256))
+    with _host.python_path():
+        _same(out, normkit.layer_norm(x.view(2, 2, 256), 256, w, b), "vmap")
+    assert fast.row_norm(x.cpu(), 256, w.cpu(), b.cpu(), 1e-5, False, None, None) is None
+    assert fast.row_norm(x.double(), 256, None, None, 1e-5, False, None, None) is None
