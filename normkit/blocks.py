@@ -126,7 +126,8 @@ def _hooked(*modules) -> bool:
 
 
 def _autocast_fp32(x: torch.Tensor) -> bool:
-    return x.device.type in F._AUTOCAST_FP32 and torch.is_autocast_enabled(x.device.type)
+    """torch's group_norm returns float32 here (autocast's float32 list), as normkit's does."""
+    return F._autocast_upcasts("group_norm", x.device.type) and torch.is_autocast_enabled(x.device.type)
 
 
 # ----------------------------------------------------------------------------- the fused pieces
@@ -676,8 +677,9 @@ def _rebind(fused: Callable, original_forward: Callable) -> Callable:
 
 
 def _fused_class(original: type, block: _Block, relaxed: bool) -> type:
-    """A subclass of `original` (same name: accelerate/FSDP wrap policies match layer classes by
-    name) with the fused forward; one per (class, relaxed), reused."""
+    """A subclass of `original` (same name and module: accelerate/FSDP wrap policies match layer
+    classes by name; _normkit_fused_original marks it) with the fused forward; one per (class,
+    relaxed), reused."""
     key = (original, relaxed)
     cls = _fused_classes.get(key)
     if cls is None:
@@ -686,7 +688,7 @@ def _fused_class(original: type, block: _Block, relaxed: bool) -> type:
             "forward": forward, "_normkit_fused_original": original, "_normkit_relaxed": relaxed,
             "_normkit_add_norm": staticmethod(add_norm), "_normkit_norm_act": staticmethod(_norm_then_act),
             "_normkit_try_norm_act": staticmethod(norm_act),
-            "__module__": __name__, "__qualname__": original.__qualname__})
+            "__module__": original.__module__, "__qualname__": original.__qualname__})
         _fused_classes[key] = cls
     return cls
 

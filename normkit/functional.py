@@ -175,6 +175,11 @@ def _autocast_upcasts(op: str, device_type: str) -> bool:
         return False
 
 
+# a fact of the torch build: dynamo runs it when tracing (as torch.compiler.assume_constant_result
+# marks a function) instead of tracing the dispatcher query, which it cannot
+_autocast_upcasts._dynamo_marked_constant = _autocast_upcasts.__wrapped__._dynamo_marked_constant = True
+
+
 # ----------------------------------------------------------------------------- fused options
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
