@@ -1,6 +1,7 @@
 """normkit: LayerNorm, RMSNorm and GroupNorm kernels for PyTorch at the speed of light of memory."""
 from . import reference
 from .backends import BackendUnavailableError
+from .compile_fusion import enable_compile_fusion
 from .functional import (group_norm, layer_norm, layer_norm_bwd, layer_norm_fwd, rms_norm, rms_norm_bwd,
                          rms_norm_fwd)
 from .modules import GroupNorm, LayerNorm, RMSNorm
@@ -22,5 +23,6 @@ __all__ = [
     "BackendUnavailableError",
     "patch",
     "unpatch",
+    "enable_compile_fusion",
     "reference",
 ]

@@ -30,7 +30,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _host, _library, backends
+from . import _host, _library, backends, compile_fusion
 from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, param_rows, row_norm_forward_fused, \
     transforms_active
 from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view
@@ -175,6 +175,11 @@ def _autocast_upcasts(op: str, device_type: str) -> bool:
         return False
 
 
+# a fact of the torch build: dynamo runs it when tracing (as torch.compiler.assume_constant_result
+# marks a function) instead of tracing the dispatcher query, which it cannot
+_autocast_upcasts._dynamo_marked_constant = _autocast_upcasts.__wrapped__._dynamo_marked_constant = True
+
+
 # ----------------------------------------------------------------------------- fused options
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -285,6 +290,8 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
         if y is not None:
             return y
     if _library.needed(x, weight, bias, residual, scale):
+        if _is_compiling():
+            compile_fusion.traced()  # Inductor decides, op by op, whether normkit's op stays (compile_fusion.py)
         if plain:
             return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
         y, h, _, _, amax = _library.row_norm_fused(x, len(shape), weight, bias, eps, rms, backend_name, activation,
@@ -439,6 +446,8 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
         if y is not None:
             return y
     if _library.needed(x, weight, bias):
+        if _is_compiling():
+            compile_fusion.traced()
         return _library.group_norm(x, num_groups, weight, bias, eps, backend, activation=activation)
     be = backends.resolve(backend, x, "group_norm")
     if _needs_autograd(x, weight, bias) or transforms_active():

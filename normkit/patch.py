@@ -3,7 +3,8 @@
     report = normkit.patch(model)                # PatchReport: {module name: original class}
     print(report)                                # what was patched, what was skipped and why
     print(normkit.patch(model, dry_run=True))    # the same report, nothing changed
-    restored = normkit.unpatch(model)            # {module name: original class}
+    report.fused                                 # {block name: what normkit.blocks fused there}
+    restored = normkit.unpatch(model)            # {module name: original class}; undoes the fusion too
 
 A module is patched by giving it a new class: a subclass of its own class whose forward calls
 normkit. Nothing else changes: the module object, its Parameters (so an optimizer holding them keeps
@@ -279,7 +280,9 @@ def _classify(module: nn.Module):
 class PatchReport(dict):
     """What patch() did (or, with dry_run=True, would do): a dict {module name: original class} of
     the patched modules, plus .computes {name: what normkit computes for it}, .skipped {name: why a
-    norm-like module was left alone} and .dry_run. str() is a summary grouped by class."""
+    norm-like module was left alone}, .fused {block name: what normkit.blocks fused there} and
+    .dry_run. str() is a summary grouped by class."""
+    fused: dict = {}
 
     def __init__(self, dry_run: bool = False):
         super().__init__()
@@ -331,11 +334,13 @@ def _check_model(model) -> None:
 
 
 def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] = None,
-          dry_run: bool = False) -> PatchReport:
+          dry_run: bool = False, fuse=True) -> PatchReport:
     """Replace, in place, the norm layers of `model` (the model itself included) that normkit computes
     exactly, for the op families in `ops`; with dry_run=True change nothing. Returns a PatchReport:
     {module name: original class} of what it patched ("" names the model itself), with .skipped
-    {module name: reason} for the norm-like modules it left alone (see the module docstring)."""
+    {module name: reason} for the norm-like modules it left alone (see the module docstring).
+    fuse=True (default) also fuses the blocks around the norms (normkit.blocks.fuse; "relaxed": its
+    relaxed mode; False: none), listed in .fused."""
     _check_model(model)
     if isinstance(ops, str):
         raise TypeError(f"ops: expected a collection of op names such as {OPS}, got the string {ops!r}")
@@ -347,6 +352,8 @@ def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] 
         raise TypeError(f"backend: expected None or a string, got {type(backend).__name__}")
     if not isinstance(dry_run, bool):
         raise TypeError(f"dry_run: expected a bool, got {type(dry_run).__name__}")
+    if fuse not in (True, False, "relaxed"):
+        raise ValueError(f"fuse: expected True, False or 'relaxed', got {fuse!r}")
 
     report = PatchReport(dry_run)
     for name, module in model.named_modules(remove_duplicate=True):
@@ -365,6 +372,9 @@ def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] 
         if not dry_run:
             module.__class__ = _patched_class(original, found[1])
             module._normkit_backend = backend
+    if fuse:
+        from . import blocks  # imports this module
+        report.fused = blocks.fuse(model, ops=ops, backend=backend, dry_run=dry_run, relaxed=fuse == "relaxed")
     return report
 
 
@@ -372,6 +382,8 @@ def unpatch(model: nn.Module) -> dict[str, type]:
     """Undo patch(): give every patched module of `model` its original class back.
     Returns {module name: original class} of what it restored."""
     _check_model(model)
+    from . import blocks
+    blocks.unfuse(model)
     restored = {}
     for name, module in model.named_modules(remove_duplicate=True):
         original = getattr(type(module), "_normkit_original", None)

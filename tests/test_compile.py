@@ -1,12 +1,15 @@
 """torch.compile, tracing and CUDA graphs.
 
-Every normkit op is a torch.library custom op (normkit/_library.py): under torch.compile it stays
-one opaque node, so `fullgraph=True` holds, the very same kernels run as in eager (results are
-bitwise equal), and a changing batch size costs one dynamic recompile, not one per shape.
+Every normkit op is a torch.library custom op (normkit/_library.py): dynamo traces it as one opaque
+node, so `fullgraph=True` holds, and a changing batch size costs one dynamic recompile, not one per
+shape. Inductor then decides op by op (normkit/compile_fusion.py): where normkit's op is measured
+faster (its table, or policy("normkit")), the op stays and the very same kernels run as in eager
+(results bitwise equal); where it is not (no table entry: every CPU test, by default), normkit steps
+aside, the compiled code holds no normkit op, and results match eager within tolerance.
 
 CPU tests compile with "aot_eager" (dynamo + fake tensors + AOT autograd, the parts that see the
-custom ops) where that suffices, and with inductor where the generated code matters; the GPU tests
-use inductor and the Triton kernels, and capture CUDA graphs.
+custom ops; no pass runs there, so the op stays) where that suffices, and with inductor where the
+generated code matters; the GPU tests use inductor and the Triton kernels, and capture CUDA graphs.
 """
 import pytest
 import torch
@@ -15,13 +18,14 @@ from torch._dynamo.utils import counters
 
 import normkit
 from normkit import _library
+from normkit import compile_fusion
 from normkit import reference as ref
 
 from conftest import DEVICE, HAS_CUDA
 from helpers import randn
 
-NORMKIT_OPS = {"normkit.row_norm_fwd.default", "normkit.row_norm_bwd.default",
-               "normkit.group_norm_fwd.default", "normkit.group_norm_bwd.default"}
+NORMKIT_OPS = {"normkit.row_norm_fwd.default", "normkit.row_norm_bwd.default", "normkit.row_norm_fused_fwd.default",
+               "normkit.row_norm_fused_bwd.default", "normkit.group_norm_fwd.default", "normkit.group_norm_bwd.default"}
 
 
 @pytest.fixture(autouse=True)
@@ -122,17 +126,43 @@ def test_fullgraph_matches_eager_bitwise(case):
     assert _normkit_nodes(counter), "the normkit op is not in the graph: dynamo traced into the backend"
 
 
+def _assert_close(got, expected, what, tol=1e-5):
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.dtype == e.dtype and g.shape == e.shape, f"{what}[{i}]"
+        assert ref.rel_err(g, e) <= tol, f"{what}[{i}]: relative error {ref.rel_err(g, e):.3g}"
+
+
 @pytest.mark.parametrize("case", ["layer_norm", "rms_norm", "group_norm"])
-def test_inductor_dynamic_batch_compiles_once_more_then_never(case):
+@pytest.mark.parametrize("policy", ["normkit", "torch"])
+def test_inductor_dynamic_batch_compiles_once_more_then_never(case, policy):
     """The first call compiles for its shape, the first new batch size recompiles with a symbolic
-    batch, and no later batch size compiles again. Results stay bitwise equal to eager."""
+    batch, and no later batch size compiles again. Where normkit's op stays, results are bitwise
+    eager's; where it steps aside, Inductor's code matches eager within tolerance."""
     fn, args = _case(case)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(fn, backend=counter, fullgraph=True)
-    for batch in (4, 3, 7, 1 + 8, 16):
-        args = _fresh_batch(args, batch)
-        _assert_equal(_fwd_bwd(compiled, args), _fwd_bwd(fn, args), f"{case} batch {batch}")
+    with compile_fusion.policy(policy):
+        for batch in (4, 3, 7, 1 + 8, 16):
+            args = _fresh_batch(args, batch)
+            got, expected = _fwd_bwd(compiled, args), _fwd_bwd(fn, args)
+            (_assert_equal if policy == "normkit" else _assert_close)(got, expected, f"{case} batch {batch}")
     assert counter.frame_count == 2
+
+
+def test_inductor_code_holds_a_normkit_op_only_where_it_stays():
+    """Patched modules under Inductor: by default (no table entry on the CPU) the generated code
+    calls no normkit op and matches eager within tolerance; under policy("normkit") it calls the
+    op and is bitwise eager's."""
+    from torch._inductor.utils import run_and_get_code
+    ln = torch.nn.LayerNorm(48)
+    normkit.patch(ln)
+    x = randn(4, 5, 48).requires_grad_(True)
+    for policy in ("table", "normkit"):
+        torch._dynamo.reset()
+        with compile_fusion.policy(policy):
+            out, code = run_and_get_code(torch.compile(ln, fullgraph=True), x)
+        assert ("normkit.row_norm_fwd" in "\n".join(code)) == (policy == "normkit"), policy
+        (_assert_equal if policy == "normkit" else _assert_close)([out.detach()], [ln(x).detach()], policy)
 
 
 def test_dynamic_true_compiles_once_for_all_shapes():
@@ -180,11 +210,13 @@ def test_model_with_normkit_modules_fullgraph(backend):
     img = randn(3, 8, 5, 5, device=DEVICE).requires_grad_(True)
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter, fullgraph=True)
-    got, expected = _model_step(compiled, x, img), _model_step(model, x, img)
-    assert counter.frame_count == 1 and _normkit_nodes(counter)
+    with compile_fusion.policy("torch"):
+        got, expected = _model_step(compiled, x, img), _model_step(model, x, img)
+    assert counter.frame_count == 1
     if backend == "aot_eager":  # the same aten ops and the same normkit kernels: bitwise
+        assert _normkit_nodes(counter)  # no pass runs there: the ops stay, opaque
         _assert_equal(got, expected, "model")
-    else:  # inductor generates its own code for the Linear/GELU/conv around the norms
+    else:  # normkit stepped aside: Inductor's code (test_inductor_code_holds_a_normkit_op_only_where_it_stays)
         for g, e in zip(got, expected):
             assert ref.rel_err(g, e) <= 1e-5
 
@@ -226,7 +258,8 @@ def _patched_llama(device):
                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(device)
-    assert len(normkit.patch(model)) == 3
+    report = normkit.patch(model)
+    assert len(report) == 3 and list(report.fused) == ["model.layers.0"]
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     return model, ids
 
@@ -244,7 +277,9 @@ def _check_patched_llama_compiles(backend, device, exact):
     counter = CompileCounterWithBackend(backend)
     got = _hf_step(torch.compile(model, backend=counter, fullgraph=True), ids)
     expected = _hf_step(model, ids)
-    assert counter.frame_count == 1 and _normkit_nodes(counter) == {"normkit.row_norm_fwd.default"}
+    # the norms, and the post-attention norm fused with its residual add (normkit.blocks)
+    assert counter.frame_count == 1 and \
+        _normkit_nodes(counter) == {"normkit.row_norm_fwd.default", "normkit.row_norm_fused_fwd.default"}
     if exact:
         _assert_equal(got, expected, "patched Llama")
     else:
@@ -331,10 +366,24 @@ def test_gpu_inductor_fullgraph_matches_eager_bitwise(case, dtype):
     fn, args = _case(case, device="cuda", dtype=dtype)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(fn, backend=counter, fullgraph=True)
-    for batch in (4, 6, 9):
-        args = _fresh_batch(args, batch)
-        _assert_equal(_fwd_bwd(compiled, args), _fwd_bwd(fn, args), f"{case} batch {batch}")
+    with compile_fusion.policy("normkit"):  # the op stays: normkit's kernels, bitwise
+        for batch in (4, 6, 9):
+            args = _fresh_batch(args, batch)
+            _assert_equal(_fwd_bwd(compiled, args), _fwd_bwd(fn, args), f"{case} batch {batch}")
     assert counter.frame_count == 2 and _normkit_nodes(counter)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_inductor_steps_aside_and_matches_eager(case, dtype):
+    """policy("torch"): Inductor's own code for the norm, no normkit op, eager's values."""
+    from torch._inductor.utils import run_and_get_code
+    fn, args = _case(case, device="cuda", dtype=dtype)
+    with compile_fusion.policy("torch"):
+        out, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+    assert "normkit" not in "\n".join(code)
+    assert ref.rel_err(out, fn(*args)) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def _graph_step(fn, args, dy):
@@ -378,8 +427,9 @@ def test_gpu_compile_reduce_overhead_uses_cuda_graphs(case):
     fn, args = _case(case, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
     counters.clear()
-    for _ in range(3):  # cudagraph trees record on the second or third call
-        got = [g.clone() for g in _fwd_bwd(compiled, args)]
+    with compile_fusion.policy("normkit"):  # normkit's op inside the graphs: bitwise eager below
+        for _ in range(3):  # cudagraph trees record on the second or third call
+            got = [g.clone() for g in _fwd_bwd(compiled, args)]
     assert counters["inductor"]["cudagraph_skips"] == 0, "inductor did not use CUDA graphs"
     _assert_equal(got, _fwd_bwd(fn, args), case)
 

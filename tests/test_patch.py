@@ -162,6 +162,9 @@ def test_patch_with_forced_backend_runs_that_backend(monkeypatch):
     backend = normkit.backends.get("torch")
     real = backend.row_norm_fwd
     monkeypatch.setattr(backend, "row_norm_fwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_fused = backend.row_norm_fwd_fused  # the post-attention norms, fused with their residual add
+    monkeypatch.setattr(backend, "row_norm_fwd_fused",
+                        lambda *a, **k: (k.get("residual") is not None and calls.append(1)) or real_fused(*a, **k))
     replaced = normkit.patch(model, backend="torch")
     model(**_lm_inputs())
     assert len(calls) == len(replaced) == 5

@@ -1,0 +1,718 @@
+"""normkit under torch.compile (Inductor): step aside where Inductor's code is faster, fuse where
+normkit's is, as a measured table says.
+
+A normkit op is one opaque node to Inductor: it cannot fuse the add before it, the activation or the
+cast after it, and it replaces a norm Inductor may compile well on its own. So before Inductor
+lowers a graph, a pre-grad graph pass (torch._inductor.config.pre_grad_custom_pass; the pre-grad IR
+still has torch-level calls such as F.layer_norm and operator.add, and rewriting there lets AOT
+autograd derive the backward of whatever is chosen) looks at each norm and decides:
+
+- a normkit op (patched modules, normkit's functions and modules) whose pattern normkit is not
+  measured faster at is replaced by torch's own decomposable ops with the same numerics
+  (F.layer_norm / F.rms_norm / F.group_norm, the activation, the casts: see _row_norm_composite),
+  so the graph holds no normkit op there and Inductor fuses as it would for the unpatched model;
+- where normkit's fused op wins, the neighbours it can absorb are folded into one normkit op: the
+  residual add before a LayerNorm/RMSNorm (add -> norm: residual=, the sum h returned for its other
+  users), a multiply by a weight vector after an unweighted norm (HF's Llama RMSNorm), the activation
+  after (norm -> activation), a cast of the output (norm -> cast: out_dtype=);
+- torch's own norms (F.layer_norm, F.rms_norm, F.group_norm: unpatched models) are rewritten the
+  same way when the user asks: normkit.enable_compile_fusion().
+
+Numerics: the fused ops compute the activation and the cast on the fp32 normalized value, as
+Inductor's own fused kernels do (it does not round intermediates to bf16 either); h = x + residual
+is rounded to its dtype before it is normalized, as eager torch does.
+
+The table (backends/triton/tuned/compile_<arch>.json, written by benchmarks/compile_table.py on the
+device) is keyed by "pattern|dtype|mode|width class": pattern as _pattern_name builds it
+("add_rms", "gn_silu", "pw+gn_silu", ...: "pw+" / "+pw" mark a pointwise producer / consumer that
+stays outside normkit's op, which Inductor would have fused), dtype of x, mode "fwd" (inference) or
+"train" (forward and backward), width class the power of two at or below the normalized width (the
+group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code.
+
+The pass is installed the first time dynamo traces a normkit op (or by enable_compile_fusion;
+NORMKIT_COMPILE_PASS=0 in the environment keeps it out, and normkit's ops opaque as before);
+decisions are made when Inductor compiles a graph: after changing them, torch._dynamo.reset().
+Other backends (aot_eager, export) run no pre-grad pass: normkit's op stays there.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import operator
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["enable_compile_fusion", "policy", "use_table", "decisions", "wins", "table_path"]
+
+TABLE_DIR = Path(__file__).resolve().parent / "backends" / "triton" / "tuned"
+POLICIES = ("table", "normkit", "torch")
+_state = {"unpatched": False, "policy": "table", "table": None}  # table: an override {key: entry}
+_log: list = []  # the decisions of the graphs compiled since the last decisions(clear=True)
+
+
+# ----------------------------------------------------------------------------- settings
+
+class _Setting:
+    """Sets `_state[key]` now; as a context manager, restores the previous value on exit."""
+
+    def __init__(self, key, value):
+        self.key, self.old = key, _state[key]
+        _state[key] = value
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _state[self.key] = self.old
+        return False
+
+
+def enable_compile_fusion(enabled: bool = True):
+    """Let torch.compile (Inductor) rewrite torch's own norms of any model (F.layer_norm, F.rms_norm,
+    F.group_norm: unpatched ones) into normkit's fused ops where the table says normkit is faster.
+    Patched models and normkit's own calls get this without asking. Usable as a context manager.
+    Takes effect for graphs compiled afterwards (torch._dynamo.reset() to recompile)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {enabled!r}")
+    install()
+    return _Setting("unpatched", enabled)
+
+
+def policy(name: str):
+    """"table" (default): normkit's op where the table says it wins, else Inductor's; "normkit":
+    always normkit's (fusing what it can); "torch": never. Usable as a context manager."""
+    if name not in POLICIES:
+        raise ValueError(f"name: expected one of {POLICIES}, got {name!r}")
+    return _Setting("policy", name)
+
+
+def use_table(table):
+    """Use `table` ({key: entry}, or a path to a table json) instead of the file for the GPU (for
+    tests and the measurement script); None goes back to the file. Usable as a context manager."""
+    if table is not None and not isinstance(table, dict):
+        table = _read(Path(table))
+    return _Setting("table", None if table is None else dict(table))
+
+
+def decisions(clear: bool = False) -> list:
+    """What the pass decided in the graphs compiled so far: [(pattern key, "normkit" | "inductor")]."""
+    out = list(_log)
+    if clear:
+        _log.clear()
+    return out
+
+
+# ----------------------------------------------------------------------------- the table
+
+def table_path(arch: str) -> Path:
+    return TABLE_DIR / f"compile_{arch}.json"
+
+
+def _read(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    return data.get("entries", data)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_table(arch: str) -> dict:
+    path = table_path(arch)
+    return _read(path) if path.exists() else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _arch(device_index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+def width_class(width: int) -> int:
+    """The power of two at or below `width` (the table's width classes)."""
+    return 1 << (max(int(width), 1).bit_length() - 1)
+
+
+def key(pattern: str, dtype: torch.dtype, mode: str, width: int) -> str:
+    return f"{pattern}|{str(dtype).replace('torch.', '')}|{mode}|{width_class(width)}"
+
+
+def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.device) -> bool:
+    """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?"""
+    if _state["policy"] != "table":
+        return _state["policy"] == "normkit"
+    table = _state["table"]
+    if table is None:
+        if device.type != "cuda":
+            return False
+        table = _file_table(_arch(device.index if device.index is not None else torch.cuda.current_device()))
+    entry = table.get(key(pattern, dtype, mode, width))
+    return bool(entry and entry.get("wins"))
+
+
+# ----------------------------------------------------------------------------- torch's ops with normkit's numerics
+
+_ACT = {"silu": F.silu, "mish": F.mish, "relu": F.relu, "gelu": F.gelu,
+        "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _acc(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _no_autocast(x):
+    return torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else \
+        contextlib.nullcontext()
+
+
+def _row_norm_composite(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual=None,
+                        residual_dtype=None, weight_offset=0.0, out_dtype=None, out_scale=None, out_scale_value=None,
+                        want_amax=False):
+    """normkit::row_norm_fused_fwd in torch's decomposable ops: (y, h, mean, rstd, amax), absent
+    outputs as empty tensors. Computes in fp32 (fp64 for fp64), rounds once; plain calls are torch's
+    own F.layer_norm / F.rms_norm, exactly what an unpatched module hands Inductor."""
+    acc = _acc(x)
+    with _no_autocast(x):
+        z = x
+        h = None
+        if residual is not None:
+            h = x + residual if x.dtype == residual.dtype == residual_dtype else \
+                (x.to(acc) + residual.to(acc)).to(residual_dtype)
+            z = h
+        k = normalized_ndim
+        shape = tuple(z.shape[z.dim() - k:])
+        y_dtype = out_dtype or x.dtype
+        per_head = any(p is not None and p.dim() > k for p in (weight, bias))
+        plain = activation is None and not weight_offset and y_dtype == z.dtype and not per_head and \
+            all(p is None or p.dtype == z.dtype for p in (weight, bias)) and not want_amax
+        if plain:
+            y = F.rms_norm(z, shape, weight, eps) if rms else F.layer_norm(z, shape, weight, bias, eps)
+        else:
+            zf = z.to(acc)
+            w = None if weight is None else weight.to(acc) + weight_offset if weight_offset else \
+                (None if weight is None else weight.to(acc))
+            b = None if bias is None else bias.to(acc)
+            if per_head:  # (heads, *shape): broadcast over the leading dims
+                y = F.rms_norm(zf, shape, None, eps) if rms else F.layer_norm(zf, shape, None, None, eps)
+                y = y * w if w is not None else y
+                y = y + b if b is not None else y
+            else:
+                y = F.rms_norm(zf, shape, w, eps) if rms else F.layer_norm(zf, shape, w, b, eps)
+            if activation is not None:
+                y = _ACT[activation](y)
+        dims = tuple(range(z.dim() - k, z.dim()))
+        zf = z.to(acc)
+        if rms:
+            mean = zf.new_empty((0,))
+            rstd = torch.rsqrt(zf.square().mean(dims) + eps)
+        else:
+            var, mean = torch.var_mean(zf, dims, correction=0)
+            rstd = torch.rsqrt(var + eps)
+        amax = y.abs().amax() if want_amax and y.numel() else zf.new_empty((0,) if not want_amax else ())
+        if want_amax and not y.numel():
+            amax = zf.new_zeros(())
+        if y_dtype in _FP8_MAX:
+            scale = out_scale.to(acc).reshape(()) if out_scale is not None else out_scale_value
+            y = (y * scale).clamp(-_FP8_MAX[y_dtype], _FP8_MAX[y_dtype])
+        y = y.to(y_dtype)
+    return y, (x.new_empty((0,)) if h is None else h), mean, rstd, amax
+
+
+def _row_norm_plain_composite(x, normalized_ndim, weight, bias, eps, rms, activation, backend):
+    """normkit::row_norm_fwd in torch's ops: (y, mean, rstd)."""
+    y, _, mean, rstd, _ = _row_norm_composite(x, normalized_ndim, weight, bias, eps, rms, activation, backend)
+    return y, mean, rstd
+
+
+def _group_norm_composite(x, num_groups, weight, bias, eps, activation, backend):
+    """normkit::group_norm_fwd in torch's ops: (y, mean [B, G], rstd [B, G])."""
+    acc = _acc(x)
+    with _no_autocast(x):
+        if activation is None and all(p is None or p.dtype == x.dtype for p in (weight, bias)):
+            y = F.group_norm(x, num_groups, weight, bias, eps)
+        else:
+            up = lambda p: None if p is None else p.to(acc)  # noqa: E731
+            y = _ACT[activation](F.group_norm(x.to(acc), num_groups, up(weight), up(bias), eps)) if activation else \
+                F.group_norm(x.to(acc), num_groups, up(weight), up(bias), eps)
+            y = y.to(x.dtype)
+        var, mean = torch.var_mean(x.to(acc).reshape(x.shape[0], num_groups, -1), -1, correction=0)
+    return y, mean, torch.rsqrt(var + eps)
+
+
+# ----------------------------------------------------------------------------- the graph pass
+
+_OPS = None
+
+
+def _ops():
+    global _OPS
+    if _OPS is None:
+        nk = torch.ops.normkit
+        _OPS = {nk.row_norm_fwd.default: ("row", _row_norm_plain_composite),
+                nk.row_norm_fused_fwd.default: ("row_fused", _row_norm_composite),
+                nk.group_norm_fwd.default: ("group", _group_norm_composite)}
+    return _OPS
+
+
+def _torch_norms() -> dict:
+    """torch's norm functions as dynamo records them -> (kind, argument names)."""
+    ln = ("input", "normalized_shape", "weight", "bias", "eps")
+    rms = ("input", "normalized_shape", "weight", "eps")
+    gn = ("input", "num_groups", "weight", "bias", "eps")
+    return {F.layer_norm: ("ln", ln), torch.layer_norm: ("ln", ln), F.rms_norm: ("rms", rms),
+            torch.rms_norm: ("rms", rms), F.group_norm: ("gn", gn), torch.group_norm: ("gn", gn)}
+
+
+_ACTIVATIONS = {F.silu: "silu", F.mish: "mish", F.relu: "relu", torch.relu: "relu", F.gelu: "gelu"}
+_ADDS = (operator.add, torch.add)
+_MULS = (operator.mul, torch.mul)
+_LINEAR_LIKE = {F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                torch.einsum, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+                F.conv_transpose3d, F.scaled_dot_product_attention, F.embedding}
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "unflatten",
+                 "contiguous", "expand", "t"}
+_VIEW_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.flatten}
+_FLOAT_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _ev(node):
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
+def _hint(s) -> Optional[int]:
+    if isinstance(s, int):
+        return s
+    try:
+        from torch.fx.experimental.symbolic_shapes import hint_int
+        return int(hint_int(s))
+    except Exception:
+        return None
+
+
+def _args(node, names, defaults=()) -> dict:
+    out = dict(zip(names, node.args))
+    out.update(node.kwargs)
+    for n, v in zip(names[len(names) - len(defaults):], defaults):
+        out.setdefault(n, v)
+    return out
+
+
+def _is_linear_like(node) -> bool:
+    t = node.target
+    if node.op == "call_function":
+        return t in _LINEAR_LIKE or getattr(t, "__name__", None) == "linear" or t in _ops() or \
+            t in _torch_norms()
+    return False
+
+
+def _view_input(node):
+    """The tensor a pure view/move node reads, else None."""
+    if node.op == "call_method" and node.target in _VIEW_METHODS:
+        return node.args[0]
+    if node.op == "call_function" and node.target in _VIEW_FUNCTIONS:
+        return node.args[0]
+    if node.op == "call_function" and node.target is F.dropout:
+        a = _args(node, ("input", "p", "training", "inplace"), (0.5, True, False))
+        if a["p"] == 0 or a["training"] is False:
+            return a["input"]
+    return None
+
+
+def _blocking_producer(node) -> bool:
+    """True when Inductor could not have fused `node` (the tensor's producer) into the norm's
+    kernel either: a graph input, a matmul/conv/attention/norm, or a view of one."""
+    seen = 0
+    while isinstance(node, torch.fx.Node) and seen < 16:
+        if node.op in ("placeholder", "get_attr"):
+            return True
+        if node.op == "call_function" and node.target is operator.getitem:
+            base = node.args[0]
+            return isinstance(base, torch.fx.Node) and (_is_linear_like(base) or base.op == "placeholder")
+        if _is_linear_like(node):
+            return True
+        node = _view_input(node)
+        seen += 1
+    return False
+
+
+def _blocking_consumers(node, depth=0) -> bool:
+    """True when every user of `node` is something Inductor could not have fused with the norm."""
+    for user in node.users:
+        if user.op == "output" or _is_linear_like(user):
+            continue
+        if depth < 8 and _view_input(user) is node:
+            if _blocking_consumers(user, depth + 1):
+                continue
+        return False
+    return True
+
+
+class _Site:
+    """One norm in the graph and the neighbours folded into it."""
+
+    def __init__(self, **kw):
+        self.node = self.origin = self.kind = self.x = None
+        self.ndim = self.groups = 0
+        self.weight = self.bias = self.residual = self.residual_dtype = self.activation = self.out_dtype = None
+        self.eps = None
+        self.weight_offset = 0.0
+        self.fixed = False      # fp8 / amax / explicit scale: decided as is, never grown
+        self.y = None           # the node holding y (getitem 0, or the torch call itself)
+        self.add = None         # absorbed producer add
+        self.chain = []         # absorbed consumers, in order: (node, the fields it sets)
+        self.__dict__.update(kw)
+
+    def copy(self, **kw):
+        s = _Site(**self.__dict__)
+        s.chain = list(self.chain)
+        s.__dict__.update(kw)
+        return s
+
+    @property
+    def out(self):
+        return self.chain[-1][0] if self.chain else self.y
+
+    def absorb(self, node, **changes) -> "_Site":
+        s = self.copy(**changes)
+        s.chain.append((node, changes))
+        return s
+
+
+def _site_of(node) -> Optional[_Site]:
+    if node.op != "call_function":
+        return None
+    op = _ops().get(node.target)
+    if op is not None:
+        kind = op[0]
+        schema = [a.name for a in node.target._schema.arguments]
+        a = _args(node, schema)
+        if a.get("backend") is not None:  # the user forced a backend: theirs to choose
+            return None
+        users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        y = users.get(0)
+        if y is None:
+            return None
+        if kind == "group":
+            return _Site(node=node, origin="normkit", kind="gn", x=a["input" if "input" in a else "x"],
+                         groups=a["num_groups"], weight=a["weight"], bias=a["bias"], eps=a["eps"],
+                         activation=a["activation"], y=y)
+        site = _Site(node=node, origin="normkit", kind="rms" if a["rms"] else "ln", x=a["x"],
+                     ndim=a["normalized_ndim"], weight=a["weight"], bias=a["bias"], eps=a["eps"],
+                     activation=a["activation"], y=y)
+        if kind == "row_fused":
+            site.residual, site.residual_dtype = a["residual"], a["residual_dtype"]
+            site.weight_offset, site.out_dtype = a["weight_offset"], a["out_dtype"]
+            site.fixed = a["out_scale"] is not None or a["out_scale_value"] is not None or a["want_amax"] or \
+                any(i in users for i in (2, 3, 4)) or (1 in users and site.residual is None)
+        else:
+            site.fixed = any(i in users for i in (1, 2))  # statistics used: the kernel-level API
+        return site
+    if not _state["unpatched"]:
+        return None
+    norm = _torch_norms().get(node.target)
+    if norm is None:
+        return None
+    kind, names = norm
+    a = _args(node, names, (None, None, None) if kind != "rms" else (None, None))
+    x = a["input"]
+    if not isinstance(_ev(x), torch.Tensor):
+        return None
+    if kind == "gn":
+        if not isinstance(a["num_groups"], int):
+            return None
+        return _Site(node=node, origin="torch", kind="gn", x=x, groups=a["num_groups"], weight=a["weight"],
+                     bias=a["bias"], eps=1e-5 if a["eps"] is None else a["eps"], y=node)
+    shape = a["normalized_shape"]
+    shape = (shape,) if isinstance(shape, int) else shape
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(s, int) for s in shape):
+        return None
+    eps = a["eps"]
+    if kind == "ln" and eps is None:
+        eps = 1e-5
+    if kind == "rms" and eps is None:
+        from .reference import default_rms_eps
+        eps = default_rms_eps(_ev(x).dtype)
+    return _Site(node=node, origin="torch", kind=kind, x=x, ndim=len(shape), weight=a.get("weight"),
+                 bias=a.get("bias"), eps=eps, y=node)
+
+
+def _sole_user(node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _same_tensor_meta(a, b) -> bool:
+    ea, eb = _ev(a), _ev(b)
+    return isinstance(ea, torch.Tensor) and isinstance(eb, torch.Tensor) and ea.shape == eb.shape and \
+        ea.device == eb.device
+
+
+def _grow(site: _Site) -> _Site:
+    """The largest site: absorb the producer add and the consumer chain where normkit can."""
+    if site.fixed:
+        return site
+    if site.kind != "gn" and site.residual is None:
+        p = site.x
+        if isinstance(p, torch.fx.Node) and p.op in ("call_function", "call_method") and \
+                (p.target in _ADDS or p.target == "add") and len(p.args) == 2 and not p.kwargs:
+            a, b = p.args
+            if isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and _same_tensor_meta(a, p) and \
+                    _same_tensor_meta(b, p) and _ev(a).dtype in _KERNEL_DTYPES and _ev(b).dtype in _KERNEL_DTYPES:
+                site = site.copy(x=a, residual=b, residual_dtype=_ev(p).dtype, add=p)
+    while True:
+        out = site.out
+        user = _sole_user(out)
+        if user is None:
+            return site
+        changes = _consumer(site, out, user)
+        if changes is None:
+            return site
+        site = site.absorb(user, **changes)
+
+
+def _consumer(site: _Site, out, user) -> Optional[dict]:
+    """What folding `user` (the sole user of the site's output) into normkit's op changes, or None."""
+    if site.kind != "gn" and site.weight is None and not site.activation and site.out_dtype is None and \
+            site.ndim == 1 and user.op in ("call_function", "call_method") and \
+            (user.target in _MULS or user.target == "mul") and len(user.args) == 2 and not user.kwargs:
+        w = user.args[1] if user.args[0] is out else user.args[0]
+        ew, ey, ex = _ev(w), _ev(out), _ev(site.x)
+        if isinstance(ew, torch.Tensor) and ew.dim() == 1 and ew.shape[0] == ex.shape[-1] and \
+                ew.dtype in _KERNEL_DTYPES and ew.device == ey.device:  # y * w: w is the norm's weight
+            promoted = torch.promote_types(ew.dtype, ey.dtype)
+            return {"weight": w, "out_dtype": None if promoted == ex.dtype else promoted}
+    if not site.activation and user.op == "call_function" and user.target in _ACTIVATIONS and \
+            user.args and user.args[0] is out:
+        if user.target is F.gelu:
+            name = {"none": "gelu", "tanh": "gelu_tanh"}.get(_args(user, ("input", "approximate")).get("approximate",
+                                                                                                       "none"))
+        else:
+            name = None if _args(user, ("input", "inplace")).get("inplace") else _ACTIVATIONS[user.target]
+        return None if name is None else {"activation": name}
+    if site.kind != "gn" and site.out_dtype is None and user.op == "call_method" and not user.kwargs:
+        dtype = _FLOAT_CASTS.get(user.target) if len(user.args) == 1 else None
+        if user.target == "to" and len(user.args) == 2 and isinstance(user.args[1], torch.dtype):
+            dtype = user.args[1]
+        if dtype in _KERNEL_DTYPES:
+            return {"out_dtype": dtype}
+    return None
+
+
+def _variants(site: _Site):
+    """The grown site, then smaller ones: consumers dropped from the end, then the add."""
+    for with_add in ((True, False) if site.add is not None else (False,)):
+        for k in range(len(site.chain), -1, -1):
+            yield with_add, k
+
+
+def _shrink(base: _Site, grown: _Site, with_add: bool, k: int) -> _Site:
+    s = base.copy()
+    if with_add:
+        s = s.copy(x=grown.x, residual=grown.residual, residual_dtype=grown.residual_dtype, add=grown.add)
+    for node, changes in grown.chain[:k]:
+        s = s.absorb(node, **changes)
+    return s
+
+
+def _pattern_name(site: _Site) -> str:
+    name = ("add_" if site.residual is not None else "") + site.kind
+    if site.activation:
+        name += "_" + site.activation
+    x_dtype = _ev(site.x).dtype
+    if site.out_dtype is not None and site.out_dtype != x_dtype and site.kind != "gn":
+        name += "_cast"
+    producers = [site.x] + ([site.residual] if site.residual is not None else [])
+    if not all(_blocking_producer(p) for p in producers):
+        name = "pw+" + name
+    if not _blocking_consumers(site.out):
+        name += "+pw"
+    return name
+
+
+def _width(site: _Site) -> Optional[int]:
+    ev = _ev(site.x)
+    dims = ev.shape[ev.dim() - site.ndim:] if site.kind != "gn" else ev.shape[2:]
+    sizes = [_hint(s) for s in dims]
+    if any(s is None for s in sizes):
+        return None
+    n = math.prod(sizes)
+    if site.kind == "gn":
+        c = _hint(ev.shape[1])
+        n = None if c is None else n * (c // site.groups)
+    return n
+
+
+def _decide(site: _Site) -> tuple[str, bool]:
+    ev = _ev(site.x)
+    out = _ev(site.y)
+    mode = "train" if (isinstance(out, torch.Tensor) and out.requires_grad) else "fwd"
+    width = _width(site)
+    name = _pattern_name(site)
+    k = key(name, ev.dtype, mode, width or 1)
+    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device)
+
+
+def _replace(graph, site: _Site) -> None:
+    """Rewrite the graph so one normkit op computes `site` (its add, norm and chain)."""
+    ev_x = _ev(site.x)
+    insert_at = site.out
+    with graph.inserting_before(insert_at):
+        if site.kind == "gn":
+            op = graph.call_function(torch.ops.normkit.group_norm_fwd.default,
+                                     (site.x, site.groups, site.weight, site.bias, float(site.eps), site.activation, None))
+        else:
+            op = graph.call_function(torch.ops.normkit.row_norm_fused_fwd.default,
+                                     (site.x, site.ndim, site.weight, site.bias, float(site.eps), site.kind == "rms",
+                                      site.activation, None, site.residual,
+                                      site.residual_dtype if site.residual is not None else None,
+                                      float(site.weight_offset or 0.0),
+                                      site.out_dtype if site.out_dtype not in (None, ev_x.dtype) else None,
+                                      None, None, False))
+        y = graph.call_function(operator.getitem, (op, 0))
+        h = graph.call_function(operator.getitem, (op, 1)) if site.add is not None else None
+    for new, old in ((op, site.node), (y, site.out)):
+        new.meta.update({k: v for k, v in old.meta.items() if k in ("stack_trace", "nn_module_stack",
+                                                                    "source_fn_stack")})
+    y.meta["example_value"] = _ev(site.out)
+    site.out.replace_all_uses_with(y)
+    if h is not None:
+        h.meta["example_value"] = _ev(site.add)
+        site.add.replace_all_uses_with(h)  # the site's own use is about to go
+    if site.origin == "normkit":  # its other outputs (h of a fused call) from the new op
+        index = {0: 0, 1: 2, 2: 3} if site.node.target is torch.ops.normkit.row_norm_fwd.default else None
+        for user in list(site.node.users):
+            if user is site.y or user.target is not operator.getitem:
+                continue
+            if user.users:
+                with graph.inserting_before(insert_at):
+                    new = graph.call_function(operator.getitem, (op, user.args[1] if index is None else
+                                                                 index[user.args[1]]))
+                new.meta.update(user.meta)
+                user.replace_all_uses_with(new)
+            graph.erase_node(user)
+    dead = [n for n, _ in reversed(site.chain)] + ([site.y] if site.y is not site.node else []) + [site.node]
+    if site.add is not None:
+        dead.append(site.add)
+    for node in dead:
+        if not node.users and node.graph is graph:
+            graph.erase_node(node)
+
+
+def rewrite(graph: torch.fx.Graph) -> int:
+    """The pass: decide every norm of `graph` (see the module docstring). Returns the number of
+    normkit ops left in it."""
+    in_autocast = set()
+    depth = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.amp._enter_autocast:
+            depth += 1
+        elif node.op == "call_function" and node.target is torch.amp._exit_autocast:
+            depth -= 1
+        elif depth:
+            in_autocast.add(node)
+    kept = 0
+    for node in list(graph.nodes):
+        if node.graph is not graph:
+            continue
+        site = _site_of(node) if node not in in_autocast else None
+        if site is None or not isinstance(_ev(site.x), torch.Tensor):
+            continue
+        grown = _grow(site)
+        chosen = None
+        for with_add, k in _variants(grown):
+            candidate = _shrink(site, grown, with_add, k)
+            name, win = _decide(candidate)
+            if win:
+                chosen = candidate
+                _log.append((name, "normkit"))
+                break
+        if chosen is None:
+            _log.append((_decide(site)[0], "inductor"))
+            if site.origin == "normkit":  # step aside: torch's ops with normkit's numerics
+                site.node.target = _ops()[site.node.target][1]
+            continue
+        kept += 1
+        if chosen.origin == "normkit" and chosen.add is None and not chosen.chain:
+            continue  # the op as it is
+        _replace(graph, chosen)
+    _sort(graph)
+    return kept
+
+
+def _sort(graph) -> None:
+    from torch._inductor.pattern_matcher import stable_topological_sort
+    stable_topological_sort(graph)
+
+
+# ----------------------------------------------------------------------------- installing the pass
+
+_PASS = None
+
+
+def _pass():
+    """normkit's pass object (its class built on first use: importing Inductor costs seconds)."""
+    global _PASS
+    if _PASS is None:
+        try:
+            from torch._inductor.custom_graph_pass import CustomGraphPass as base
+        except ImportError:  # an older torch: a plain callable
+            base = object
+
+        class NormkitPass(base):
+            def __call__(self, graph):
+                rewrite(graph)
+
+            def uuid(self):
+                """What decides the rewrites: this code, the tables, the settings (Inductor's caches key on it)."""
+                h = hashlib.sha256(Path(__file__).read_bytes())
+                for path in sorted(TABLE_DIR.glob("compile_*.json")):
+                    h.update(path.read_bytes())
+                h.update(json.dumps([_state["unpatched"], _state["policy"], _state["table"]], sort_keys=True,
+                                    default=str).encode())
+                return h.hexdigest()
+
+        class Chain(base):
+            """normkit's pass after one the user installed."""
+
+            def __init__(self, first, second):
+                self.first, self.second = first, second
+
+            def __call__(self, graph):
+                self.first(graph)
+                self.second(graph)
+
+            def uuid(self):
+                first = self.first.uuid() if hasattr(self.first, "uuid") else None
+                return None if first is None else (first, self.second.uuid())
+
+        _PASS = NormkitPass()
+        _PASS.Chain = Chain
+    return _PASS
+
+
+def install() -> None:
+    """Put normkit's pass into torch._inductor.config.pre_grad_custom_pass (after any pass there)."""
+    import torch._inductor.config as config
+    ours = _pass()
+    current = config.pre_grad_custom_pass
+    if current is ours or getattr(current, "second", None) is ours:
+        return
+    config.pre_grad_custom_pass = ours if current is None else ours.Chain(current, ours)
+
+
+def traced() -> bool:
+    """Called where dynamo traces a normkit op. Marked as torch.compiler.assume_constant_result
+    marks a function (without importing dynamo here), so dynamo runs it once per trace instead of
+    tracing it: the pass is in place before Inductor compiles the graph."""
+    if os.environ.get("NORMKIT_COMPILE_PASS", "1") != "0":
+        install()
+    return True
+
+
+traced._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
