@@ -459,6 +459,9 @@ def _gemma2_layer_fused(self, hidden_states, position_embeddings=None, attention
 
 def _gemma3_attention_fused(self, hidden_states, position_embeddings=None, attention_mask=None,
                             past_key_values=None, **kwargs):
+    if self._normkit_hooked(self.q_norm, self.k_norm):  # hooks see the norms' inputs: keep them as written
+        return self._normkit_fused_original.forward(self, hidden_states, position_embeddings, attention_mask,
+                                                          past_key_values, **kwargs)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     # normalized per head before the transpose: the same rows, read in place instead of copied
@@ -687,7 +690,7 @@ def _fused_class(original: type, block: _Block, relaxed: bool) -> type:
         cls = type(original.__name__, (original,), {
             "forward": forward, "_normkit_fused_original": original, "_normkit_relaxed": relaxed,
             "_normkit_add_norm": staticmethod(add_norm), "_normkit_norm_act": staticmethod(_norm_then_act),
-            "_normkit_try_norm_act": staticmethod(norm_act),
+            "_normkit_try_norm_act": staticmethod(norm_act), "_normkit_hooked": staticmethod(_hooked),
             "__module__": original.__module__, "__qualname__": original.__qualname__})
         _fused_classes[key] = cls
     return cls
