@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,10 +94,16 @@ def _function(p):
     return (lambda x: gn(x)), (x,), (w, b)
 
 
+def _own_code(fn, side):
+    """fn with a code object of its own: Dynamo keeps compiled code per code object, so two
+    torch.compile wrappers of one function would run whichever side compiled last."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{side}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 def _compiled(fn, policy, backend):
     import torch
     from normkit import compile_fusion as cf
-    torch._dynamo.reset()
     cf.decisions(clear=True)
     if backend == "inductor":
         compiled = torch.compile(fn, fullgraph=True)
@@ -134,9 +141,10 @@ def measure(p, lock, backend, warmup_ms, rep_ms) -> dict:
     train = p["mode"] == "train"
     out = dict(p)
     runs = {}
+    torch._dynamo.reset()
     for side, policy in (("inductor", "torch"), ("normkit", "normkit")):
         with cf.policy(policy), cf.enable_compile_fusion():
-            compiled = _compiled(fn, policy, backend)
+            compiled = _compiled(_own_code(fn, side), policy, backend)
             step = _call(compiled, inputs, params, train)
             if train:
                 step()

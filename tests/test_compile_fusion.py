@@ -19,6 +19,7 @@ import normkit
 from normkit import compile_fusion as cf
 from normkit import reference as ref
 
+from conftest import DEVICE
 from helpers import randn
 
 NORMKIT = {torch.ops.normkit.row_norm_fwd.default, torch.ops.normkit.row_norm_fused_fwd.default,
@@ -54,7 +55,7 @@ class Rewritten:
 
 def _fwd_bwd(fn, args, seed=1):
     out = fn(*args)
-    dy = randn(*out.shape, gen=torch.Generator().manual_seed(seed)).to(out.dtype)
+    dy = randn(*out.shape, gen=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
     grads = torch.autograd.grad(out, [a for a in args if a.requires_grad], dy)
     return [out.detach()] + list(grads)
 
@@ -255,16 +256,19 @@ def test_patched_hf_llama_steps_aside_and_fuses_with_the_table():
 
 def test_inductor_code_has_no_normkit_op_where_it_steps_aside_and_has_it_where_normkit_wins():
     from torch._inductor.utils import run_and_get_code
-    gn = nn.GroupNorm(2, 8)
+    # on the test device: Inductor's Triton code on a GPU, its C++ code on the CPU
+    gn = nn.GroupNorm(2, 8).to(DEVICE)
     normkit.patch(gn)
     act = nn.Mish()
-    x = _t(2, 8, 6)
+    x = _t(2, 8, 6).detach().to(DEVICE).requires_grad_(True)
     f = lambda x: act(gn(x))  # noqa: E731
     expected = _fwd_bwd(f, [x])
-    out, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    torch._dynamo.reset()
+    with cf.use_table({}):  # no entry: Inductor's own code
+        out, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
     assert "normkit" not in "\n".join(code)
-    _close([out.detach()] + list(torch.autograd.grad(out, [x], randn(*out.shape, gen=torch.Generator().manual_seed(1)))),
-           expected, 1e-5)
+    _close([out.detach()] + list(torch.autograd.grad(out, [x], randn(*out.shape, gen=torch.Generator().manual_seed(1))
+                                                      .to(DEVICE))), expected, 1e-5)
     torch._dynamo.reset()
     with cf.use_table({"gn_mish|float32|train|16": {"wins": True}}):
         out, code = run_and_get_code(torch.compile(f, fullgraph=True), x)

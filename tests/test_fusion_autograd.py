@@ -241,13 +241,14 @@ def test_fused_call_compiles_fullgraph_and_matches_eager(op):
     """A pre-norm block's add + norm under torch.compile: one graph, and exactly eager's values."""
     from torch._dynamo.testing import CompileCounterWithBackend
     torch._dynamo.reset()
-    lin = torch.nn.Linear(24, 24).to(DEVICE)
     norm = (normkit.LayerNorm if op == "layer_norm" else normkit.RMSNorm)(24, weight_offset=1.0,
                                                                           residual_dtype=torch.float32).to(DEVICE)
 
+    # pointwise ops around the norm (a Linear would let cuBLAS pick another kernel for the traced
+    # addmm than for eager's, and differ in the last bit for reasons that are not normkit's)
     def block(x, r):
-        y, h = norm(lin(x), r)
-        return lin(y) + h
+        y, h = norm(torch.tanh(x), r)
+        return y * 0.5 + h
 
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, backend=counter, fullgraph=True)

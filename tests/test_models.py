@@ -301,8 +301,10 @@ def _record_norm_outputs(model, names):
 
     def hook(module, args, out):
         layout = _channels_last(out)
-        if isinstance(module, nn.GroupNorm) and out.is_cuda and _channels_last(args[0]):
-            layout = None  # the documented difference: normkit keeps the input's format, torch's CUDA kernel NCHW
+        if isinstance(module, nn.GroupNorm) and out.is_cuda:
+            # the documented difference: normkit keeps a channels_last input's format, torch's CUDA kernel
+            # returns NCHW; the layers after it then pass that format on to the next GroupNorm's input
+            layout = None
         seen.append((module._conformance_name, out.dtype, tuple(out.shape), layout, out.requires_grad))
 
     for name in names:

@@ -27,7 +27,9 @@ status = "C++ host path: not built yet (it is built on the first call with a CUD
 
 def _on_first_cuda_call(op: str):
     def call(x, *args, **kwargs):
-        if type(x) is _Tensor and x.is_cuda:
+        # not inside a torch.func transform: the host path never serves those calls, and building it
+        # there would make its probe tensor a functorch wrapper (no storage)
+        if type(x) is _Tensor and x.is_cuda and not torch._C._are_functorch_transforms_active():
             ext = activate()
             return getattr(ext, op)(x, *args, **kwargs) if ext is not None else None
         return None
@@ -79,7 +81,8 @@ def activate():
                 print("normkit: building the C++ host path (g++, once; about a minute) ...", file=sys.stderr, flush=True)
             try:
                 ext = load_extension()
-                why = ext._init(_callbacks()) or None
+                with torch._C._DisableFuncTorch():  # its probe tensor must be a plain one
+                    why = ext._init(_callbacks()) or None
             except Exception as e:  # noqa: BLE001 - no compiler, no ninja, headers: the Python path still works
                 why = f"it failed to build or load: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
             if why is None:
