@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.autograd import forward_ad as fwAD
 
 import normkit
+from normkit import reference as ref
 from conftest import DEVICE
 from helpers import randn
 
@@ -258,8 +259,14 @@ def test_fused_call_compiles_fullgraph_and_matches_eager(op):
         out = fn(x, r)
         outs.append([out] + list(torch.autograd.grad(out.sum(), [x, r, norm.weight])))
     assert counter.frame_count == 1
-    for a, e in zip(*outs):
-        assert torch.equal(a, e)
+    for i, (a, e) in enumerate(zip(*outs)):
+        if DEVICE == "cpu":
+            assert torch.equal(a, e), i
+        else:
+            # eager's dh (from sum()) is a stride-0 view, AOT's backward materializes it: Triton
+            # specializes its kernel on strides, and the other build may contract multiply-adds
+            # differently (dx and dresidual 1 ulp apart on an H200)
+            assert ref.rel_err(a, e) <= 4 * torch.finfo(a.dtype).eps, (i, ref.rel_err(a, e))
     torch._dynamo.reset()
 
 
