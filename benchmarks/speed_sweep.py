@@ -188,8 +188,11 @@ def _check_row_case(out, dname, dtype, op, rms, M, N, act, wd, tol, offset):
             (dx, dw, db), (dx2, dw2, db2) = res
             e_y, e_dx, e_dw = rel(y, y_ref), rel(dx, dx_ref), rel(dw, dw_ref)
             e_db = rel(db, db_ref) if db_ref is not None else 0.0
-            dx_tol = 2 * tol if offset == 0 else 2e-3  # dx uses the stored mean: rounded at the offset's scale
-            ok = (e_y <= tol and e_dx <= dx_tol and e_dw <= 1e-4 and e_db <= 1e-4
+            # dx and dweight use the stored fp32 mean (as torch's do), rounded at the offset's scale:
+            # half an fp32 ulp of 1e4 is 5e-4 of x's unit std, so ~2e-4 of dweight at offset 1e4
+            dx_tol = 2 * tol if offset == 0 else 2e-3
+            dw_tol = 1e-4 if offset == 0 else 1e-3
+            ok = (e_y <= tol and e_dx <= dx_tol and e_dw <= dw_tol and e_db <= 1e-4
                   and bool(torch.isfinite(y).all()) and torch.equal(dw, dw2) and torch.equal(dx, dx2)
                   and (db is None or torch.equal(db, db2)))
             row = dict(label, route=route, cluster_fwd=took, cluster_bwd=took_b, err_y=f"{e_y:.2e}",
