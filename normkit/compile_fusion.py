@@ -27,7 +27,8 @@ device) is keyed by "pattern|dtype|mode|width class": pattern as _pattern_name b
 ("add_rms", "gn_silu", "pw+gn_silu", ...: "pw+" / "+pw" mark a pointwise producer / consumer that
 stays outside normkit's op, which Inductor would have fused), dtype of x, mode "fwd" (inference) or
 "train" (forward and backward), width class the power of two at or below the normalized width (the
-group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code.
+group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code. The
+table's min_elements keeps Inductor's code for inputs smaller than that (the op's host cost, below).
 
 The pass is installed the first time dynamo traces a normkit op (or by enable_compile_fusion;
 NORMKIT_COMPILE_PASS=0 in the environment keeps it out, and normkit's ops opaque as before);
@@ -117,7 +118,17 @@ def table_path(arch: str) -> Path:
 
 def _read(path: Path) -> dict:
     data = json.loads(path.read_text())
-    return data.get("entries", data)
+    entries = dict(data.get("entries", data))
+    if "min_elements" in data:
+        entries[MIN_ELEMENTS] = int(data["min_elements"])
+    return entries
+
+
+# The table's own key for its size floor: below it Inductor's code is kept whatever the entry says.
+# The entries compare GPU time with the host hidden; a custom op's call costs tens of microseconds of
+# Python on the host, which a small tensor's few microseconds of GPU time cannot pay back when the
+# step is host-bound (decoding, small batches).
+MIN_ELEMENTS = "min_elements"
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,8 +152,10 @@ def key(pattern: str, dtype: torch.dtype, mode: str, width: int) -> str:
     return f"{pattern}|{str(dtype).replace('torch.', '')}|{mode}|{width_class(width)}"
 
 
-def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.device) -> bool:
-    """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?"""
+def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.device,
+         elements: Optional[int] = None) -> bool:
+    """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?
+    `elements`: the input's size, held against the table's min_elements (None: not checked)."""
     if _state["policy"] != "table":
         return _state["policy"] == "normkit"
     table = _state["table"]
@@ -150,8 +163,19 @@ def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.
         if device.type != "cuda":
             return False
         table = _file_table(_arch(device.index if device.index is not None else torch.cuda.current_device()))
+    if elements is not None and elements < table.get(MIN_ELEMENTS, 0):
+        return False
     entry = table.get(key(pattern, dtype, mode, width))
     return bool(entry and entry.get("wins"))
+
+
+def _size_hint(t) -> int:
+    """t's element count; with symbolic shapes the value this graph is compiled for (0 if unknown)."""
+    n = t.numel()
+    if isinstance(n, torch.SymInt):
+        hint = getattr(n.node, "hint", None)
+        return int(hint) if hint is not None else 0
+    return int(n)
 
 
 # ----------------------------------------------------------------------------- torch's ops with normkit's numerics
@@ -555,7 +579,7 @@ def _decide(site: _Site) -> tuple[str, bool]:
     width = _width(site)
     name = _pattern_name(site)
     k = key(name, ev.dtype, mode, width or 1)
-    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device)
+    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device, _size_hint(ev))
 
 
 def _replace(graph, site: _Site) -> None:
