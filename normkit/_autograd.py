@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .backends import torch_backend
 from ._layout import acc_dtype, bcs, flat_param, fresh, from_bcs, is_channels_last, row_view
 
 _interpreter_stack = torch._C._functorch.peek_interpreter_stack
@@ -57,19 +58,12 @@ class RowOptions:
 
 
 PLAIN = RowOptions()
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_MAX = torch_backend.FP8_MAX
 
 
 # ----------------------------------------------------------------------------- activations
 
-_ACT = {
-    None: lambda z: z,
-    "relu": F.relu,
-    "silu": F.silu,
-    "mish": F.mish,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-}
+_ACT = torch_backend._ACTIVATIONS  # torch's own activations, differentiable
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 

@@ -52,9 +52,8 @@ _patch = importlib.import_module("normkit.patch")  # the module: normkit.patch i
 
 __all__ = ["fuse", "unfuse", "add_norm", "norm_act"]
 
-OPS = ("layer_norm", "rms_norm", "group_norm")
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+OPS = _patch.OPS
+_KERNEL_DTYPES, _LOW_PRECISION = _patch._KERNEL_DTYPES, _patch._LOW_PRECISION
 
 
 # ----------------------------------------------------------------------------- what a norm module computes
@@ -703,16 +702,7 @@ def fuse(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] =
     ("" names the model itself); with dry_run=True, what would be, changing nothing. relaxed=True
     also fuses GroupNorm + activation where the block rounds the norm's bf16/fp16 output before the
     activation (one rounding apart). Blocks already fused are left alone."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(ops, str):
-        raise TypeError(f"ops: expected a collection of op names such as {OPS}, got the string {ops!r}")
-    ops = tuple(ops)
-    unknown = [op for op in ops if op not in OPS]
-    if unknown:
-        raise ValueError(f"ops: expected names from {OPS}, got {unknown}")
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend: expected None or a string, got {type(backend).__name__}")
+    ops = _patch._check_arguments(model, ops, backend)
     for arg, v in (("dry_run", dry_run), ("relaxed", relaxed)):
         if not isinstance(v, bool):
             raise TypeError(f"{arg}: expected a bool, got {v!r}")

@@ -50,6 +50,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .backends import torch_backend
+
 __all__ = ["enable_compile_fusion", "policy", "use_table", "decisions", "wins", "table_path"]
 
 TABLE_DIR = Path(__file__).resolve().parent / "backends" / "triton" / "tuned"
@@ -180,9 +182,8 @@ def _size_hint(t) -> int:
 
 # ----------------------------------------------------------------------------- torch's ops with normkit's numerics
 
-_ACT = {"silu": F.silu, "mish": F.mish, "relu": F.relu, "gelu": F.gelu,
-        "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_ACT = torch_backend._ACTIVATIONS
+_FP8_MAX = torch_backend.FP8_MAX
 
 
 def _acc(x):

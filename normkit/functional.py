@@ -397,8 +397,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torc
     """RMSNorm over the trailing `normalized_shape` dims, as torch.nn.functional.rms_norm.
 
     eps=None means torch's default: the machine epsilon of the compute type (float32, or float64).
-    activation, the fused epilogues and backend are as in layer_norm; float32 under CUDA autocast,
-    as torch's rms_norm.
+    activation, the fused epilogues and backend are as in layer_norm; under autocast the dtype torch's
+    rms_norm returns there (float32 from torch 2.12; torch 2.11 keeps x's dtype).
     """
     if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
         y = _via_host(x, normalized_shape, weight, None, eps, True, activation, backend)

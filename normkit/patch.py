@@ -333,14 +333,8 @@ def _check_model(model) -> None:
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
 
 
-def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] = None,
-          dry_run: bool = False, fuse=True) -> PatchReport:
-    """Replace, in place, the norm layers of `model` (the model itself included) that normkit computes
-    exactly, for the op families in `ops`; with dry_run=True change nothing. Returns a PatchReport:
-    {module name: original class} of what it patched ("" names the model itself), with .skipped
-    {module name: reason} for the norm-like modules it left alone (see the module docstring).
-    fuse=True (default) also fuses the blocks around the norms (normkit.blocks.fuse; "relaxed": its
-    relaxed mode; False: none), listed in .fused."""
+def _check_arguments(model, ops, backend) -> tuple:
+    """The arguments patch() and blocks.fuse() share, checked; ops as a tuple."""
     _check_model(model)
     if isinstance(ops, str):
         raise TypeError(f"ops: expected a collection of op names such as {OPS}, got the string {ops!r}")
@@ -350,6 +344,18 @@ def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] 
         raise ValueError(f"ops: expected names from {OPS}, got {unknown}")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected None or a string, got {type(backend).__name__}")
+    return ops
+
+
+def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] = None,
+          dry_run: bool = False, fuse=True) -> PatchReport:
+    """Replace, in place, the norm layers of `model` (the model itself included) that normkit computes
+    exactly, for the op families in `ops`; with dry_run=True change nothing. Returns a PatchReport:
+    {module name: original class} of what it patched ("" names the model itself), with .skipped
+    {module name: reason} for the norm-like modules it left alone (see the module docstring).
+    fuse=True (default) also fuses the blocks around the norms (normkit.blocks.fuse; "relaxed": its
+    relaxed mode; False: none), listed in .fused."""
+    ops = _check_arguments(model, ops, backend)
     if not isinstance(dry_run, bool):
         raise TypeError(f"dry_run: expected a bool, got {type(dry_run).__name__}")
     if fuse not in (True, False, "relaxed"):

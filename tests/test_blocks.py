@@ -21,12 +21,7 @@ from conftest import DEVICE, HAS_CUDA
 transformers = pytest.importorskip("transformers") if HAS_CUDA else importlib.import_module("transformers")
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("exact_fp32")  # conftest: no TF32 on a GPU
 
 
 class FusedCalls:

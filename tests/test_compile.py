@@ -35,13 +35,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    """No TF32 on a GPU: its rounding (2**-11) would swamp the differences these tests measure."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("exact_fp32")  # conftest: no TF32 on a GPU
 
 
 # ----------------------------------------------------------------------------- cases
