@@ -1,27 +1,49 @@
-# make test  : set up .venv (CPU torch, triton, test tools) and run the test suite
-# make bench : set up .venv and run the benchmark (on a machine without a GPU it runs the CPU paths)
+# make test        : set up .venv with the tested versions (constraints/tested.txt) and run the test suite
+# make test-latest : the same suite in .venv-latest with the newest release of every dependency but torch,
+#                    after printing what differs from the tested set and what normkit.patch recognises there
+# make bench       : set up .venv and run the benchmark (on a machine without a GPU it runs the CPU paths)
+# make lock        : write constraints/tested.txt from .venv (after a green make test-latest, into .venv)
 VENV ?= .venv
+LATEST_VENV ?= .venv-latest
 PY := $(VENV)/bin/python
+LATEST_PY := $(LATEST_VENV)/bin/python
 # pinned so pip never pulls the multi-GB CUDA build on a CPU machine; override on a GPU box
 TORCH_SPEC ?= torch==2.13.0
+TESTED := constraints/tested.txt
 PYTEST_ARGS ?=
 
-.PHONY: test bench setup clean
+.PHONY: test test-latest bench setup lock clean
 
 setup: $(VENV)/.ready
 
-$(VENV)/.ready: pyproject.toml
+$(VENV)/.ready: pyproject.toml $(TESTED)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -c $(TESTED) -e ".[test,bench]"
 	touch $@
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
+test-latest:
+	rm -rf $(LATEST_VENV)
+	python3 -m venv $(LATEST_VENV)
+	$(LATEST_PY) -m pip install -q --upgrade pip
+	$(LATEST_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(LATEST_PY) -m pip install -q --upgrade --upgrade-strategy eager -c constraints/latest.txt -e ".[test,bench]"
+	@echo "make test-latest: versions that differ from $(TESTED):"
+	@$(LATEST_PY) -m pip freeze 2>/dev/null | grep -v -e '^-e ' -e '^#' -e '^normkit' -e '^torch==' | grep -v -x -F -f $(TESTED) \
+		| sed 's/^/    /' || echo "    (none)"
+	$(LATEST_PY) -m normkit recognition
+	OMP_NUM_THREADS=1 $(LATEST_PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+
 bench: setup
 	$(PY) -m normkit bench $(BENCH_ARGS)
 
+lock: setup
+	{ sed -n '1,2p' $(TESTED); $(PY) -m pip freeze 2>/dev/null | grep -v -e '^-e ' -e '^#' -e '^normkit' -e '^torch==' \
+		| sort -f; } > $(TESTED).new && mv $(TESTED).new $(TESTED)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache

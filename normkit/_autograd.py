@@ -140,18 +140,21 @@ def row_norm_vjp_differentiable(dy, x, weight, bias, normalized_ndim: int, eps: 
         dx, gx, g = _vjp_terms(x.to(acc).reshape(lead + (n,)), dy.to(acc).reshape(lead + (n,)),
                                w + weight_offset if weight_offset and w is not None else w,
                                flat(bias), -1, eps, rms, activation)
-        # sums over the rows; per-head parameters ([heads, *shape]) keep the heads dim
-        rows = lambda p: tuple(range(len(lead) - (p.dim() - k)))  # noqa: E731
+
+        def rows(t, p):
+            """t summed over the rows; per-head parameters ([heads, *shape]) keep the heads dim."""
+            dims = tuple(range(len(lead) - (p.dim() - k)))
+            return t.sum(dims) if dims else t  # x of one row: nothing to sum (sum(()) would sum every dim)
         return (dx.reshape(x.shape).to(x.dtype) if needs[0] else None,
-                gx.sum(rows(weight)).reshape(weight.shape).to(weight.dtype) if needs[1] else None,
-                g.sum(rows(bias)).reshape(bias.shape).to(bias.dtype) if needs[2] and bias is not None else None)
+                rows(gx, weight).reshape(weight.shape).to(weight.dtype) if needs[1] else None,
+                rows(g, bias).reshape(bias.shape).to(bias.dtype) if needs[2] and bias is not None else None)
 
 
 def group_norm_vjp_differentiable(dy, x, weight, bias, num_groups: int, eps: float, activation, needs):
     """GroupNorm's (dx, dweight, dbias) in differentiable torch ops, as row_norm_vjp_differentiable."""
     acc = acc_dtype(x)
     B, C = x.shape[0], x.shape[1]
-    per_channel = (B, num_groups, C // num_groups, -1)
+    per_channel = (B, num_groups, C // num_groups, math.prod(x.shape[2:]))  # not -1: ambiguous for empty x
     chan = lambda p: None if p is None else p.to(acc).reshape(1, num_groups, C // num_groups, 1)  # noqa: E731
     with _no_autocast(x):
         dx, gx, g = _vjp_terms(x.to(acc).reshape(per_channel), dy.to(acc).reshape(per_channel), chan(weight),
@@ -216,14 +219,15 @@ def group_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, num_groups: int, act
     acc = acc_dtype(x)
     B, C = x.shape[0], x.shape[1]
     G = num_groups
-    per_channel = (B, G, C // G, -1)
+    per_channel = (B, G, C // G, math.prod(x.shape[2:]))  # not -1: ambiguous for empty x
+    per_group = (B, G, math.prod(per_channel[2:]))
     X = x.to(acc).reshape(per_channel)
     m = mean.to(acc).reshape(B, G, 1, 1)
     r = rstd.to(acc).reshape(B, G, 1, 1)
-    xhat = ((X - m) * r).reshape(B, G, -1)
+    xhat = ((X - m) * r).reshape(per_group)
     t_xhat = None
     if tx is not None:
-        t_xhat = _normalized_tangent(xhat, r.reshape(B, G, 1), tx.to(acc).reshape(B, G, -1), True)
+        t_xhat = _normalized_tangent(xhat, r.reshape(B, G, 1), tx.to(acc).reshape(per_group), True)
     xhat, t_xhat = xhat.reshape(per_channel), None if t_xhat is None else t_xhat.reshape(per_channel)
     chan = lambda p: None if p is None else p.to(acc).reshape(1, G, C // G, 1)  # noqa: E731
     t = _affine_tangent(xhat, t_xhat, chan(weight), chan(bias), chan(tw), chan(tb), activation)
@@ -533,7 +537,7 @@ class GroupNormFn(torch.autograd.Function):
             z = z * w.to(acc)
         if b is not None:
             z = z + b.to(acc)
-        g = flat.to(acc).reshape(V, x.shape[1], num_groups, -1)
+        g = flat.to(acc).reshape(V, x.shape[1], num_groups, x.shape[2] // num_groups * math.prod(x.shape[3:]))
         mean = g.mean(-1)
         rstd = torch.rsqrt((g - mean[..., None]).square().mean(-1) + eps)
         return (_ACT[activation](z).to(x.dtype), mean, rstd), (0, 0, 0)

@@ -38,10 +38,13 @@ the modules it calls through normkit) and otherwise runs the block's own computa
 """
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
+import inspect
+import textwrap
 import types
-from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -91,6 +94,9 @@ _OP = {"ln": "layer_norm", "rms": "rms_norm", "llama": "rms_norm", "gemma": "rms
        "gn": "group_norm"}
 
 
+_ROW_STYLES = ("ln", "rms", "llama", "gemma", "olmo2")  # the styles add_norm fuses
+
+
 def _norm_style(module) -> Optional[str]:
     style = _style(type(module))
     if style is None or "forward" in module.__dict__:
@@ -137,7 +143,7 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, backend: 
     style = _norm_style(norm)
     h_dtype = torch.promote_types(x.dtype, residual.dtype)
     w = getattr(norm, "weight", None)
-    if style is None or style == "gn" or x.shape != residual.shape or x.device != residual.device or \
+    if style not in _ROW_STYLES or x.shape != residual.shape or x.device != residual.device or \
             x.dtype not in _KERNEL_DTYPES or residual.dtype not in _KERNEL_DTYPES or _hooked(norm) or \
             (w is not None and w.dtype not in _KERNEL_DTYPES):
         h = residual + x
@@ -186,147 +192,6 @@ def _norm_then_act(norm, act, x, backend, relaxed):
 # ----------------------------------------------------------------------------- library code (recognised)
 # Verbatim forwards of transformers 5.x and diffusers 0.3x, never run. Parameter annotations are not
 # part of a function's bytecode, but an annotated local assignment compiles differently: kept.
-
-if TYPE_CHECKING:  # never runs; CPython compiles `name.method(...)` differently when `name` is imported, as here
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: F401
-
-
-class _HFLlamaLayer(nn.Module):
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        # Self Attention
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
-
-
-class _HFMixtralLayer(nn.Module):
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                past_key_values=None, **kwargs):
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
-
-
-class _HFPhi3Layer(nn.Module):
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-
-        hidden_states, self_attn_weights = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        hidden_states = residual + self.resid_attn_dropout(hidden_states)  # main diff with Llama
-
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + self.resid_mlp_dropout(hidden_states)  # main diff with Llama
-        return hidden_states
-
-
-class _HFGemma2Layer(nn.Module):  # Gemma 2 and Gemma 3
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                past_key_values=None, **kwargs):
-        residual = hidden_states
-
-        hidden_states = self.input_layernorm(hidden_states)
-
-        # Self Attention
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            **kwargs,
-        )
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = residual + hidden_states
-
-        residual = hidden_states
-        hidden_states = self.pre_feedforward_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = self.post_feedforward_layernorm(hidden_states)
-        hidden_states = residual + hidden_states
-
-        return hidden_states
-
-
-class _HFGemma3Attention(nn.Module):
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        query_states = self.q_norm(query_states)
-        key_states = self.k_norm(key_states)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)  # noqa: F821
-
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward  # noqa: F821
-        )
-
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights
-
 
 class _DiffusersResnetBlock2D(nn.Module):
     def forward(self, input_tensor, temb, *args, **kwargs):
@@ -400,91 +265,6 @@ class _ConvNormAct(nn.Module):  # seed 004's Conv1d -> GroupNorm -> Mish block w
 # globals (apply_rotary_pos_emb, deprecate, ...: see _rebind) and reach normkit through the
 # class attributes _normkit_add_norm, _normkit_norm_act (falls back to the modules) and
 # _normkit_try_norm_act (None where it cannot fuse).
-
-def _llama_layer_fused(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                       use_cache=False, position_embeddings=None, **kwargs):
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                      position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                                      position_embeddings=position_embeddings, **kwargs)
-    hidden_states, residual = self._normkit_add_norm(self.post_attention_layernorm, hidden_states, residual,
-                                                     self._normkit_backend)
-    hidden_states = self.mlp(hidden_states)
-    return residual + hidden_states
-
-
-def _mixtral_layer_fused(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                         past_key_values=None, **kwargs):
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings,
-                                      attention_mask=attention_mask, position_ids=position_ids,
-                                      past_key_values=past_key_values, **kwargs)
-    hidden_states, residual = self._normkit_add_norm(self.post_attention_layernorm, hidden_states, residual,
-                                                     self._normkit_backend)
-    hidden_states = self.mlp(hidden_states)
-    return residual + hidden_states
-
-
-def _phi3_layer_fused(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                      use_cache=False, position_embeddings=None, **kwargs):
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, self_attn_weights = self.self_attn(
-        hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-    hidden_states, residual = self._normkit_add_norm(self.post_attention_layernorm,
-                                                     self.resid_attn_dropout(hidden_states), residual,
-                                                     self._normkit_backend)
-    hidden_states = self.mlp(hidden_states)
-    return residual + self.resid_mlp_dropout(hidden_states)
-
-
-def _gemma2_layer_fused(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                        past_key_values=None, **kwargs):
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings,
-                                      attention_mask=attention_mask, position_ids=position_ids,
-                                      past_key_values=past_key_values, **kwargs)
-    hidden_states = self.post_attention_layernorm(hidden_states)
-    hidden_states, residual = self._normkit_add_norm(self.pre_feedforward_layernorm, hidden_states, residual,
-                                                     self._normkit_backend)
-    hidden_states = self.mlp(hidden_states)
-    hidden_states = self.post_feedforward_layernorm(hidden_states)
-    return residual + hidden_states
-
-
-def _gemma3_attention_fused(self, hidden_states, position_embeddings=None, attention_mask=None,
-                            past_key_values=None, **kwargs):
-    if self._normkit_hooked(self.q_norm, self.k_norm):  # hooks see the norms' inputs: keep them as written
-        return self._normkit_fused_original.forward(self, hidden_states, position_embeddings, attention_mask,
-                                                          past_key_values, **kwargs)
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    # normalized per head before the transpose: the same rows, read in place instead of copied
-    query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-    cos, sin = position_embeddings
-    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)  # noqa: F821
-
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(  # noqa: F821
-        self.config._attn_implementation, eager_attention_forward  # noqa: F821
-    )
-    attn_output, attn_weights = attention_interface(
-        self, query_states, key_states, value_states, attention_mask,
-        dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
-        sliding_window=self.sliding_window, **kwargs)
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
-    return attn_output, attn_weights
-
 
 def _resnet_block_2d_fused(self, input_tensor, temb, *args, **kwargs):
     if len(args) > 0 or kwargs.get("scale", None) is not None:
@@ -575,27 +355,17 @@ def _sequential_fused(self, input):
     return input
 
 
-# ----------------------------------------------------------------------------- the registry
+# ----------------------------------------------------------------------------- blocks written as library code
 
 class _Block(NamedTuple):
-    reference: Optional[Callable]   # the library forward it must equal (None: see `matches`)
+    reference: Optional[Callable]   # the library forward it must equal (None: the forward is `fused` as is)
     fused: Callable
     norms: tuple                    # attributes holding the norms fused (each must be a known style)
     acts: tuple                     # attributes holding the activation fused after them
     what: str
 
 
-_BLOCKS = (
-    _Block(_HFLlamaLayer.forward, _llama_layer_fused, ("post_attention_layernorm",), (),
-           "residual add + post_attention_layernorm in one normkit call (residual=, prenorm=True)"),
-    _Block(_HFMixtralLayer.forward, _mixtral_layer_fused, ("post_attention_layernorm",), (),
-           "residual add + post_attention_layernorm in one normkit call (residual=, prenorm=True)"),
-    _Block(_HFPhi3Layer.forward, _phi3_layer_fused, ("post_attention_layernorm",), (),
-           "residual add (of the dropped-out attention output) + post_attention_layernorm in one normkit call"),
-    _Block(_HFGemma2Layer.forward, _gemma2_layer_fused, ("pre_feedforward_layernorm",), (),
-           "residual add + pre_feedforward_layernorm in one normkit call (residual=, prenorm=True)"),
-    _Block(_HFGemma3Attention.forward, _gemma3_attention_fused, ("q_norm", "k_norm"), (),
-           "q_norm/k_norm per head before the transpose: rows read in place, no copy"),
+_BLOCKS = (  # diffusers' ResnetBlock2D restructures its branches around norm2: no statement rule sees that
     _Block(_DiffusersResnetBlock2D.forward, _resnet_block_2d_fused, ("norm1", "norm2"), ("nonlinearity",),
            "norm1 + nonlinearity and norm2 + nonlinearity: GroupNorm with the activation fused"),
     _Block(_ConvNormAct.forward, _conv_norm_act_fused, ("norm",), ("act",),
@@ -639,27 +409,264 @@ _SEQUENTIAL = _Block(None, _sequential_fused, (), (),
                      "GroupNorm -> [Rearrange/Identity] -> activation runs: GroupNorm with the activation fused")
 
 
-def _match(module, ops) -> Optional[_Block]:
-    """The block `module` is, if its norms (and activations) are ones normkit fuses, else None."""
+# ----------------------------------------------------------------------------- blocks recognised by their code
+# Any other block (every HF decoder layer, whatever its release or class name) is read from its
+# forward's source: statements that compute a pattern normkit fuses are rewritten into one normkit
+# call computing the same values, and the rest of the forward is left as written. The patterns:
+#
+#   add -> norm:  h = r + e; r = h; h = self.norm(h)   ->  h, r = add_norm(self.norm, e, r)
+#                 (e + r too; Llama, Qwen, Mistral, Mixtral, Phi-3, Gemma 2/3 pre-feedforward, ...)
+#   norm -> act:  y = self.norm(x); y = self.act(x)   or  self.act(self.norm(x))  (GroupNorm + activation)
+#   per head:     q = self.proj(x).view(s).transpose(1, 2) ... q = self.q_norm(q)
+#                 ->  q = self.q_norm(self.proj(x).view(s)).transpose(1, 2)   (rows read in place)
+#
+# Each rewritten call falls back, at run time, to exactly the statements it replaced where normkit
+# cannot compute them as written (hooks, dtypes, a norm it does not know), so a rewrite is only ever
+# a faster way to the same values. A release that changes the forward elsewhere needs nothing here.
+
+def _self_call(node, self_name) -> Optional[tuple]:
+    """(attribute, args) of `self.attribute(args)`, positional arguments only."""
+    if isinstance(node, ast.Call) and not node.keywords and isinstance(node.func, ast.Attribute) and \
+            isinstance(node.func.value, ast.Name) and node.func.value.id == self_name and \
+            not any(isinstance(a, ast.Starred) for a in node.args):
+        return node.func.attr, node.args
+    return None
+
+
+def _assigned(stmt) -> Optional[tuple]:
+    """(name, value) of `name = value`."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        return stmt.targets[0].id, stmt.value
+    return None
+
+
+def _is_name(node, name=None) -> bool:
+    return isinstance(node, ast.Name) and (name is None or node.id == name)
+
+
+def _uses(stmts, name) -> bool:
+    return any(_is_name(n, name) for s in stmts for n in ast.walk(s))
+
+
+class _Rewriter(ast.NodeTransformer):
+    """Rewrites the patterns above in one forward. `kinds` maps the block's attributes to what they
+    hold: "row" (a row norm add_norm fuses), "head" (one over the last dim only), "gn", "act"."""
+
+    def __init__(self, self_name: str, kinds: dict):
+        self.self_name, self.kinds, self.sites = self_name, kinds, []
+
+    def _attr(self, name):
+        return ast.Attribute(ast.Name(self.self_name, ast.Load()), name, ast.Load())
+
+    def _call(self, helper, *args):
+        return ast.Call(self._attr(helper), list(args), [])
+
+    def _add_norm(self, stmts, i):
+        """h = r + e; r = h; h2 = self.norm(h)"""
+        first, second, third = (_assigned(s) for s in (stmts[i:i + 3] + [None] * 3)[:3])
+        if not (first and second and third) or not isinstance(first[1], ast.BinOp) or \
+                not isinstance(first[1].op, ast.Add):
+            return None
+        h, (r, r_value), (h2, call) = first[0], second, third
+        if not _is_name(r_value, h) or r == h:
+            return None
+        left, right = first[1].left, first[1].right
+        e = right if _is_name(left, r) else left if _is_name(right, r) else None
+        norm = _self_call(call, self.self_name)
+        if e is None or norm is None or self.kinds.get(norm[0]) not in ("row", "head") or len(norm[1]) != 1 or \
+                not _is_name(norm[1][0], h) or h2 == r:
+            return None
+        target = ast.Tuple([ast.Name(h2, ast.Store()), ast.Name(r, ast.Store())], ast.Store())
+        out = [ast.Assign([target], self._call("_normkit_add_norm", self._attr(norm[0]), e, ast.Name(r, ast.Load()),
+                                               self._attr("_normkit_backend")))]
+        if h2 != h:  # h is still read below: it is the new residual
+            out.append(ast.Assign([ast.Name(h, ast.Store())], ast.Name(r, ast.Load())))
+        self.sites.append(f"residual add + {norm[0]} in one normkit call (residual=, prenorm=True)")
+        return out
+
+    def _norm_act_pair(self, stmts, i):
+        """y = self.norm(x); y = self.act(y)"""
+        first, second = (_assigned(s) for s in (stmts[i:i + 2] + [None] * 2)[:2])
+        if not (first and second) or first[0] != second[0]:
+            return None
+        norm, act = _self_call(first[1], self.self_name), _self_call(second[1], self.self_name)
+        if not (norm and act) or len(norm[1]) != 1 or len(act[1]) != 1 or not _is_name(act[1][0], first[0]):
+            return None
+        return self._norm_act(norm, act, stmts[i])
+
+    def _norm_act(self, norm, act, at):
+        if self.kinds.get(norm[0]) != "gn" or self.kinds.get(act[0]) != "act":
+            return None
+        self.sites.append(f"{norm[0]} + {act[0]}: GroupNorm with the activation fused")
+        call = self._call("_normkit_norm_act", self._attr(norm[0]), self._attr(act[0]), norm[1][0],
+                          self._attr("_normkit_backend"), self._attr("_normkit_relaxed"))
+        if isinstance(at, ast.stmt):
+            return [ast.Assign([ast.Name(_assigned(at)[0], ast.Store())], call)]
+        return call
+
+    def _per_head(self, stmts, i):
+        """q = self.proj(x).view(s).transpose(1, 2) ... q = self.q_norm(q), q unread in between."""
+        first = _assigned(stmts[i])
+        if not first or not isinstance(first[1], ast.Call) or not isinstance(first[1].func, ast.Attribute) or \
+                first[1].func.attr != "transpose" or first[1].keywords or \
+                [getattr(a, "value", None) for a in first[1].args] != [1, 2]:
+            return None
+        q, view = first[0], first[1].func.value
+        if _uses([view], q):
+            return None
+        for j in range(i + 1, len(stmts)):
+            later = _assigned(stmts[j])
+            norm = later and _self_call(later[1], self.self_name)
+            if norm and later[0] == q and len(norm[1]) == 1 and _is_name(norm[1][0], q) and \
+                    self.kinds.get(norm[0]) == "head":
+                self.sites.append(f"{norm[0]} per head before the transpose: rows read in place, no copy")
+                call = self._call("_normkit_norm_heads", self._attr(norm[0]), view)
+                return [ast.Assign([ast.Name(q, ast.Store())], call)], j
+            if _uses([stmts[j]], q):
+                return None
+        return None
+
+    def _body(self, stmts):
+        out, i, dropped = [], 0, set()
+        while i < len(stmts):
+            if i in dropped:
+                i += 1
+                continue
+            new = self._add_norm(stmts, i)
+            if new is not None:
+                out += new
+                i += 3
+                continue
+            new = self._norm_act_pair(stmts, i)
+            if new is not None:
+                out += new
+                i += 2
+                continue
+            found = self._per_head(stmts, i)
+            if found is not None:
+                out += found[0]
+                dropped.add(found[1])
+                i += 1
+                continue
+            out.append(self.visit(stmts[i]))
+            i += 1
+        return out
+
+    def generic_visit(self, node):
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                setattr(node, field, self._body(stmts))
+        for handler in getattr(node, "handlers", ()):
+            handler.body = self._body(handler.body)
+        return super().generic_visit(node) if not isinstance(node, (ast.stmt, ast.excepthandler)) else \
+            self._visit_exprs(node)
+
+    def _visit_exprs(self, node):
+        for field, value in ast.iter_fields(node):
+            if isinstance(value, ast.expr):
+                setattr(node, field, self.visit(value))
+            elif isinstance(value, list):
+                setattr(node, field, [self.visit(v) if isinstance(v, ast.expr) else v for v in value])
+        return node
+
+    def visit_Call(self, node):  # self.act(self.norm(x)) anywhere in an expression
+        node = super().generic_visit(node)
+        act = _self_call(node, self.self_name)
+        norm = act and len(act[1]) == 1 and _self_call(act[1][0], self.self_name)
+        if norm and len(norm[1]) == 1:
+            fused = self._norm_act(norm, act, node)
+            if fused is not None:
+                return fused
+        return node
+
+    def visit_FunctionDef(self, node):  # a nested function or class has its own scope: left as written
+        return node
+
+    visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = visit_FunctionDef
+
+
+@functools.lru_cache(maxsize=None)
+def _rewrite(cls, kinds: tuple):
+    """A _Block whose forward is cls's with the patterns above rewritten, for a block whose
+    attributes hold `kinds` ((attribute, kind) pairs); else why not, as a string."""
+    outer = _unwrapped_forward(cls)
+    inner = inspect.unwrap(outer)
+    code = getattr(inner, "__code__", None)
+    if code is None:
+        return "its forward is not a Python function"
+    if code.co_freevars:
+        return "its forward reads a closure or super(), which normkit does not rewrite"
+    try:
+        source = textwrap.dedent(inspect.getsource(inner))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError) as e:
+        return f"the source of its forward is not available ({type(e).__name__})"
+    fdef = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(fdef, ast.FunctionDef) or not fdef.args.args or \
+            any(isinstance(n, ast.Attribute) and n.attr.startswith("__") and not n.attr.endswith("__")
+                for n in ast.walk(fdef)):
+        return "its forward is not a plain method normkit can rewrite"
+    rewriter = _Rewriter(fdef.args.args[0].arg, dict(kinds))
+    fdef.body = rewriter._body(fdef.body)
+    if not rewriter.sites:
+        return ("its forward computes no residual add -> norm, GroupNorm -> activation or per-head norm "
+                "before a transpose that normkit fuses")
+    ast.increment_lineno(tree, code.co_firstlineno - 1)
+    namespace: dict = {}
+    exec(compile(ast.fix_missing_locations(tree), code.co_filename, "exec"), inner.__globals__, namespace)
+    fused = namespace[fdef.name]
+    fused.__qualname__ = getattr(inner, "__qualname__", fdef.name)
+    norms = tuple(sorted({a for a, k in kinds if k != "act"}))
+    return _Block(None, fused, norms, tuple(a for a, k in kinds if k == "act"), "; ".join(dict.fromkeys(rewriter.sites)))
+
+
+def _kinds(module, ops) -> tuple:
+    """(attribute, kind) for the child modules of `module` that a rewrite may fuse (see _Rewriter)."""
+    kinds = []
+    for attr, child in module._modules.items():
+        if child is None:
+            continue
+        style = _norm_style(child)
+        if style is not None and _OP[style] in ops:
+            if style == "gn":
+                kinds.append((attr, "gn"))
+            elif style in _ROW_STYLES:
+                shape = getattr(child, "normalized_shape", None)
+                last_dim_only = shape is None or len(tuple(shape)) == 1
+                kinds.append((attr, "head" if last_dim_only else "row"))
+        elif _act_name(child) is not None:
+            kinds.append((attr, "act"))
+    return tuple(kinds)
+
+
+def _norm_heads(norm, rows):
+    """norm(rows).transpose(1, 2) for the per-head pattern: the same values as norm(rows.transpose(1, 2))
+    for a norm over the last dim of a >= 4-D tensor, with rows read in place."""
+    if rows.dim() < 4 or _hooked(norm):  # the transpose would move the normalized dim; hooks see the input
+        return norm(rows.transpose(1, 2))
+    return norm(rows).transpose(1, 2)
+
+
+def _match(module, ops):
+    """The block `module` is, if its norms (and activations) are ones normkit fuses; else why not
+    (a string) where it holds a norm normkit knows; else None."""
     cls = type(module)
     if getattr(cls, "_normkit_fused_original", None) is not None or getattr(cls, "_normkit_original", None) is not None \
             or "forward" in module.__dict__:
         return None
     block = _block_of_class(cls)
-    if block is None:
-        return None
     if block is _SEQUENTIAL:
         mods = list(module._modules.values())
         runs = [i for i in range(len(mods)) if _fusable_run(mods, i) is not None]
         return block if runs and "group_norm" in ops else None
-    for attr in block.norms:
-        style = _norm_style(getattr(module, attr, None)) if isinstance(getattr(module, attr, None), nn.Module) else None
-        if style is None or _OP[style] not in ops:
-            return None
-    for attr in block.acts:
-        if _act_name(getattr(module, attr, None)) is None:
-            return None
-    return block
+    if block is not None and all(_norm_style(getattr(module, a, None)) == "gn" for a in block.norms) and \
+            "group_norm" in ops and all(_act_name(getattr(module, a, None)) is not None for a in block.acts):
+        return block
+    kinds = _kinds(module, ops)
+    if not any(k != "act" for _, k in kinds):
+        return None
+    return _rewrite(cls, kinds)
 
 
 # ----------------------------------------------------------------------------- class swapping
@@ -681,8 +688,8 @@ def _rebind(fused: Callable, original_forward: Callable) -> Callable:
 def _fused_class(original: type, block: _Block, relaxed: bool) -> type:
     """A subclass of `original` (same name and module: accelerate/FSDP wrap policies match layer
     classes by name; _normkit_fused_original marks it) with the fused forward; one per (class,
-    relaxed), reused."""
-    key = (original, relaxed)
+    block, relaxed), reused."""
+    key = (original, block, relaxed)
     cls = _fused_classes.get(key)
     if cls is None:
         forward = block.fused if block.reference is None else _rebind(block.fused, _unwrapped_forward(original))
@@ -690,18 +697,20 @@ def _fused_class(original: type, block: _Block, relaxed: bool) -> type:
             "forward": forward, "_normkit_fused_original": original, "_normkit_relaxed": relaxed,
             "_normkit_add_norm": staticmethod(add_norm), "_normkit_norm_act": staticmethod(_norm_then_act),
             "_normkit_try_norm_act": staticmethod(norm_act), "_normkit_hooked": staticmethod(_hooked),
+            "_normkit_norm_heads": staticmethod(_norm_heads),
             "__module__": original.__module__, "__qualname__": original.__qualname__})
         _fused_classes[key] = cls
     return cls
 
 
 def fuse(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] = None, dry_run: bool = False,
-         relaxed: bool = False) -> dict[str, str]:
+         relaxed: bool = False, unfused: Optional[dict] = None) -> dict[str, str]:
     """Fuse, in place, the blocks of `model` (the model itself included) around norms of the op
     families in `ops` (see the module docstring). Returns {module name: what is fused there}
     ("" names the model itself); with dry_run=True, what would be, changing nothing. relaxed=True
     also fuses GroupNorm + activation where the block rounds the norm's bf16/fp16 output before the
-    activation (one rounding apart). Blocks already fused are left alone."""
+    activation (one rounding apart). Blocks already fused are left alone. `unfused`, a dict, gets
+    {module name: why} for every module holding a norm normkit knows that was not fused."""
     ops = _patch._check_arguments(model, ops, backend)
     for arg, v in (("dry_run", dry_run), ("relaxed", relaxed)):
         if not isinstance(v, bool):
@@ -709,6 +718,10 @@ def fuse(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] =
     fused = {}
     for name, module in model.named_modules(remove_duplicate=True):
         block = _match(module, ops)
+        if isinstance(block, str):
+            if unfused is not None:
+                unfused[name] = block
+            continue
         if block is None:
             continue
         fused[name] = block.what

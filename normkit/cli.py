@@ -16,6 +16,7 @@ COMMANDS = {
     "export-wgsl": ("normkit.backends.webgpu.export", "write the WGSL shaders as a browser wants them"),
     "export-web": ("normkit.web.export", "write normkit.js (an ES module over the WGSL kernels), its types and a demo page"),
     "info": ("normkit.info", "print what normkit sees: devices, backends and versions"),
+    "recognition": ("normkit.bench.recognition", "what normkit.patch recognises and fuses in real model families, as installed"),
 }
 
 

@@ -83,14 +83,26 @@ def _normalized_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
 
 
 def _check_eps(eps) -> float:
-    if type(eps) is float and 0.0 <= eps < math.inf:
+    """eps as torch's norms take it (their `float` argument): a float or an int (bool included), a
+    NumPy scalar, or a 0-dim real tensor that does not require grad. Any value: negative, inf and
+    NaN are computed with, as torch does (rsqrt(var + eps) is NaN where var + eps < 0)."""
+    if type(eps) is float:
         return eps
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps: expected a real number, got {eps!r}")
-    eps = float(eps)
-    if not eps >= 0.0 or math.isinf(eps):  # also rejects NaN
-        raise ValueError(f"eps: expected a finite number >= 0, got {eps}")
-    return eps
+    if isinstance(eps, torch.Tensor):
+        if eps.dim() != 0 or eps.requires_grad or eps.is_complex():
+            raise TypeError(f"eps: expected a float (a 0-dim real tensor that does not require grad is taken, as "
+                            f"torch takes it), got a tensor of shape {tuple(eps.shape)} and dtype {eps.dtype}"
+                            f"{' that requires grad' if eps.requires_grad else ''}")
+        return float(eps.item())
+    numpy_scalar = type(eps).__module__ == "numpy" and (isinstance(eps, numbers.Real) or type(eps).__name__ in
+                                                          ("bool", "bool_"))
+    if not isinstance(eps, (float, int)) and not numpy_scalar:
+        raise TypeError(f"eps: expected a float (or an int, a NumPy scalar or a 0-dim tensor), got "
+                        f"{type(eps).__name__} {eps!r}")
+    try:
+        return float(eps)
+    except OverflowError:
+        raise ValueError(f"eps: expected a number that fits a float, got {eps!r}") from None
 
 
 def _check_activation(activation) -> None:

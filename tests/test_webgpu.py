@@ -4,8 +4,9 @@ for LayerNorm, RMSNorm and GroupNorm (NCHW and channels_last) with the fused act
 In CI the adapter is Mesa's lavapipe (software Vulkan, apt package mesa-vulkan-drivers), whose
 subgroup size is 8; test_lavapipe_subgroup_size_4_rerun runs the subgroup tests again in a fresh
 process with LP_NATIVE_VECTOR_WIDTH=128, where it is 4. The device is created once per process.
-Without wgpu or an adapter (say a GPU machine without Vulkan loaders) these tests skip with the
-backend's one-sentence reason; under CI=true that is a failure.
+Without wgpu or an adapter that has subgroups and f16 (say a machine without Mesa's Vulkan driver,
+where wgpu picks llvmpipe through OpenGL) these tests skip with the reason; under CI=true that is
+a failure.
 """
 import importlib.util
 import os
@@ -44,9 +45,17 @@ def gpu():
     from normkit.backends.webgpu.runner import WebGPUUnavailable, runner
 
     try:
-        return runner()
+        gpu = runner()
     except WebGPUUnavailable as e:
         missing_tool(f"the WebGPU tests need an adapter: {e}")
+    # wgpu falls back to llvmpipe through OpenGL where Mesa's Vulkan driver is missing: an adapter
+    # without subgroups or f16 cannot run what these tests test
+    lacks = [why for has, why in ((gpu.has_subgroups, gpu.subgroups_off), (gpu.has_f16, f"the adapter ({gpu.summary}) has no f16"))
+             if not has]
+    if lacks:
+        missing_tool(f"the WebGPU tests need an adapter with subgroups and f16 (Mesa's lavapipe Vulkan driver, "
+                     f"apt package mesa-vulkan-drivers, or a real GPU): {'; '.join(lacks)}")
+    return gpu
 
 
 @pytest.fixture

@@ -112,7 +112,11 @@ def pack_params(signature, args):
                 raise NotReplayable(f"argument {a!r} for a {ty} parameter")
             fmt = _SCALAR[ty]
             off = put(struct.calcsize(fmt))
-            buf[off:off + struct.calcsize(fmt)] = struct.pack(fmt, a)
+            try:
+                packed = struct.pack(fmt, a)
+            except OverflowError:  # a float beyond float32's range (eps=1e39): inf, as Triton's launcher casts it
+                packed = struct.pack(fmt, math.copysign(math.inf, a))
+            buf[off:off + struct.calcsize(fmt)] = packed
         else:  # i1 (its size differs between triton versions), fp16/bf16 scalars, tensor descriptors
             raise NotReplayable(f"parameter type {ty}")
     for _ in range(2):  # global_scratch, profile_scratch

@@ -70,8 +70,8 @@ def _affine(xhat, weight, bias, acc, weight_offset=0.0):
 
 def _param_sum(t, heads: int):
     """Sum of t over its rows, per parameter row: [N], or [heads, N] for per-head parameters."""
-    n = t.shape[-1]
-    return t.reshape(-1, n).sum(0) if heads == 1 else t.reshape(-1, heads, n).sum(0)
+    rows = t.flatten(0, -2)  # not reshape(-1, n): ambiguous when t is empty
+    return rows.sum(0) if heads == 1 else rows.unflatten(0, (-1, heads)).sum(0)
 
 
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
@@ -94,7 +94,7 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     else:
         # two passes over data shifted by each row's first element, as the kernels do; y comes
         # from the shifted data too, so the rounding of the stored mean never reaches it
-        shift = xf[..., :1]
+        shift = xf[..., :1] if xf.shape[-1] else xf.new_zeros(xf.shape[:-1] + (1,))  # empty rows: stats 0/0
         xs = xf - shift
         mean_s = xs.mean(dim=-1, keepdim=True)
         xc = xs - mean_s
@@ -161,7 +161,8 @@ def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
     acc = _acc(x)
     B, C, S = x.shape
     xg = _groups(x, num_groups, acc)
-    shift = xg[:, :, :1]  # shifted two-pass statistics, as the kernels
+    # shifted two-pass statistics, as the kernels (empty groups: statistics 0/0)
+    shift = xg[:, :, :1] if xg.shape[2] else xg.new_zeros(B, num_groups, 1)
     xs = xg - shift
     mean_s = xs.mean(dim=2, keepdim=True)
     xc = xs - mean_s

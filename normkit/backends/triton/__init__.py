@@ -215,7 +215,10 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     h_dtype = (h_dtype or residual.dtype) if has_res else None
     h = _out(x, h_dtype) if has_res and store_h else None
     amax = _zeros((1,), dtype=torch.int32, device=device) if want_amax else None
-    if M == 0:
+    if M == 0 or N == 0:  # no rows; or empty rows, whose statistics are 0/0 (the kernel would read x[row, 0])
+        for s in (mean, rstd):
+            if s is not None:
+                s.fill_(math.nan)
         return y, mean, rstd, h, _amax_out(amax)
     scale_ptr = isinstance(out_scale, torch.Tensor)
     fusion = (has_res, h is not None, h_dtype, out_dtype if fp8 else None, scale_ptr, want_amax)
@@ -282,7 +285,7 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     pshape = (w_rows, N) if w_rows > 1 else (N,)
     dw = _empty(pshape, dtype=dweight_dtype, device=device) if want_dw else None
     db = _empty(pshape, dtype=dbias_dtype, device=device) if want_db else None
-    if M == 0:  # no rows: the weight gradients are exact zeros
+    if M == 0 or N == 0:  # no rows, or empty ones: the weight gradients are exact zeros (empty for N = 0)
         return dx, dres, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)
     bias = bias if activation is not None else None  # the bias only matters to recompute the pre-activation
     itemsize = max(t.element_size() for t in (x, dy, dx, dres, dh) if t is not None)
