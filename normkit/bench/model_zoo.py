@@ -129,19 +129,31 @@ class Decoder:
         self.first = prompt[:, -1:].clone()  # every round, and every variant, starts from the same token
         self.tok = torch.empty(1, 1, dtype=torch.long, device=device).copy_(self.first)
         self.done = 0
+        # transformers 5.24 renamed past_key_values to cache (the old name is deprecated until 5.40)
+        import inspect
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         with torch.no_grad():
-            model(input_ids=prompt, past_key_values=self.cache, use_cache=True,
-                  cache_position=torch.arange(self.prompt_len, device=device))
+            model(input_ids=prompt, use_cache=True, cache_position=torch.arange(self.prompt_len, device=device),
+                  **{self.cache_arg: self.cache})
         self.fn = self.step_logits  # torch.compile replaces it
 
     def step_logits(self, tok, pos):
-        return self.model(input_ids=tok, past_key_values=self.cache, cache_position=pos, position_ids=pos[None],
-                          use_cache=True).logits
+        return self.model(input_ids=tok, cache_position=pos, position_ids=pos[None], use_cache=True,
+                          **{self.cache_arg: self.cache}).logits
+
+    def _rewind(self):
+        """Back to the end of the prompt. transformers >= 5.2x's static layers count the tokens they
+        hold in a tensor of their own (and ignore cache_position): set it in place too."""
+        self.pos.fill_(self.prompt_len)
+        self.tok.copy_(self.first)
+        for layer in getattr(self.cache, "layers", ()):
+            held = getattr(layer, "cumulative_length", None)
+            if isinstance(held, torch.Tensor):
+                held.fill_(self.prompt_len)
 
     def prepare(self):
         if self.done % self.new_tokens == 0:  # a new round: overwrite the generated part of the cache
-            self.pos.fill_(self.prompt_len)
-            self.tok.copy_(self.first)
+            self._rewind()
 
     def step(self):
         with torch.no_grad():
@@ -152,8 +164,7 @@ class Decoder:
 
     def reference(self):
         """The logits of the first generated token: what a patched model must reproduce."""
-        self.pos.fill_(self.prompt_len)
-        self.tok.copy_(self.first)
+        self._rewind()
         with torch.no_grad():
             out = self.fn(self.tok, self.pos).float().clone()
         self.done = 0
