@@ -321,9 +321,11 @@ class _Check:
     def __init__(self, mode):
         self.floor, self.failures = FLOOR[mode], []
 
-    def close(self, what, patched, plain, control, truth):
+    def close(self, what, patched, plain, control, truth, one_sample_noise=0.0):
         e_patched = ref.rel_err(patched, truth)
         e_torch = max(ref.rel_err(plain, truth), ref.rel_err(control, truth))
+        if torch.equal(plain, control):  # the control rounded exactly as plain: one sample of torch's noise
+            e_torch = max(e_torch, one_sample_noise)
         bound = SLACK * e_torch + self.floor
         if not e_patched <= bound:
             self.failures.append(f"{what}: patched is {e_patched:.3g} from the truth, unpatched up to {e_torch:.3g} "
@@ -339,6 +341,14 @@ class _Check:
         assert all(list(g) == list(grads[-1]) for g in grads)
         present = [g for g in grads[-1].values() if g is not None]
         rms = torch.cat([g.detach().reshape(-1).double().cpu() for g in present]).square().mean().sqrt().item()
+        # Where the control's flipped batch rounds a gradient exactly as plain does (a bias summed over
+        # a batch of two: a + b == b + a), torch's noise on it is one sample, which can be far below its
+        # typical size (AutoencoderKL bf16, quant_conv.bias: torch 0.0021 from the truth at seed 0, but
+        # 0.002-0.058, median 0.018 over seeds 0-11, where normkit's is 0.007-0.056, median 0.012): there
+        # the bound uses the median of torch's own errors over the model's gradients instead
+        noise = sorted(ref.rel_err(grads[1][n], g) for n, g in grads[-1].items()
+                       if g is not None and g.detach().double().norm().item() > 0)
+        one_sample_noise = noise[len(noise) // 2] if noise else 0.0
         for n, g_truth in grads[-1].items():
             if any((g[n] is None) != (g_truth is None) for g in grads):
                 self.failures.append(f"{n}: gradient is None in one model and not in another")
@@ -348,7 +358,7 @@ class _Check:
             scale = rms * g_truth.numel() ** 0.5
             err = (grads[0][n].detach().double().cpu() - g_truth.detach().double().cpu()).norm().item()
             if g_truth.detach().double().norm().item() >= 1e-5 * scale:
-                self.close(f"gradient of {n}", *(g[n] for g in grads))
+                self.close(f"gradient of {n}", *(g[n] for g in grads), one_sample_noise=one_sample_noise)
             elif not err <= self.floor * scale:
                 self.failures.append(f"gradient of {n} (zero in exact arithmetic): patched is "
                                      f"{err / scale:.3g} of the model's gradient scale")
