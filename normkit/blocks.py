@@ -61,47 +61,19 @@ _KERNEL_DTYPES, _LOW_PRECISION = _patch._KERNEL_DTYPES, _patch._LOW_PRECISION
 
 # ----------------------------------------------------------------------------- what a norm module computes
 
-def _same_forward(cls, reference, names=("forward",)) -> bool:
-    key = _patch._methods_key(reference, names)
-    return key is not None and _patch._methods_key(cls, names) == key
-
-
-_STYLES: dict = {}  # class -> style; a plain dict: torch.compile traces a lookup, not the bytecode walk
-
-
-def _style(cls) -> Optional[str]:
-    """The computation of a norm class (its own or, once patched, its original's): "ln", "rms",
-    "gn" (torch's modules), "llama", "gemma", "olmo2" (HF's RMSNorm code, see normkit.patch)."""
-    if cls not in _STYLES:
-        _STYLES[cls] = _find_style(cls)
-    return _STYLES[cls]
-
-
-def _find_style(cls) -> Optional[str]:
-    original = getattr(cls, "_normkit_original", None) or cls
-    for torch_cls, style in ((nn.LayerNorm, "ln"), (nn.RMSNorm, "rms"), (nn.GroupNorm, "gn")):
-        if issubclass(original, torch_cls):
-            return style if original.forward is torch_cls.forward else None
-    for style, ref, names in (("llama", _patch._LlamaReference, ("forward",)),
-                              ("gemma", _patch._GemmaReference, ("forward", "_norm")),
-                              ("olmo2", _patch._Olmo2Reference, ("forward",))):
-        if _same_forward(original, ref, names):
-            return style
-    return None
-
-
-_OP = {"ln": "layer_norm", "rms": "rms_norm", "llama": "rms_norm", "gemma": "rms_norm", "olmo2": "rms_norm",
-       "gn": "group_norm"}
-
-
 _ROW_STYLES = ("ln", "rms", "llama", "gemma", "olmo2")  # the styles add_norm fuses
 
 
 def _norm_style(module) -> Optional[str]:
-    style = _style(type(module))
-    if style is None or "forward" in module.__dict__:
+    """What a norm module computes ("ln", "rms", "gn", or a style of normkit.patch such as "llama",
+    recognised from its computation), if normkit knows, else None."""
+    if not isinstance(module, nn.Module) or "forward" in module.__dict__:
         return None
-    return style
+    return _patch._style_of(module)
+
+
+def _op_of(style) -> Optional[str]:
+    return _patch._STYLE_OPS.get(style)
 
 
 def _act_name(module) -> Optional[str]:
@@ -160,14 +132,15 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, backend: 
         h = residual + x
         return norm(h), h
     as_written = functools.partial(F.row_norm_as_written, x, w.shape, rms=True, **fused)
+    eps = _patch._eps_of(norm)
     if style == "gemma":  # (normed(h in fp32) * (1 + w.float())).type_as(h)
-        return as_written(w, None, norm.eps, weight_offset=1.0)
+        return as_written(w, None, eps, weight_offset=1.0)
     if style == "olmo2":  # (w * normed(h in fp32)).to(h.dtype)
-        return as_written(w, None, norm.variance_epsilon)
+        return as_written(w, None, eps)
     # llama: w * normed(h in fp32).to(h.dtype): rounded before the weight, unless h is fp32
     if h_dtype == torch.float32:
-        return as_written(w, None, norm.variance_epsilon)
-    y, h = as_written(None, None, norm.variance_epsilon)
+        return as_written(w, None, eps)
+    y, h = as_written(None, None, eps)
     return w * y, h
 
 
@@ -628,7 +601,7 @@ def _kinds(module, ops) -> tuple:
         if child is None:
             continue
         style = _norm_style(child)
-        if style is not None and _OP[style] in ops:
+        if style is not None and _op_of(style) in ops:
             if style == "gn":
                 kinds.append((attr, "gn"))
             elif style in _ROW_STYLES:

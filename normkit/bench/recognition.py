@@ -104,18 +104,15 @@ def _grouped(names_to_text: dict, model) -> list[str]:
 def report(name: str, build: Callable) -> dict:
     """{'model', 'error' or the counts and lines} for one family."""
     import normkit
-    from normkit import blocks
 
     torch.manual_seed(0)
     try:
         model = build()
     except Exception as e:  # noqa: BLE001 - a family that does not build is a line of the report
         return {"model": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-    rep = normkit.patch(model, dry_run=True, fuse=False)
-    unfused: dict = {}
-    fused = blocks.fuse(model, dry_run=True, unfused=unfused)
+    rep = normkit.patch(model, dry_run=True)
     return {"model": name, "patched": len(rep), "skipped": _grouped(rep.skipped, model),
-            "fused": _grouped(fused, model), "unfused": _grouped(unfused, model)}
+            "fused": _grouped(rep.fused, model), "unfused": _grouped(rep.unfused, model)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
