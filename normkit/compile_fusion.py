@@ -34,6 +34,14 @@ The pass is installed the first time dynamo traces a normkit op (or by enable_co
 NORMKIT_COMPILE_PASS=0 in the environment keeps it out, and normkit's ops opaque as before);
 decisions are made when Inductor compiles a graph: after changing them, torch._dynamo.reset().
 Other backends (aot_eager, export) run no pre-grad pass: normkit's op stays there.
+
+Inductor's caches (its FX graph cache, AOTAutograd's cache) key compiled graphs on the pass: it is a
+module-level CustomGraphPass whose uuid() is a hash of normkit's version, this module's and the torch
+backend's source, the tables in use, policy(), use_table() and enable_compile_fusion(), and it pickles
+as that id; so a new process compiling the same model with the same settings loads the graphs
+compiled before, and a change of any of them compiles anew. (A torch that runs pre-grad passes after
+its cache lookup, as 2.13 does, runs no pass on a hit: decisions() then lists nothing for that graph;
+2.11 runs the pass first and looks up the rewritten graph.)
 """
 from __future__ import annotations
 
@@ -105,7 +113,8 @@ def use_table(table):
 
 
 def decisions(clear: bool = False) -> list:
-    """What the pass decided in the graphs compiled so far: [(pattern key, "normkit" | "inductor")]."""
+    """What the pass decided in the graphs compiled so far: [(pattern key, "normkit" | "inductor")].
+    Graphs loaded from Inductor's cache were decided when they were compiled and are not listed."""
     out = list(_log)
     if clear:
         _log.clear()
@@ -677,58 +686,133 @@ def _sort(graph) -> None:
 
 # ----------------------------------------------------------------------------- installing the pass
 
+def _source_hash() -> str:
+    """normkit's version and the source of what the pass emits and decides with (this file and the
+    torch backend its composites call), hashed once: the code this process runs."""
+    global _SOURCE_HASH
+    if _SOURCE_HASH is None:
+        import sys
+        h = hashlib.sha256(str(getattr(sys.modules.get("normkit"), "__version__", "")).encode())
+        for path in (Path(__file__), Path(torch_backend.__file__)):
+            h.update(path.read_bytes())
+        _SOURCE_HASH = h.hexdigest()
+    return _SOURCE_HASH
+
+
+_SOURCE_HASH = None
+
+
+def _tables_in_use():
+    """What the pass decides from: the override, or the tables of every GPU (as wins() reads them);
+    nothing under policy "normkit" / "torch", which consult no table."""
+    if _state["policy"] != "table":
+        return None
+    if _state["table"] is not None:
+        return {"override": _state["table"]}
+    return {p.stem: _file_table(p.stem[len("compile_"):]) for p in sorted(TABLE_DIR.glob("compile_*.json"))}
+
+
+def _uuid() -> str:
+    """The identity of normkit's pass as the settings stand now, the key Inductor's FX graph cache and
+    AOTAutograd's cache file compiled graphs under: normkit's version, the source of this module and of
+    the torch backend, the measured tables in use, policy(), use_table() and enable_compile_fusion().
+    Equal settings give equal ids in any process; a change of any of them a new one."""
+    settings = {"source": _source_hash(), "unpatched": _state["unpatched"], "policy": _state["policy"],
+                "tables": _tables_in_use()}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+class NormkitPass:
+    """normkit's pre-grad pass, an Inductor CustomGraphPass (registered as one by _pass(): importing
+    Inductor here would cost seconds at `import normkit`). Module-level, so it pickles; it pickles as
+    its uuid(), so a torch that pickles its config into the cache key (2.11) keys on the settings too;
+    unpickled (or deep-copied) it is this process's pass."""
+
+    def __call__(self, graph):
+        rewrite(graph)
+
+    def uuid(self) -> str:
+        return _uuid()
+
+    def __reduce__(self):
+        return _the_pass, (self.uuid(),)
+
+    def __repr__(self):
+        return "<normkit.compile_fusion.NormkitPass>"
+
+
+def _the_pass(pass_id=None):
+    """What a pickled NormkitPass loads as (the uuid it was pickled with only keyed the pickle)."""
+    return _pass()
+
+
+class Chain:
+    """normkit's pass after one the user installed. Its uuid is both ids (None if the user's pass has
+    none: then Inductor does not cache on it, and names the user's pass); it pickles as its two passes."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+        name = getattr(first, "__qualname__", None) or type(first).__qualname__
+        self.__qualname__ = f"{name} (chained before normkit's pass)"  # how Inductor names a pass
+
+    def __call__(self, graph):
+        self.first(graph)
+        self.second(graph)
+
+    def uuid(self):
+        first = self.first.uuid() if callable(getattr(self.first, "uuid", None)) else None
+        return None if first is None else (first, self.second.uuid())
+
+    def __reduce__(self):
+        return Chain, (self.first, self.second)
+
+
 _PASS = None
 
 
-def _pass():
-    """normkit's pass object (its class built on first use: importing Inductor costs seconds)."""
+def _pass() -> NormkitPass:
+    """normkit's pass object; on first use registers the classes as Inductor's CustomGraphPass
+    (torch >= 2.5; an older torch takes them as plain callables)."""
     global _PASS
     if _PASS is None:
         try:
-            from torch._inductor.custom_graph_pass import CustomGraphPass as base
-        except ImportError:  # an older torch: a plain callable
-            base = object
-
-        class NormkitPass(base):
-            def __call__(self, graph):
-                rewrite(graph)
-
-            def uuid(self):
-                """What decides the rewrites: this code, the tables, the settings (Inductor's caches key on it)."""
-                h = hashlib.sha256(Path(__file__).read_bytes())
-                for path in sorted(TABLE_DIR.glob("compile_*.json")):
-                    h.update(path.read_bytes())
-                h.update(json.dumps([_state["unpatched"], _state["policy"], _state["table"]], sort_keys=True,
-                                    default=str).encode())
-                return h.hexdigest()
-
-        class Chain(base):
-            """normkit's pass after one the user installed."""
-
-            def __init__(self, first, second):
-                self.first, self.second = first, second
-
-            def __call__(self, graph):
-                self.first(graph)
-                self.second(graph)
-
-            def uuid(self):
-                first = self.first.uuid() if hasattr(self.first, "uuid") else None
-                return None if first is None else (first, self.second.uuid())
-
+            from torch._inductor.custom_graph_pass import CustomGraphPass
+        except ImportError:
+            pass
+        else:
+            CustomGraphPass.register(NormkitPass)
+            CustomGraphPass.register(Chain)
         _PASS = NormkitPass()
-        _PASS.Chain = Chain
     return _PASS
+
+
+def _composites_cacheable(config) -> None:
+    """Where normkit's op steps aside the pass calls a composite (a Python function of this module)
+    that AOT autograd traces. A torch that runs the pre-grad pass before AOTAutograd's cache lookup
+    (2.11) checks every graph target and bypasses that cache for a function it does not know; list the
+    composites, keyed by this module's source, in its config for such functions."""
+    marked = getattr(config, "unsafe_marked_cacheable_functions", None)
+    if not isinstance(marked, dict):
+        return  # a torch without the setting
+    names = {f"{f.__module__}.{f.__name__}": _source_hash() for f in
+             (_row_norm_composite, _row_norm_plain_composite, _group_norm_composite)}
+    if any(marked.get(k) != v for k, v in names.items()):
+        config.unsafe_marked_cacheable_functions = {**marked, **names}
 
 
 def install() -> None:
     """Put normkit's pass into torch._inductor.config.pre_grad_custom_pass (after any pass there)."""
     import torch._inductor.config as config
     ours = _pass()
+    _composites_cacheable(config)
     current = config.pre_grad_custom_pass
     if current is ours or getattr(current, "second", None) is ours:
         return
-    config.pre_grad_custom_pass = ours if current is None else ours.Chain(current, ours)
+    if isinstance(current, (list, tuple)):  # a torch that runs a list of passes (2.13; not 2.11)
+        if ours not in current:
+            config.pre_grad_custom_pass = [*current, ours]
+        return
+    config.pre_grad_custom_pass = ours if current is None else Chain(current, ours)
 
 
 def traced() -> bool:

@@ -26,6 +26,15 @@ NORMKIT = {torch.ops.normkit.row_norm_fwd.default, torch.ops.normkit.row_norm_fu
            torch.ops.normkit.group_norm_fwd.default}
 
 
+@pytest.fixture
+def fresh_inductor_cache():
+    """An empty cache for Inductor: the pass keys its caches (test_compile_cache.py), and a graph
+    compiled by an earlier run would be loaded from them with no decision made (cf.decisions())."""
+    from torch._inductor import utils
+    with (getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache)():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def fresh():
     torch._dynamo.reset()
@@ -254,6 +263,7 @@ def test_patched_hf_llama_steps_aside_and_fuses_with_the_table():
 
 # ----------------------------------------------------------------------------- Inductor itself (CPU)
 
+@pytest.mark.usefixtures("fresh_inductor_cache")
 def test_inductor_code_has_no_normkit_op_where_it_steps_aside_and_has_it_where_normkit_wins():
     from torch._inductor.utils import run_and_get_code
     # on the test device: Inductor's Triton code on a GPU, its C++ code on the CPU
