@@ -224,7 +224,7 @@ def _row_norm_backward(ctx, dy, *grads):
         b_dtype = bias.dtype if needs[2] else None
         act_bias = bias if activation is not None or (bias is not None and bias.dim() > normalized_ndim) else None
         if ctx.fused:
-            first = x_dtype if needs[0] else r_dtype
+            first = x_dtype if needs[0] or r_dtype is None else r_dtype  # no residual: dx unused, x dtype
             dx, dres, dw, db = _row_norm_fused_bwd(dy, z, normalized_ndim, weight, act_bias, mean, rstd, rms,
                                                    activation, w_dtype, b_dtype, backend, opts.weight_offset, dh,
                                                    first, r_dtype if needs[0] and needs[3] else None)

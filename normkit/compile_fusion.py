@@ -159,12 +159,31 @@ def width_class(width: int) -> int:
     return 1 << (max(int(width), 1).bit_length() - 1)
 
 
-def key(pattern: str, dtype: torch.dtype, mode: str, width: int) -> str:
-    return f"{pattern}|{str(dtype).replace('torch.', '')}|{mode}|{width_class(width)}"
+LAYOUTS = ("dense", "channels_last", "strided")  # of the norm's input; the tables measured "dense"
+
+
+def key(pattern: str, dtype: torch.dtype, mode: str, width: int, layout: str = "dense") -> str:
+    """The table key; a layout other than dense (contiguous rows / NCHW) is part of it, so a layout
+    the table has not measured (column-strided rows, views of fused projections, channels_last)
+    finds no entry and keeps Inductor's code."""
+    k = f"{pattern}|{str(dtype).replace('torch.', '')}|{mode}|{width_class(width)}"
+    return k if layout == "dense" else f"{k}|{layout}"
+
+
+def layout_of(t) -> str:
+    """"dense", "channels_last" (a 4-D channels_last tensor) or "strided" (anything else)."""
+    try:
+        if t.is_contiguous():
+            return "dense"
+        if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+            return "channels_last"
+    except Exception:  # noqa: BLE001 - a symbolic stride that cannot be decided: not dense
+        pass
+    return "strided"
 
 
 def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.device,
-         elements: Optional[int] = None) -> bool:
+         elements: Optional[int] = None, layout: str = "dense") -> bool:
     """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?
     `elements`: the input's size, held against the table's min_elements (None: not checked)."""
     if _state["policy"] != "table":
@@ -176,7 +195,7 @@ def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.
         table = _file_table(_arch(device.index if device.index is not None else torch.cuda.current_device()))
     if elements is not None and elements < table.get(MIN_ELEMENTS, 0):
         return False
-    entry = table.get(key(pattern, dtype, mode, width))
+    entry = table.get(key(pattern, dtype, mode, width, layout))
     return bool(entry and entry.get("wins"))
 
 
@@ -588,8 +607,9 @@ def _decide(site: _Site) -> tuple[str, bool]:
     mode = "train" if (isinstance(out, torch.Tensor) and out.requires_grad) else "fwd"
     width = _width(site)
     name = _pattern_name(site)
-    k = key(name, ev.dtype, mode, width or 1)
-    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device, _size_hint(ev))
+    layout = layout_of(ev)
+    k = key(name, ev.dtype, mode, width or 1, layout)
+    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device, _size_hint(ev), layout)
 
 
 def _replace(graph, site: _Site) -> None:

@@ -386,3 +386,30 @@ def test_measurement_script_tiny_run_writes_a_table_the_pass_reads(tmp_path):
     with cf.use_table(tmp_path / "compile_table.json"):
         key = "add_rms|float32|train|64"
         assert cf.wins("add_rms", torch.float32, "train", 64, torch.device("cpu")) == table["entries"][key]["wins"]
+
+
+def test_layouts_the_table_did_not_measure_keep_inductors_code():
+    """The table measured dense inputs: a column-strided LayerNorm input ([B, C, T] permuted to
+    [B, T, C], as Whisper's encoder has) and a channels_last GroupNorm input are looked up under
+    their layout, find no entry, and keep Inductor's code even where the dense entry wins."""
+    ln, gn = nn.LayerNorm(24), nn.GroupNorm(4, 8)
+    table = {"ln+pw|float32|train|16": {"wins": True}, "gn+pw|float32|train|16": {"wins": True}}
+
+    def f(x, img):
+        return ln(x.permute(0, 2, 1)).sum((1, 2)) + gn(img).sum((1, 2, 3))
+
+    x = _t(2, 24, 5)
+    img = _t(2, 8, 3, 5, seed=1).detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    backend = Rewritten()
+    with cf.use_table(table), normkit.enable_compile_fusion():
+        got = _fwd_bwd(torch.compile(f, backend=backend), (x, img))
+    assert dict(cf.decisions()) == {"ln+pw|float32|train|16|strided": "inductor",
+                                    "gn+pw|float32|train|16|channels_last": "inductor"}, cf.decisions()
+    assert not backend.normkit_nodes()
+    _close(got, _fwd_bwd(f, (x, img)), 1e-5)
+    torch._dynamo.reset()
+    cf.decisions(clear=True)
+    with cf.use_table(table), normkit.enable_compile_fusion():  # the same norms on dense inputs: normkit's
+        torch.compile(f, backend=Rewritten())(x.detach().permute(0, 2, 1).contiguous().permute(0, 2, 1),
+                                              img.detach().contiguous())
+    assert set(d for _, d in cf.decisions()) == {"normkit"}, cf.decisions()
