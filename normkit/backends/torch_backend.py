@@ -101,7 +101,7 @@ def _native_layer_norm(x, weight, bias, eps):
     xs, shift = _shifted(x.to(_acc(x)))
     b = bias.to(xs.dtype) if bias is not None else None
     y, mean_s, rstd = torch.ops.aten.native_layer_norm(xs, [N], _native_weight(x, weight, N), b, eps)
-    return y.to(x.dtype), (shift + mean_s).reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+    return y, (shift + mean_s).reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
 
 
 def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype):
@@ -111,7 +111,7 @@ def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
         dy.to(acc), x.to(acc), [N], mean.reshape(*lead, 1).to(acc), rstd.reshape(*lead, 1).to(acc), w, b,
         [True, dweight_dtype is not None, dbias_dtype is not None])
-    return (dx.to(x.dtype), None if dweight_dtype is None else dw.to(dweight_dtype),
+    return (dx, None if dweight_dtype is None else dw.to(dweight_dtype),
             None if dbias_dtype is None else db.to(dbias_dtype))
 
 
@@ -157,10 +157,10 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
                        residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
                        want_amax=False):
     acc = _acc(x)
-    if not rms and residual is None and not weight_offset and out_dtype in (None, x.dtype) and not want_amax and \
-            (activation is None or x.dtype == acc) and _native_cpu(x, weight, bias):
-        y, mean, rstd = _native_layer_norm(x, weight, bias, eps)
-        return _ACTIVATIONS[activation](y).contiguous(), mean, rstd, None, None
+    if not rms and residual is None and not weight_offset and out_dtype in (None, x.dtype, acc) and not want_amax and \
+            (activation is None or (out_dtype or x.dtype) == acc) and _native_cpu(x, weight, bias):
+        y, mean, rstd = _native_layer_norm(x, weight, bias, eps)  # y in fp32: one rounding to the output's dtype
+        return _ACTIVATIONS[activation](y).to(out_dtype or x.dtype).contiguous(), mean, rstd, None, None
     xf = x.to(acc)
     h = None
     if residual is not None:
@@ -199,9 +199,9 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     acc = _acc(x)
     N = x.shape[-1]
     if not rms and activation is None and not weight_offset and dh is None and dres_dtype is None and \
-            dx_dtype in (None, x.dtype) and N > 1 and _native_cpu(x, weight, bias):  # N = 1: dx is exactly 0 below
+            N > 1 and _native_cpu(x, weight, bias):  # N = 1: dx is exactly 0 below
         dx, dw, db = _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype)
-        return dx.contiguous(), None, dw, db
+        return dx.to(dx_dtype or x.dtype).contiguous(), None, dw, db
     lead = x.shape[:-1]  # the statistics come flat, one per row
     rstd = rstd.reshape(lead)
     xhat = _xhat(x, None if rms else mean.reshape(lead).to(acc), rstd.to(acc))

@@ -173,7 +173,10 @@ __global__ void __launch_bounds__(256)
         const float xhat = BWD ? (xv[k] - mean[grp]) * rs : ((xv[k] - coef[2 * grp]) - coef[2 * grp + 1]) * rs;
         float v;
         if (BWD) {
-          const float g = dyv[k] * ACT::grad(xhat * wc + bc) * wc;
+          // g rounded by itself (__fmul_rn is never contracted): fused into the subtraction below,
+          // an FMA would see w * dz unrounded, and one element per group (coef[2 * grp] = w * dz,
+          // xhat = 0) would leave its rounding error times rs instead of dx = 0
+          const float g = __fmul_rn(dyv[k] * ACT::grad(xhat * wc + bc), wc);
           v = rs * (g - (coef[2 * grp] + xhat * coef[2 * grp + 1]) * inv_count);
         } else {
           v = ACT::fwd(xhat * wc + bc);

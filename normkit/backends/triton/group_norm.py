@@ -170,7 +170,8 @@ def _gn_fwd_split(X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, Bn, S, Cg, G, stri
 def _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, mean, rstd, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                   ACT: tl.constexpr):
     """(xhat, g, w*g) of one tile, zero outside `mask`; g is dy through the activation's derivative
-    (the pre-activation z = xhat * w + b recomputed from x and the statistics)."""
+    (the pre-activation z = xhat * w + b recomputed from x and the statistics). w*g is rounded once
+    and never fused into dx's subtractions (kernels._bwd_terms): one element per group gives dx = 0."""
     xhat = tl.where(mask, (x - mean) * rstd, 0.0)
     if HAS_W:
         w = tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
@@ -182,7 +183,7 @@ def _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, mean, rstd, HAS_W: tl.constexpr
         if HAS_B:
             z = z + tl.load(B + ch, mask=r_mask, other=0.0).to(tl.float32)[:, None]
         gr = tl.where(mask, act_grad(z, dy, ACT), 0.0)
-    return xhat, gr, gr * w
+    return xhat, gr, (tl.fma(gr, w, 0.0) if HAS_W else gr)
 
 
 @triton.jit

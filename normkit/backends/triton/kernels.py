@@ -338,8 +338,13 @@ def _fwd_looped(X, R, Y, H, W, B, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr
 
 @triton.jit
 def _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-               ACT: tl.constexpr):
-    """(xhat, g, w*g) for a tile, zero outside `mask`; g is dy through the activation's derivative."""
+               ACT: tl.constexpr, ONE_COL: tl.constexpr):
+    """(xhat, g, w*g) for a tile, zero outside `mask`; g is dy through the activation's derivative.
+    ONE_COL (rows of one element, where LayerNorm's exact dx is 0: xhat = 0 and c2 = w*g): w*g is
+    rounded once, by an FMA with a zero addend, which no compiler fuses into a later add. A plain
+    product may be contracted with _dx's subtraction of c2, which then sees w*g unrounded and leaves
+    its rounding error times rstd. Wider rows keep the plain product: letting the compiler fuse it
+    is faster (8% on a 4096-wide fp32 LayerNorm backward on an H100)."""
     if IS_RMS:
         xhat = tl.where(mask, x * rstd[:, None], 0.0)
     else:
@@ -353,7 +358,10 @@ def _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.co
             z = z + b
         g = tl.where(mask, act_grad(z, dy, ACT), 0.0)
     if HAS_W:
-        wg = g * w
+        if ONE_COL:
+            wg = tl.fma(g, w, 0.0)
+        else:
+            wg = g * w
     else:
         wg = g
     return xhat, g, wg
@@ -436,7 +444,7 @@ def row_norm_bwd_kernel(
             mean = rstd
             if not IS_RMS:
                 mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
+            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT, BLOCK_N == 1)
             c1 = tl.sum(xhat * wg, axis=1)
             c2 = c1
             if not IS_RMS:
@@ -491,7 +499,7 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_ro
             x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
             dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
+            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT, False)
             c1 += tl.sum(xhat * wg, axis=1)
             if not IS_RMS:
                 c2 += tl.sum(wg, axis=1)
@@ -505,7 +513,7 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_ro
             x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
             dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT)
+            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT, False)
             dx = _dx(xhat, wg, rstd, c1, c2, IS_RMS)
             _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
                       HAS_DH, HAS_DRES)
