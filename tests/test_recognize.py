@@ -112,7 +112,7 @@ def _assert_computes_like(ours, theirs, x, bitwise: bool, truth=None):
     assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
     if bitwise:
         assert torch.equal(y, y_ref), f"{(y != y_ref).float().mean().item():.2%} of outputs differ"
-    elif y.dtype == FP32 and x.dtype == FP32:
+    elif y.dtype == FP32:  # fp32 out (an fp32 weight with a bf16 x too): reduction order and rsqrt's last bit
         assert ref.rel_err(y, y_ref) <= 1e-6
     else:
         differ = (y != y_ref).float().mean().item()
@@ -153,6 +153,13 @@ def test_recognised_class_computes_what_it_computes(case, x_dtype, p_dtype):
     try:
         theirs(x)
     except RuntimeError as e:  # torch's own layer_norm refuses fp32 x with a bf16 weight on the CPU:
+        if DEVICE != "cpu" and _proven(ours, x):
+            # proven on the CPU, where torch computes it (CUDA's layer_norm refuses bf16 x with an fp32
+            # weight on a permuted view): normkit computes what the module computes on the CPU
+            y = ours(x)
+            y_cpu = copy.deepcopy(theirs).cpu()(x.cpu())
+            assert y.dtype == y_cpu.dtype and ref.rel_err(y.cpu(), y_cpu) <= 1e-2
+            return
         with pytest.raises(RuntimeError, match=re.escape(str(e)[:30])):  # the module's own forward refuses too
             ours(x)
         assert not _proven(ours, x)
@@ -439,7 +446,11 @@ def test_train_and_eval_mode_are_proven_separately():
 
 
 def test_mamba2_gated_norm_is_left_alone_with_the_reason():
-    gated = _hf("mamba2.modeling_mamba2", "MambaRMSNormGated")(64, group_size=16)
+    cls = _hf("mamba2.modeling_mamba2", "MambaRMSNormGated")
+    try:
+        gated = cls(64, group_size=16)
+    except TypeError:  # transformers before 5.2x: no group_size
+        gated = cls(64)
     report = normkit.patch(nn.Sequential(gated), fuse=False)
     assert report == {}
     assert "takes more than its input (gate)" in report.skipped["0"] and "a gate" in report.skipped["0"]
@@ -509,7 +520,10 @@ def test_autocast_computes_what_the_module_computes():
         with torch.autocast(DEVICE, dtype=BF16):
             y, y_ref = ours(x), theirs(x)
         assert y.dtype == y_ref.dtype, case
-        assert (y != y_ref).float().mean().item() <= 0.002, case
+        if y.dtype == FP32:
+            assert ref.rel_err(y, y_ref) <= 1e-6, case
+        else:
+            assert (y != y_ref).float().mean().item() <= 0.002, case
 
 
 # ----------------------------------------------------------------------------- whole models
