@@ -32,9 +32,9 @@ test-latest:
 	$(LATEST_PY) -m pip install -q --upgrade pip
 	$(LATEST_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(LATEST_PY) -m pip install -q --upgrade --upgrade-strategy eager -c constraints/latest.txt -e ".[test,bench]"
-	@echo "make test-latest: versions that differ from $(TESTED):"
-	@$(LATEST_PY) -m pip freeze 2>/dev/null | grep -v -e '^-e ' -e '^#' -e '^normkit' -e '^torch==' | grep -v -x -F -f $(TESTED) \
-		| sed 's/^/    /' || echo "    (none)"
+	@newer=$$($(LATEST_PY) -m pip freeze 2>/dev/null | grep -v -e '^-e ' -e '^#' -e '^normkit' -e '^torch==' \
+		| grep -v -x -F -f $(TESTED)); echo "make test-latest: versions that differ from $(TESTED):"; \
+		echo "$${newer:-(none: the newest releases are the tested set)}" | sed 's/^/    /'
 	$(LATEST_PY) -m normkit recognition
 	OMP_NUM_THREADS=1 $(LATEST_PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
