@@ -233,3 +233,26 @@ def test_compiled_variants_side_by_side_each_compile_a_graph_and_do_not_recompil
     rows, _ = model_report.load([out])
     assert [(r.variant, r.ran, r.note) for r in rows] == [("unpatched", True, ""), ("normkit", True, "")]
     assert rows[1].patched == rows[1].norms == 4 and rows[1].out_diff <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["whisper-encoder", "t5-encoder", "dit"])
+def test_encoder_and_dit_cases_build_patch_and_match(name):
+    """The model benchmark's Whisper-style encoder (column-strided LayerNorm rows), T5 encoder
+    (T5LayerNorm, recognised by computation) and DiT (adaLN-Zero's LayerNorm): tiny, on the CPU,
+    every norm patched, the patched step's loss equal to the unpatched one's."""
+    import copy
+
+    import normkit
+    spec = model_zoo.SPECS[name]
+    size = model_zoo.size_of(spec, "tiny")
+    torch.manual_seed(0)
+    model = spec.build(size, "cpu")
+    model_zoo.randomize_norms(model, torch.Generator().manual_seed(1))
+    plain = copy.deepcopy(model)
+    report = normkit.patch(model)
+    norms = [n for n, m in plain.named_modules() if model_zoo.is_norm_module(m)]
+    assert norms and set(report) == set(norms) and not report.skipped, str(report)
+    batch = spec.batch(size, "cpu", torch.float32, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, expected = spec.loss(model, batch), spec.loss(plain, batch)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got.item(), expected.item())

@@ -324,6 +324,66 @@ def _unet1d_build(size, device):
         return UNet1d(size["channels"], tuple(size["dims"]))
 
 
+# ----------------------------------------------------------------------------- encoders and diffusion transformers
+
+def _whisper_build(size, device):
+    transformers = _require("transformers", "transformers")
+    from transformers.models.whisper import modeling_whisper
+    cfg = transformers.WhisperConfig(d_model=size["d_model"], encoder_layers=size["layers"],
+                                     encoder_attention_heads=size["heads"], encoder_ffn_dim=4 * size["d_model"],
+                                     num_mel_bins=size["mels"], max_source_positions=size["frames"] // 2,
+                                     dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    with torch.device(device):
+        return modeling_whisper.WhisperEncoder(cfg)
+
+
+def _mel_batch(size, device, dtype, gen):
+    x = torch.randn(size["batch"], size["mels"], size["frames"], generator=gen, device=device).to(dtype)
+    return {"x": x}
+
+
+def _encoder_output(model, batch):
+    key = "input_features" if "x" in batch else "input_ids"
+    return model(**{key: batch.get("x", batch.get("input_ids"))}).last_hidden_state
+
+
+def _encoder_loss(model, batch):
+    return _encoder_output(model, batch).float().square().mean()
+
+
+def _t5_build(size, device):
+    transformers = _require("transformers", "transformers")
+    cfg = transformers.T5Config(vocab_size=size["vocab_size"], d_model=size["d_model"], d_kv=size["d_model"] // size["heads"],
+                                d_ff=size["d_ff"], num_layers=size["layers"], num_heads=size["heads"], dropout_rate=0.0)
+    with torch.device(device):
+        return transformers.T5EncoderModel(cfg)
+
+
+def _dit_build(size, device):
+    diffusers = _require("diffusers", "diffusers")
+    cls = getattr(diffusers, "DiTTransformer2DModel", None)
+    if cls is None:
+        raise Unavailable(f"diffusers {diffusers.__version__} has no DiTTransformer2DModel")
+    with torch.device(device):
+        return cls(num_attention_heads=size["heads"], attention_head_dim=size["hidden"] // size["heads"],
+                   in_channels=size["channels"], num_layers=size["layers"], sample_size=size["latent"],
+                   patch_size=2, num_embeds_ada_norm=1000)
+
+
+def _dit_batch(size, device, dtype, gen):
+    batch = _unet_batch("channels", lambda s: (s["latent"],) * 2)(size, device, dtype, gen)
+    batch["labels"] = torch.randint(0, 1000, (size["batch"],), generator=gen, device=device)
+    return batch
+
+
+def _dit_output(model, batch):
+    return model(batch["x"], timestep=batch["t"], class_labels=batch["labels"]).sample
+
+
+def _dit_loss(model, batch):
+    return F.mse_loss(_dit_output(model, batch), batch["noise"])
+
+
 # ----------------------------------------------------------------------------- the table
 
 SPECS = {s.name: s for s in (
@@ -363,6 +423,24 @@ SPECS = {s.name: s for s in (
               _unet1d_build, _unet_batch("channels", lambda s: (s["length"],)),
               _denoiser_loss, _denoiser_output, lambda s: s["batch"], "samples",
               shape=lambda s: f"{s['batch']}x{s['channels']}x{s['length']}, dims {'/'.join(map(str, s['dims']))}"),
+    ModelSpec("whisper-encoder", "HF WhisperEncoder, Whisper-small widths (LayerNorm on column-strided rows: the "
+              "conv output is permuted)", "transformers", ("train", "infer"), "bf16",
+              {"full": dict(batch=8, mels=80, frames=3000, d_model=768, layers=12, heads=12),
+               "tiny": dict(batch=2, mels=16, frames=32, d_model=64, layers=2, heads=4)},
+              _whisper_build, _mel_batch, _encoder_loss, _encoder_output, lambda s: s["batch"], "clips",
+              shape=lambda s: f"{s['batch']}x{s['mels']}x{s['frames']} mel, d{s['d_model']}, {s['layers']}L"),
+    ModelSpec("t5-encoder", "HF T5EncoderModel, T5-base widths (T5LayerNorm: recognised by computation)",
+              "transformers", ("train", "infer"), "bf16",
+              {"full": dict(batch=8, seq=512, vocab_size=32128, d_model=768, d_ff=3072, layers=12, heads=12),
+               "tiny": dict(batch=2, seq=16, vocab_size=128, d_model=64, d_ff=128, layers=2, heads=4)},
+              _t5_build, _hf_batch, _encoder_loss, _encoder_output, lambda s: s["batch"] * s["seq"], "tokens",
+              shape=lambda s: f"{s['batch']}x{s['seq']} tok, d{s['d_model']}, {s['layers']}L"),
+    ModelSpec("dit", "diffusers DiTTransformer2DModel, DiT-XL widths, 12 layers (adaLN-Zero: LayerNorm without "
+              "affine, then the modulation in torch ops)", "diffusers", ("train", "infer"), "bf16",
+              {"full": dict(batch=16, channels=4, latent=32, hidden=1152, heads=16, layers=12),
+               "tiny": dict(batch=2, channels=4, latent=8, hidden=64, heads=4, layers=2)},
+              _dit_build, _dit_batch, _dit_loss, _dit_output, lambda s: s["batch"], "images",
+              shape=lambda s: f"{s['batch']}x{s['channels']}x{s['latent']}x{s['latent']}, h{s['hidden']}, {s['layers']}L"),
 )}
 
 # what `--models` runs without a list: the models ("resnet-blocks" is unet2d's stand-in,
