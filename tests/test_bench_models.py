@@ -235,7 +235,7 @@ def test_compiled_variants_side_by_side_each_compile_a_graph_and_do_not_recompil
     assert rows[1].patched == rows[1].norms == 4 and rows[1].out_diff <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["whisper-encoder", "t5-encoder", "dit"])
+@pytest.mark.parametrize("name", ["whisper-encoder", "t5-encoder", "dit", "sd15-unet"])
 def test_encoder_and_dit_cases_build_patch_and_match(name):
     """The model benchmark's Whisper-style encoder (column-strided LayerNorm rows), T5 encoder
     (T5LayerNorm, recognised by computation) and DiT (adaLN-Zero's LayerNorm): tiny, on the CPU,

@@ -384,6 +384,28 @@ def _dit_loss(model, batch):
     return F.mse_loss(_dit_output(model, batch), batch["noise"])
 
 
+def _sd_unet_build(size, device):
+    diffusers = _require("diffusers", "diffusers")
+    kwargs = {k: v for k, v in size.items() if k not in ("batch", "text_tokens")}
+    with torch.device(device):
+        return diffusers.UNet2DConditionModel(**kwargs)
+
+
+def _sd_batch(size, device, dtype, gen):
+    batch = _unet_batch("in_channels", lambda s: (s["sample_size"],) * 2)(size, device, dtype, gen)
+    batch["text"] = torch.randn(size["batch"], size["text_tokens"], size["cross_attention_dim"], generator=gen,
+                                device=device).to(dtype)
+    return batch
+
+
+def _sd_output(model, batch):
+    return model(batch["x"], batch["t"], encoder_hidden_states=batch["text"]).sample
+
+
+def _sd_loss(model, batch):
+    return F.mse_loss(_sd_output(model, batch), batch["noise"])
+
+
 # ----------------------------------------------------------------------------- the table
 
 SPECS = {s.name: s for s in (
@@ -441,6 +463,18 @@ SPECS = {s.name: s for s in (
                "tiny": dict(batch=2, channels=4, latent=8, hidden=64, heads=4, layers=2)},
               _dit_build, _dit_batch, _dit_loss, _dit_output, lambda s: s["batch"], "images",
               shape=lambda s: f"{s['batch']}x{s['channels']}x{s['latent']}x{s['latent']}, h{s['hidden']}, {s['layers']}L"),
+    ModelSpec("sd15-unet", "diffusers UNet2DConditionModel, Stable Diffusion 1.5 config (GroupNorm + SiLU, "
+              "transformer blocks' LayerNorms), fp16", "diffusers", ("train", "infer"), "fp16",
+              {"full": dict(batch=2, sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+                            block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768, attention_head_dim=8,
+                            text_tokens=77),
+               "tiny": dict(batch=1, sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                            block_out_channels=(16, 32), norm_num_groups=4, cross_attention_dim=16,
+                            attention_head_dim=4, text_tokens=5,
+                            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))},
+              _sd_unet_build, _sd_batch, _sd_loss, _sd_output, lambda s: s["batch"], "images",
+              shape=lambda s: f"{s['batch']}x4x{s['sample_size']}x{s['sample_size']} latents, text {s['text_tokens']}"),
 )}
 
 # what `--models` runs without a list: the issue's models ("resnet-blocks" is unet2d's stand-in,
