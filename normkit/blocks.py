@@ -9,10 +9,13 @@ lists the result as its report's `.fused`; normkit.unpatch(model) calls unfuse()
 
 A block is fused as patch.py patches a norm: its module gets a subclass of its own class (same
 name) whose forward is the block's code with the norm and its neighbour computed by one normkit call.
-A block class is recognised by the bytecode of its forward (parameter names and defaults included),
-compared with the library code written out below, so every copy transformers' modular generator
-makes matches and a variant does not. What is fused, and only where the result is what the block
-computes, rounding points included:
+A block is recognised from the source of its forward: statements that compute a pattern normkit
+fuses (see "blocks recognised by their code" below) are rewritten into one normkit call computing
+the same values, and the rest of the forward runs as written, so any transformers release and any
+copied or renamed layer is covered; diffusers' ResnetBlock2D, whose branches around norm2 no
+statement rule sees, is matched by the bytecode of its forward. `fuse(model, unfused={})` fills in
+why each module holding a known norm was not fused. What is fused, and only where the result is
+what the block computes, rounding points included:
 
 - HF decoder layers (transformers 5.x): the residual add before the post-attention norm (Llama,
   Qwen2/3, Mistral, Gemma, DeepSeek-V2/V3, GLM and the other copies of Llama's layer; Mixtral's and
