@@ -104,6 +104,12 @@ def _native_layer_norm(x, weight, bias, eps):
     return y, (shift + mean_s).reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
 
 
+def _param_grads(dw, db, dweight_dtype, dbias_dtype):
+    """torch's fp32 weight/bias gradients in the dtypes asked for (None where not asked)."""
+    return (None if dweight_dtype is None else dw.to(dweight_dtype),
+            None if dbias_dtype is None else db.to(dbias_dtype))
+
+
 def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype):
     N, lead, acc = x.shape[-1], x.shape[:-1], _acc(x)
     w = _native_weight(x, weight, N)
@@ -111,8 +117,7 @@ def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
         dy.to(acc), x.to(acc), [N], mean.reshape(*lead, 1).to(acc), rstd.reshape(*lead, 1).to(acc), w, b,
         [True, dweight_dtype is not None, dbias_dtype is not None])
-    return (dx, None if dweight_dtype is None else dw.to(dweight_dtype),
-            None if dbias_dtype is None else db.to(dbias_dtype))
+    return (dx, *_param_grads(dw, db, dweight_dtype, dbias_dtype))
 
 
 def _native_group_norm(x, num_groups, weight, bias, eps):
@@ -145,8 +150,7 @@ def _native_group_norm_bwd(dy, x, num_groups, weight, mean, rstd, dweight_dtype,
     dx, dw, db = torch.ops.aten.native_group_norm_backward(
         dy.to(acc).contiguous(), x.to(acc), mean.to(acc), rstd.to(acc), _native_weight(x, weight, C), B, C, S,
         num_groups, [True, dweight_dtype is not None, dbias_dtype is not None])
-    return (dx.to(x.dtype), None if dweight_dtype is None else dw.to(dweight_dtype),
-            None if dbias_dtype is None else db.to(dbias_dtype))
+    return (dx.to(x.dtype), *_param_grads(dw, db, dweight_dtype, dbias_dtype))
 
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
     y, mean, rstd, _, _ = row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation)

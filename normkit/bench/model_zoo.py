@@ -258,8 +258,12 @@ def _denoiser_output(model, batch):
     return getattr(out, "sample", out)  # diffusers returns an output object, the stand-ins a tensor
 
 
-def _denoiser_loss(model, batch):
-    return F.mse_loss(_denoiser_output(model, batch), batch["noise"])
+def _noise_loss(output: Callable) -> Callable:
+    """A denoiser's training loss: the MSE of its prediction (output(model, batch)) to the noise."""
+    return lambda model, batch: F.mse_loss(output(model, batch), batch["noise"])
+
+
+_denoiser_loss = _noise_loss(_denoiser_output)
 
 
 # ----------------------------------------------------------------------------- seed 004's 1D U-Net
@@ -380,10 +384,6 @@ def _dit_output(model, batch):
     return model(batch["x"], timestep=batch["t"], class_labels=batch["labels"]).sample
 
 
-def _dit_loss(model, batch):
-    return F.mse_loss(_dit_output(model, batch), batch["noise"])
-
-
 def _sd_unet_build(size, device):
     diffusers = _require("diffusers", "diffusers")
     kwargs = {k: v for k, v in size.items() if k not in ("batch", "text_tokens")}
@@ -400,10 +400,6 @@ def _sd_batch(size, device, dtype, gen):
 
 def _sd_output(model, batch):
     return model(batch["x"], batch["t"], encoder_hidden_states=batch["text"]).sample
-
-
-def _sd_loss(model, batch):
-    return F.mse_loss(_sd_output(model, batch), batch["noise"])
 
 
 # ----------------------------------------------------------------------------- the table
@@ -461,7 +457,7 @@ SPECS = {s.name: s for s in (
               "affine, then the modulation in torch ops)", "diffusers", ("train", "infer"), "bf16",
               {"full": dict(batch=16, channels=4, latent=32, hidden=1152, heads=16, layers=12),
                "tiny": dict(batch=2, channels=4, latent=8, hidden=64, heads=4, layers=2)},
-              _dit_build, _dit_batch, _dit_loss, _dit_output, lambda s: s["batch"], "images",
+              _dit_build, _dit_batch, _noise_loss(_dit_output), _dit_output, lambda s: s["batch"], "images",
               shape=lambda s: f"{s['batch']}x{s['channels']}x{s['latent']}x{s['latent']}, h{s['hidden']}, {s['layers']}L"),
     ModelSpec("sd15-unet", "diffusers UNet2DConditionModel, Stable Diffusion 1.5 config (GroupNorm + SiLU, "
               "transformer blocks' LayerNorms), fp16", "diffusers", ("train", "infer"), "fp16",
@@ -473,7 +469,7 @@ SPECS = {s.name: s for s in (
                             attention_head_dim=4, text_tokens=5,
                             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))},
-              _sd_unet_build, _sd_batch, _sd_loss, _sd_output, lambda s: s["batch"], "images",
+              _sd_unet_build, _sd_batch, _noise_loss(_sd_output), _sd_output, lambda s: s["batch"], "images",
               shape=lambda s: f"{s['batch']}x4x{s['sample_size']}x{s['sample_size']} latents, text {s['text_tokens']}"),
 )}
 

@@ -15,10 +15,11 @@ from typing import Callable
 
 import torch
 
+from .model_zoo import _NOT_CONFIG, HF_TINY
+
 # transformers: (config class, model class, extra config) at the tiny decoder size of the model zoo
-_TINY_LM = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-                pad_token_id=0)
+_TINY_LM = {**{k: v for k, v in HF_TINY.items() if k not in _NOT_CONFIG}, "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 0}
 TRANSFORMERS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
