@@ -92,7 +92,21 @@ def _autocast(fn, *args):
         return fn(*args)
 
 
-def _call(fn, inputs, mode: str):
+def _host_stats() -> dict:
+    from .. import _host
+    return _host.stats()
+
+
+def _served(before: dict, after: dict, calls: int) -> str:
+    """What ran the timed calls: plan replays and Python runs of the C++ host path, per call."""
+    if not after or not calls:
+        return "Python host path (the C++ one is not active)"
+    per = lambda k: (after[k] - before[k]) / calls  # noqa: E731
+    return f"per call: {per('replays'):.2g} plan replays, {per('python_runs'):.2g} Python runs"
+
+
+def _call(fn, inputs, mode: str, calls: list):
+    calls.append(1)
     if mode == "fwd":
         with torch.no_grad():
             return fn(*inputs)
@@ -115,9 +129,13 @@ def run(names, timer, device: str) -> list[HostRow]:
                 else:
                     try:
                         inputs = tuple(t.requires_grad_(mode != "fwd") for t in case.inputs(device))
-                        call = functools.partial(_call, fn, inputs, mode)
+                        calls = []
+                        call = functools.partial(_call, fn, inputs, mode, calls)
                         call()
+                        call()  # a key's first call runs the Python host function, its second records the plan
+                        before, calls[:] = _host_stats(), []
                         row.us_per_call, row.latency_us = host_overhead(call, timer.sync)
+                        row.note = _served(before, _host_stats(), len(calls)) if impl == "normkit" else ""
                     except Exception as e:  # noqa: BLE001 - a row that says why
                         row.note = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 rows.append(row)
