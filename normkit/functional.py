@@ -301,14 +301,15 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
               opts=PLAIN, prenorm=False):
     """Checked arguments -> y (or the tuple of _outputs), through the custom op (compile, modes,
     subclasses), the autograd function (gradients, torch.func, forward AD) or straight to the
-    kernels (inference). The host path is asked again here for plain calls: the public functions ask
-    it first, but a call it declined there may be its case now (inputs cast by autocast, or a
-    row_norm_as_written call)."""
+    kernels (inference). The host path is asked again here: the public functions ask it first, but a
+    call it declined there may be its case now (arguments normalized, autocast applied)."""
     plain = residual is None and scale is None and opts is PLAIN and (weight is None or weight.dim() == len(shape)) \
         and (bias is None or bias.dim() == len(shape))  # not per-head parameters
     fast = _host.fast
-    if plain and fast is not None and not _is_compiling():
-        y = fast.row_norm(x, shape, weight, bias, eps, rms, activation, backend_name)
+    if fast is not None and not _is_compiling():
+        y = fast.row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, residual, prenorm,
+                          opts.residual_dtype, opts.weight_offset, opts.out_dtype,
+                          scale if scale is not None else opts.out_scale, opts.return_amax, False)
         if y is not None:
             return y
     if _library.needed(x, weight, bias, residual, scale):
@@ -345,14 +346,14 @@ def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scal
         out_dtype is None and out_scale is None and return_amax is False
 
 
-def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend):
-    """The C++ host path's output for a call without fused options, or None."""
+def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
+              weight_offset, out_dtype, out_scale, return_amax, autocast: bool):
+    """The C++ host path's output (y, or the tuple of _outputs), or None where it does not serve the call."""
     fast = _host.fast
     if fast is None or _is_compiling():
         return None
-    if weight is not None and weight.dim() != (1 if type(normalized_shape) is int else len(normalized_shape)):
-        return None  # per-head weights: not a call the host path knows
-    return fast.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend)
+    return fast.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
+                         residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast)
 
 
 def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
@@ -381,6 +382,10 @@ def row_norm_as_written(x, normalized_shape, weight, bias, eps, rms: bool, *, ac
     float32 and rounds to x's dtype (or out_dtype) whatever autocast says. For modules that write
     their norm out in explicit float32 ops (HF's RMSNorm classes), which autocast does not upcast as
     a whole. The fused options are layer_norm's."""
+    y = _via_host(x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend, residual, prenorm,
+                  residual_dtype, weight_offset, out_dtype, out_scale, return_amax, False)
+    if y is not None:
+        return y
     return _fused_row_norm(x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend,
                            residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax,
                            autocast=False)
@@ -403,10 +408,10 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
     backend: None picks Triton for CUDA tensors and torch otherwise; a name forces that backend.
     Under CUDA autocast it returns float32, as torch's layer_norm does (read x's dtype, write fp32).
     """
-    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
-        y = _via_host(x, normalized_shape, weight, bias, eps, False, activation, backend)
-        if y is not None:
-            return y
+    y = _via_host(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm, residual_dtype,
+                  weight_offset, out_dtype, out_scale, return_amax, True)
+    if y is not None:
+        return y
     return _fused_row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm,
                            residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
 
@@ -422,10 +427,10 @@ def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torc
     activation, the fused epilogues and backend are as in layer_norm; under autocast the dtype torch's
     rms_norm returns there (float32 from torch 2.12; torch 2.11 keeps x's dtype).
     """
-    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
-        y = _via_host(x, normalized_shape, weight, None, eps, True, activation, backend)
-        if y is not None:
-            return y
+    y = _via_host(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm, residual_dtype,
+                  weight_offset, out_dtype, out_scale, return_amax, True)
+    if y is not None:
+        return y
     return _fused_row_norm(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm,
                            residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
 

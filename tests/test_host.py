@@ -29,7 +29,7 @@ def ext():
 def test_row_calls_it_serves(ext):
     x = torch.randn(4, 6, 8)
     w, b = torch.randn(8), torch.randn(8)
-    ndim, M, N, row_stride, eps, act, grad, key = ext._parse_row(x, 8, w, b, 1e-5, False, None, None)
+    ndim, M, N, row_stride, eps, act, grad, *_, key = ext._parse_row(x, 8, w, b, 1e-5, False, None, None)
     assert (ndim, M, N, row_stride, eps, act, grad) == (1, 24, 8, 8, 1e-5, 0, False)
     assert ext._parse_row(x, (6, 8), None, None, 0, False, "silu", "triton")[:6] == (2, 4, 48, 48, 0.0, 1)
     assert ext._parse_row(x, torch.Size([8]), w, None, None, True, None, None)[4] == torch.finfo(torch.float32).eps
@@ -46,8 +46,8 @@ def test_row_calls_it_serves(ext):
 
 @pytest.mark.parametrize("case", [
     "numpy int shape", "bad activation", "backend cuda", "kwarg", "rms with bias", "nan eps", "negative eps",
-    "bool eps", "shape mismatch", "weight shape", "weight strided", "columns strided", "rows not mergeable",
-    "float64", "subclass", "forward-AD dual", "dispatch mode", "vmap", "same tensor twice", "bool rms", "jit trace",
+    "bool eps", "shape mismatch", "weight shape", "weight strided", "rows need three strides", "columns not mergeable",
+    "float64", "subclass", "forward-AD dual", "dispatch mode", "vmap", "bool rms", "jit trace",
 ])
 def test_row_calls_it_leaves_to_python(ext, case):
     import numpy as np
@@ -79,11 +79,11 @@ def test_row_calls_it_leaves_to_python(ext, case):
         args[2] = torch.randn(4)
     elif case == "weight strided":
         args[2] = torch.randn(16)[::2]
-    elif case == "columns strided":
-        args[0] = x.transpose(1, 2)
-        args[1], args[2], args[3] = 6, None, None
-    elif case == "rows not mergeable":
-        args[0] = x.transpose(0, 1)
+    elif case == "rows need three strides":  # the Python path copies
+        args[0] = torch.randn(4, 6, 2, 8)[:, :5, :, :].permute(2, 0, 1, 3)
+    elif case == "columns not mergeable":
+        args[0] = torch.randn(4, 2, 3, 6).permute(0, 3, 2, 1)
+        args[1], args[2], args[3] = (3, 2), None, None
     elif case == "float64":
         args[0] = x.double()
     elif case == "subclass":
@@ -112,8 +112,6 @@ def test_row_calls_it_leaves_to_python(ext, case):
         torch.jit.trace(f, (x,), check_trace=False)
         assert seen == [None]
         return
-    elif case == "same tensor twice":
-        args[3] = w
     elif case == "bool rms":
         args[5] = 1
     if mode is not None:
@@ -123,19 +121,147 @@ def test_row_calls_it_leaves_to_python(ext, case):
         assert ext._parse_row(*args, **kwargs) is None
 
 
-def test_autocast_takes_float32_only(ext):
-    """Under CUDA autocast torch computes the norms in float32: calls already in float32 are served,
-    others go to Python, which casts them."""
+def test_autocast(ext):
+    """Under CUDA autocast torch computes the norms in float32. LayerNorm/RMSNorm read x as it is and
+    write float32 (out_dtype, as functional._autocast_rows does) where torch's autocast upcasts the op
+    (rms_norm from torch 2.12 on), unless the caller says it applied the contract (autocast=False);
+    GroupNorm calls already in float32 are served, others go to Python, which casts them."""
+    from normkit.functional import _autocast_upcasts
+
     x, w = torch.randn(4, 8), torch.randn(8)
+    opts = (None, False, None, 0, None, None, False)
     torch.set_autocast_enabled("cuda", True)  # the autocast state itself: CPU-only torch has no CUDA autocast
     try:
-        assert ext._parse_row(x, 8, w, None, 1e-5, False, None, None) is not None
+        assert ext._parse_row(x, 8, w, None, 1e-5, False, None, None)[9] is None
         assert ext._parse_gn(x.view(4, 8, 1), 2, w, None, 1e-5, None, None) is not None
-        assert ext._parse_row(x.half(), 8, w, None, 1e-5, False, None, None) is None
-        assert ext._parse_row(x, 8, w.bfloat16(), None, 1e-5, False, None, None) is None
+        assert ext._parse_row(x.half(), 8, w, None, 1e-5, False, None, None)[9] == torch.float32
+        assert ext._parse_row(x.half(), 8, w, None, 1e-5, False, None, None, *opts, False)[9] is None
+        rms = ext._parse_row(x.bfloat16(), 8, w, None, None, True, None, None, *opts, True)[9]
+        assert rms == (torch.float32 if _autocast_upcasts("rms_norm", "cuda") else None)
+        assert ext._parse_row(x, 8, w.bfloat16(), None, 1e-5, False, None, None)[9] is None  # x float32: as is
         assert ext._parse_gn(x.view(4, 8, 1).bfloat16(), 2, None, None, 1e-5, None, None) is None
     finally:
         torch.set_autocast_enabled("cuda", False)
+    assert ext._parse_row(x.half(), 8, w, None, 1e-5, False, None, None)[9] is None
+
+
+def _fused(x, shape, w, b, rms=False, residual=None, prenorm=False, residual_dtype=None, weight_offset=0,
+           out_dtype=None, out_scale=None, return_amax=False, autocast=True, eps=1e-5, act=None):
+    return (x, shape, w, b, eps, rms, act, None, residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale,
+            return_amax, autocast)
+
+
+def test_fused_calls_it_serves(ext):
+    """The fused options, per-head weights, aliased parameters and the layouts normkit reads in place
+    are served, each under a key of its own."""
+    x, r = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    w, b = torch.randn(8), torch.randn(8)
+
+    def key(*args):
+        got = ext._parse_row(*args)
+        assert got is not None, args[4:]
+        return tuple(got[-1])
+
+    plain = key(*_fused(x, 8, w, b))
+    assert plain == key(x, 8, w, b, 1e-5, False, None, None)  # the 8-argument form is the plain call
+    fp8 = torch.float8_e4m3fn
+    keys = [plain, key(*_fused(x, 8, w, b, residual=r)), key(*_fused(x, 8, w, b, residual=r, prenorm=True)),
+            key(*_fused(x, 8, w, b, residual=r, residual_dtype=torch.bfloat16)),
+            key(*_fused(x, 8, w, None, rms=True, weight_offset=1.0)), key(*_fused(x, 8, w, None, rms=True, weight_offset=2)),
+            key(*_fused(x, 8, w, b, out_dtype=torch.bfloat16)), key(*_fused(x, 8, w, b, out_dtype=fp8, out_scale=2.0)),
+            key(*_fused(x, 8, w, b, out_dtype=fp8, out_scale=4.0)),
+            key(*_fused(x, 8, w, b, out_dtype=fp8, out_scale=torch.tensor([2.0]))),
+            key(*_fused(x, 8, w, b, return_amax=True)), key(*_fused(x, 8, w, w)),  # weight and bias one tensor
+            key(*_fused(x, 8, torch.randn(6, 8), torch.randn(6, 8))),  # per-head parameters
+            key(*_fused(x.transpose(0, 1), 8, w, b)),  # rows with two strides
+            key(*_fused(x.transpose(1, 2), 6, None, None)),  # columns 8 apart (a permuted NCHW tensor)
+            key(*_fused(x, 8, w, b, residual=torch.randn(4, 6, 16)[..., :8]))]  # residual rows 16 apart
+    assert len(set(keys)) == len(keys)
+    assert key(*_fused(x, 8, w, b, out_dtype=x.dtype)) == plain  # out_dtype of x's dtype: no option
+    got = ext._parse_row(*_fused(x, 8, torch.randn(6, 8), None, rms=True))
+    assert got[8] == 6  # weight rows
+    assert ext._parse_row(*_fused(x.transpose(0, 1), 8, w, b))[7] == 2  # an [O, I, N] view
+    rr = r.clone().requires_grad_()
+    assert ext._parse_row(*_fused(x, 8, w, b, residual=rr))[6] is True  # the residual's gradient: autograd
+
+
+@pytest.mark.parametrize("case", [
+    "prenorm without residual", "residual_dtype without residual", "residual shape", "residual float64",
+    "residual subclass", "weight_offset without weight", "weight_offset bool", "weight_offset nan",
+    "float8 without scale", "scale without float8", "scale of 2 elements", "scale float64", "out_dtype int",
+    "prenorm int", "mixed per-head parameters", "per-head weight of wrong heads", "residual needs a copy",
+])
+def test_fused_calls_it_leaves_to_python(ext, case):
+    x, r, w, b = torch.randn(4, 6, 8), torch.randn(4, 6, 8), torch.randn(8), torch.randn(8)
+    kw = {}
+    if case == "prenorm without residual":
+        kw = dict(prenorm=True)
+    elif case == "residual_dtype without residual":
+        kw = dict(residual_dtype=torch.float32)
+    elif case == "residual shape":
+        kw = dict(residual=torch.randn(4, 6, 1).expand(4, 6, 8).contiguous()[:, :5])
+    elif case == "residual float64":
+        kw = dict(residual=r.double())
+    elif case == "residual subclass":
+        class Sub(torch.Tensor):
+            pass
+        kw = dict(residual=r.as_subclass(Sub))
+    elif case == "weight_offset without weight":
+        w, kw = None, dict(weight_offset=1.0)
+    elif case == "weight_offset bool":
+        kw = dict(weight_offset=True)
+    elif case == "weight_offset nan":
+        kw = dict(weight_offset=float("nan"))
+    elif case == "float8 without scale":
+        kw = dict(out_dtype=torch.float8_e4m3fn)
+    elif case == "scale without float8":
+        kw = dict(out_scale=2.0)
+    elif case == "scale of 2 elements":
+        kw = dict(out_dtype=torch.float8_e4m3fn, out_scale=torch.ones(2))
+    elif case == "scale float64":
+        kw = dict(out_dtype=torch.float8_e4m3fn, out_scale=torch.ones(1, dtype=torch.float64))
+    elif case == "out_dtype int":
+        kw = dict(out_dtype=torch.int8)
+    elif case == "prenorm int":
+        kw = dict(residual=r, prenorm=1)
+    elif case == "mixed per-head parameters":  # Python expands the other: not a tensor the kernels read in place
+        w = torch.randn(6, 8)
+    elif case == "per-head weight of wrong heads":
+        w = torch.randn(4, 8)
+    elif case == "residual needs a copy":  # x's rows are [O, I, N]; this residual's rows are not walkable with them
+        x = x.transpose(0, 1)
+        kw = dict(residual=torch.randn(3, 2, 6, 4, 8)[0, 0].permute(1, 0, 2))
+    assert ext._parse_row(*_fused(x, 8, w, b, **kw)) is None
+
+
+def test_row_view_mirrors_the_python_layout(ext):
+    """Served exactly where the Python path reads the rows in place (normkit._layout.row_view makes
+    a view, not a copy), for x and, walked with x's rows, the residual."""
+    from normkit._layout import row_view
+
+    g = torch.Generator().manual_seed(0)
+    checked = [0, 0]
+    for t in _random_layouts(g, 400, min_dim=2):
+        d = t.dim()
+        k = int(torch.randint(1, d, (1,), generator=g))
+        shape = tuple(t.shape[d - k:])
+        view = row_view(t, shape, True)
+        in_place = view.data_ptr() == t.data_ptr() and view.untyped_storage().data_ptr() == \
+            t.untyped_storage().data_ptr()
+        got = ext._parse_row(*_fused(t, shape, None, None))
+        assert (got is not None) == in_place, (t.shape, t.stride(), k)
+        if got is None:
+            continue
+        checked[0] += 1
+        assert got[7] == view.dim() - 1
+        res = torch.randn(t.shape)[tuple(slice(None) for _ in range(d))]
+        res = res.transpose(0, 1) if d > 2 and t.shape[0] == t.shape[1] else res
+        lead = tuple(view.shape[:-1])
+        rview = row_view(res, shape, True, lead)
+        r_in_place = rview.untyped_storage().data_ptr() == res.untyped_storage().data_ptr()
+        assert (ext._parse_row(*_fused(t, shape, None, None, residual=res)) is not None) == r_in_place
+        checked[1] += r_in_place
+    assert min(checked) > 50
 
 
 def test_row_plan_keys(ext):
@@ -165,17 +291,22 @@ def test_row_plan_keys(ext):
     assert key(xr, 64, w, b, 1e-5, False, None, None) != base  # with grad the forward writes statistics
 
 
+def _random_layouts(g, n: int, min_dim: int = 1):
+    """n tensors of 1-4 dims (at least min_dim) with every other dim strided, permuted at random."""
+    for _ in range(n):
+        d = int(torch.randint(min_dim, 5, (1,), generator=g))
+        sizes = [int(s) for s in torch.randint(1, 4, (d,), generator=g)]
+        base = torch.randn(*[s * 2 for s in sizes])
+        perm = torch.randperm(d, generator=g).tolist()
+        yield base[tuple(slice(0, s * (1 + (i % 2)), 1 + (i % 2)) for i, s in enumerate(sizes))].permute(perm)
+
+
 def test_rows_view_matches_torch_view(ext):
     """The [M, N] row view the C++ side accepts is the one torch's view() gives, unit column stride."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     checked = 0
-    for _ in range(300):
-        d = int(torch.randint(1, 5, (1,), generator=g))
-        sizes = [int(s) for s in torch.randint(1, 4, (d,), generator=g)]
-        base = torch.randn(*[s * 2 for s in sizes])
-        perm = torch.randperm(d, generator=g).tolist()
-        t = base[tuple(slice(0, s * (1 + (i % 2)), 1 + (i % 2)) for i, s in enumerate(sizes))].permute(perm)
+    for t in _random_layouts(g, 300):
         for k in range(1, t.dim() + 1):
             ok, M, N, row_stride = ext._rows_view(t, k)
             lead, inner = t.shape[: t.dim() - k], t.shape[t.dim() - k:]
@@ -203,6 +334,8 @@ def test_group_norm_layouts(ext):
     assert ext._gn_layout(torch.randn(2, 8)) == 0
     w = torch.randn(8)
     assert ext._parse_gn(x, 4, w, w.clone(), 1e-5, "mish", None)[:7] == (4, 2, 8, 15, 1e-5, 2, 0)
+    # weight and bias one tensor (a plan's slots follow the aliasing): served, under a key of its own
+    assert ext._parse_gn(x, 4, w, w, 1e-5, None, None)[-1] != ext._parse_gn(x, 4, w, w.clone(), 1e-5, None, None)[-1]
     assert ext._parse_gn(x.to(memory_format=torch.channels_last), 2, None, None, 1e-5, None, "triton")[6] == 1
     for bad in ((x, 3, None, None, 1e-5, None, None), (x, 4, torch.randn(4), None, 1e-5, None, None),
                 (x, True, None, None, 1e-5, None, None), (x.transpose(2, 3), 4, None, None, 1e-5, None, None),
@@ -263,7 +396,7 @@ def _record(fn, inputs, n_out=3):
         outs = fn()
     assert rec.watch.other == []
     records = _records(rec.launches)
-    plan = plans.build_plan(records, inputs, rec.watch.allocs, list(zip((1, 2, 3), outs[:n_out])))
+    plan = plans.build_plan(records, inputs, rec.watch.allocs, list(zip(range(1, n_out + 1), outs[:n_out])))
     _check_replay(plan, records, inputs, rec.watch.allocs)
     return plan, outs
 
@@ -287,6 +420,35 @@ def test_record_row_norm_forward_and_backward():
                                               activation="silu"), (dy, x, w, b, mean, rstd))
     assert len(plan[2]) == 2  # the backward, then the fixed-order sum of the weight-gradient partials
     assert _roles(plan).count(0) >= 2  # the partials are temporaries
+
+
+def test_record_fused_forward_and_backward():
+    """The fused epilogues record as the plain call does; the amax (accumulated by the kernels into
+    a zeroed buffer) is a zeroed output buffer of the plan, handed out as a 0-dim float32."""
+    x, r = torch.randn(6, 32, device=DEVICE), torch.randn(6, 32, device=DEVICE)
+    w = torch.randn(32, device=DEVICE)
+
+    def fwd():
+        y, mean, rstd, h, amax = tb.row_norm_fwd_fused(x, w, None, 1e-6, True, residual=r, store_h=True,
+                                                       weight_offset=1.0, out_dtype=torch.float8_e4m3fn,
+                                                       out_scale=2.0, want_amax=True)
+        return y, mean, rstd, h, amax
+
+    fwd()
+    plan, (y, mean, rstd, h, amax) = _record(fwd, (x, w, None, r, None), n_out=5)
+    specs = {spec[0]: spec for spec in plan[0] if spec[0]}
+    assert sorted(specs) == [1, 3, 4, 5] and mean is None
+    assert specs[5][4] is True and not any(spec[4] for role, spec in specs.items() if role != 5)
+    dy, dh = torch.randn(6, 32, device=DEVICE), torch.randn(6, 32, device=DEVICE)
+
+    def bwd():
+        dx, dres, dw, db = tb.row_norm_bwd_fused(dy, h, w, None, rstd, True, w.dtype, None, weight_offset=1.0, dh=dh,
+                                                 dx_dtype=torch.float32, dres_dtype=torch.bfloat16)
+        return dx, dw, db, dres
+
+    bwd()
+    plan, _ = _record(bwd, (dy, h, w, None, None, rstd, dh), n_out=4)
+    assert sorted(r for r in _roles(plan) if r) == [1, 2, 4]  # dx, dweight, dresidual (RMSNorm: no dbias)
 
 
 def test_record_rms_inference_and_strided_rows():

@@ -31,17 +31,22 @@ def _same(a, b, what):
         assert a is None and b is None, what
         return
     assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride(), what
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
     assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num()), what
 
 
 def _grads(fn, inputs, wanted):
-    """(y, grads of the wanted inputs) of one call on fresh leaves; dy is a function of y."""
+    """(outputs, grads of the wanted inputs) of one call on fresh leaves (clones keep the memory
+    format; fn makes any strided view of them); each output's gradient is a function of it."""
     leaves = [None if t is None else t.detach().clone().requires_grad_(i in wanted) for i, t in enumerate(inputs)]
-    y = fn(*leaves)
+    out = fn(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
     if not wanted:
-        return y, []
-    dy = (y.detach().float() * 0.7 + 0.3).cos().to(y.dtype)
-    return y, list(torch.autograd.grad(y, [leaves[i] for i in sorted(wanted)], dy))
+        return outs, []
+    diff = [o for o in outs if o.requires_grad]
+    dys = [(o.detach().float() * 0.7 + 0.3).cos().to(o.dtype) for o in diff]
+    return outs, list(torch.autograd.grad(diff, [leaves[i] for i in sorted(wanted)], dys))
 
 
 def _check(fast, fn, inputs, wanted):
@@ -52,7 +57,9 @@ def _check(fast, fn, inputs, wanted):
     before = _replays()
     for i in range(3):
         got = _grads(fn, inputs, wanted)
-        _same(got[0], ref[0], f"y, call {i}")
+        assert len(got[0]) == len(ref[0]) and len(got[1]) == len(ref[1])
+        for k, (o, r) in enumerate(zip(got[0], ref[0])):
+            _same(o, r, f"output {k}, call {i}")
         for k, (g, r) in enumerate(zip(got[1], ref[1])):
             _same(g, r, f"grad {k}, call {i}")
     return _replays() - before
@@ -279,8 +286,8 @@ def test_modes_and_transforms_take_the_python_path(fast):
     assert fast.row_norm(x, 256, w, b, 1e-5, False, None, None) is not None
     with TorchDispatchMode():
         assert fast.row_norm(x, 256, w, b, 1e-5, False, None, None) is None
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert fast.row_norm(x, 256, w, b, 1e-5, False, None, None) is None  # Python casts to float32
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # float32 out, read from bf16 in one pass
+        assert fast.row_norm(x, 256, w, b, 1e-5, False, None, None).dtype == torch.float32
         assert normkit.layer_norm(x, 256, w, b).dtype == torch.float32  # torch's autocast contract
         assert fast.row_norm(x.float(), 256, w.float(), b.float(), 1e-5, False, None, None).dtype == torch.float32
     out = torch.func.vmap(lambda r: normkit.layer_norm(r, 256, w, b))(x.view(2, 2, 256))
@@ -288,3 +295,153 @@ def test_modes_and_transforms_take_the_python_path(fast):
         _same(out, normkit.layer_norm(x.view(2, 2, 256), 256, w, b), "vmap")
     assert fast.row_norm(x.cpu(), 256, w.cpu(), b.cpu(), 1e-5, False, None, None) is None
     assert fast.row_norm(x.double(), 256, None, None, 1e-5, False, None, None) is None
+
+
+# ----------------------------------------------------------------------------- fused options and layouts
+# Each case: (inputs, fn(*inputs) -> the public call's result, the inputs that may require grad).
+# fn makes the strided views (head rows of a fused QKV projection, column-strided rows) from
+# contiguous leaves, so their gradients reach the leaves through the views, as in a model.
+
+B, T, C, H, D = 2, 24, 256, 4, 64
+
+
+def _t(*shape, dtype=bf16, scale=1.0):
+    return torch.randn(shape, device="cuda", dtype=dtype) * scale + 0.25
+
+
+def _fused_cases():
+    """The cases by name (FUSED lists them: tensors are made on the GPU, not at collection)."""
+    f8 = torch.float8_e4m3fn
+    x, r = _t(B, T, C), _t(B, T, C)
+    w, b, wf = _t(C), _t(C), _t(C, dtype=fp32)
+    qkv, wq, wqh = _t(B, T, 3 * H * D), _t(D), _t(H, D)
+    return {
+        "rms residual prenorm": ((x, w, r), lambda x, w, r: normkit.rms_norm(x, C, w, residual=r, prenorm=True),
+                                 {0, 1, 2}),
+        "rms residual": ((x, w, r), lambda x, w, r: normkit.rms_norm(x, C, w, 1e-6, residual=r), {0, 1, 2}),
+        "ln residual prenorm silu": ((x, w, b, r), lambda x, w, b, r: normkit.layer_norm(
+            x, C, w, b, residual=r, prenorm=True, activation="silu"), {0, 1, 2, 3}),
+        "rms residual fp32 stream": ((x, w, r.float()), lambda x, w, r: normkit.rms_norm(
+            x, C, w, residual=r, prenorm=True), {0, 1, 2}),
+        "rms residual_dtype fp32": ((x, w, r), lambda x, w, r: normkit.rms_norm(
+            x, C, w, residual=r, prenorm=True, residual_dtype=torch.float32), {0, 1, 2}),
+        "rms weight_offset": ((x, w), lambda x, w: normkit.rms_norm(x, C, w, weight_offset=1.0), {0, 1}),
+        "rms weight_offset fp32 weight": ((x, wf), lambda x, w: normkit.rms_norm(x, C, w, weight_offset=1), {0, 1}),
+        "rms q head rows": ((qkv, wq), lambda qkv, w: normkit.rms_norm(
+            qkv[..., :H * D].view(B, T, H, D), D, w), {0, 1}),
+        "rms k head rows per-head weight": ((qkv, wqh), lambda qkv, w: normkit.rms_norm(
+            qkv[..., H * D:2 * H * D].view(B, T, H, D), D, w), {0, 1}),
+        "ln column-strided rows": ((x.transpose(1, 2).contiguous(), w, b), lambda xt, w, b: normkit.layer_norm(
+            xt.transpose(1, 2), C, w, b), {0, 1, 2}),  # Whisper's [B, T, C] with strides (T*C, 1, T)
+        "ln channels_last rows": ((_t(B, C, 6, 8), w, b), lambda x, w, b: normkit.layer_norm(
+            x.permute(0, 2, 3, 1), C, w, b), {0, 1, 2}),
+        "ln weight is bias": ((x, w), lambda x, w: normkit.layer_norm(x, C, w, w), {0, 1}),
+        "rms fp8 out float scale amax": ((x, w), lambda x, w: normkit.rms_norm(
+            x, C, w, out_dtype=f8, out_scale=4.0, return_amax=True), set()),
+        "ln fp8 out tensor scale": ((x, w, b, torch.tensor([2.0], device="cuda")), lambda x, w, b, s: normkit.layer_norm(
+            x, C, w, b, out_dtype=f8, out_scale=s), set()),
+        "rms amax bf16 out": ((x, w), lambda x, w: normkit.rms_norm(x, C, w, return_amax=True), {0, 1}),
+        "ln out_dtype fp32": ((x, w, b), lambda x, w, b: normkit.layer_norm(x, C, w, b, out_dtype=torch.float32),
+                              {0, 1, 2}),
+        "ln autocast": ((x, w, b), lambda x, w, b: _autocast(normkit.layer_norm, x, C, w, b), {0, 1, 2}),
+        "rms autocast residual": ((x, w, r), lambda x, w, r: _autocast(normkit.rms_norm, x, C, w, residual=r,
+                                                                         prenorm=True), {0, 1, 2}),
+        "module RMSNorm residual": ((x, w, r), lambda x, w, r: _rms_module(w)(x, r), {0, 2}),
+        "row_norm_as_written residual": ((x, w, r), lambda x, w, r: normkit.functional.row_norm_as_written(
+            x, w.shape, w, None, 1e-6, True, residual=r, prenorm=True, residual_dtype=torch.bfloat16), {0, 1, 2}),
+    }
+
+
+def _autocast(fn, *args, **kwargs):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return fn(*args, **kwargs)
+
+
+def _rms_module(w):
+    m = normkit.RMSNorm(C, eps=1e-6, device="cuda", dtype=bf16)
+    with torch.no_grad():
+        m.weight.copy_(w)
+    return m
+
+
+FUSED = ["rms residual prenorm", "rms residual", "ln residual prenorm silu", "rms residual fp32 stream",
+         "rms residual_dtype fp32", "rms weight_offset", "rms weight_offset fp32 weight", "rms q head rows",
+         "rms k head rows per-head weight", "ln column-strided rows", "ln channels_last rows", "ln weight is bias",
+         "rms fp8 out float scale amax", "ln fp8 out tensor scale", "rms amax bf16 out", "ln out_dtype fp32",
+         "ln autocast", "rms autocast residual", "module RMSNorm residual", "row_norm_as_written residual"]
+
+
+@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_fused_options_and_layouts_match_the_python_path(fast, name, grad):
+    inputs, fn, wanted = _fused_cases()[name]
+    if grad and not wanted:
+        pytest.skip("float8 outputs: gradients take the Python path")
+    s0 = _host.stats()
+    assert _check(fast, fn, inputs, wanted if grad else set()) >= (2 if grad else 1), _host.stats()["last_failure"]
+    s1 = _host.stats()
+    assert s1["record_failures"] == s0["record_failures"], s1["last_failure"]
+
+
+@pytest.mark.parametrize("wanted", [{0}, {1}, {2}, {0, 2}, {1, 2}, {0, 1}], ids=str)
+def test_residual_requires_grad_subsets(fast, wanted):
+    inputs, fn, _ = _fused_cases()["rms residual prenorm"]
+    assert _check(fast, fn, inputs, wanted) >= 2
+    inputs, fn, _ = _fused_cases()["rms residual fp32 stream"]
+    assert _check(fast, fn, inputs, wanted) >= 2
+
+
+def test_gradient_of_h_only(fast):
+    """Only h = x + r reaches the loss: the backward gets no dy (as torch's, it sums dh into both)."""
+    x, w, r = _t(B, T, C), _t(C), _t(B, T, C)
+
+    def run():
+        xl, rl = x.clone().requires_grad_(), r.clone().requires_grad_()
+        _, h = normkit.rms_norm(xl, C, w, residual=rl, prenorm=True)
+        return torch.autograd.grad(h, (xl, rl), torch.ones_like(h))
+
+    with _host.python_path():
+        ref = run()
+    for _ in range(3):
+        for g, e in zip(run(), ref):
+            _same(g, e, "dh only")
+
+
+def test_double_backward_through_h(fast):
+    x, w, r = _t(4, 64, dtype=fp32), _t(64, dtype=fp32), _t(4, 64, dtype=fp32)
+    v = torch.randn(4, 64, device="cuda")
+
+    def run():
+        xl, wl, rl = (t.clone().requires_grad_() for t in (x, w, r))
+        y, h = normkit.rms_norm(xl, 64, wl, residual=rl, prenorm=True, weight_offset=1.0)
+        g, = torch.autograd.grad((y * v).sum() + (h * h).sum(), xl, create_graph=True)
+        return torch.autograd.grad((g * v).sum(), (xl, wl, rl))
+
+    with _host.python_path():
+        ref = run()
+    before = _host.stats()["differentiable_backwards"]
+    for _ in range(2):
+        for g, e in zip(run(), ref):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert _host.stats()["differentiable_backwards"] > before
+
+
+def test_group_norm_weight_is_bias(fast):
+    x, w = _t(2, 64, 8, 8), _t(64)
+    x = x.to(memory_format=torch.channels_last)
+    for wanted in ({0, 1}, {1}, set()):
+        assert _check(fast, lambda x, w: normkit.group_norm(x, 8, w, w, activation="silu"), (x, w), wanted) >= 1
+
+
+def test_fused_calls_are_served_by_cpp(fast):
+    """The calls of the issue's host table run on plans: a run of each adds replays and no Python runs."""
+    cases = _fused_cases()
+    for name in ("rms residual prenorm", "ln column-strided rows", "rms weight_offset", "rms q head rows",
+                 "rms fp8 out float scale amax", "ln weight is bias"):
+        inputs, fn, wanted = cases[name]
+        for _ in range(3):
+            _grads(fn, inputs, wanted)
+        s0 = _host.stats()
+        _grads(fn, inputs, wanted)
+        s1 = _host.stats()
+        assert s1["python_runs"] == s0["python_runs"] and s1["replays"] > s0["replays"], name

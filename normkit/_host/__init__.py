@@ -1,10 +1,14 @@
 """The host path: where the eager calls of normkit's public functions go first.
 
 `fast` is None (every call takes the Python path in normkit.functional) or an object whose
-    row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend)
+    row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend[, residual, prenorm,
+             residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast])
     group_norm(x, num_groups, weight, bias, eps, activation, backend)
-return the output, or None for a call they do not serve (then the Python path runs, and raises
-the errors for bad arguments). normkit.functional calls them first, unless torch.compile is tracing.
+return the output (row_norm: y, or (y[, h][, amax]) as the public functions return it), or None for
+a call they do not serve (then the Python path runs, and raises the errors for bad arguments).
+normkit.functional calls them first, unless torch.compile is tracing. row_norm's `autocast` says
+whether to apply torch's autocast contract (the public functions) or not (a caller that applied it,
+or row_norm_as_written, which wants none).
 
 The fast object is a C++ extension (host.cpp, plans.py): torch-native autograd nodes and launch
 plans replayed through the CUDA driver, a few microseconds per call. It is built with g++ and
@@ -56,10 +60,11 @@ def load_extension():
     global _ext
     if _ext is None:
         from . import build
+        from ..functional import _autocast_upcasts
         from ..reference import ACTIVATIONS
 
         ext = build.load()
-        ext._setup(ACTIVATIONS)
+        ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")))
         _ext = ext
     return _ext
 

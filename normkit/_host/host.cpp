@@ -22,6 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -40,6 +41,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -70,6 +72,7 @@ Result (*ctx_set_current)(Context) = nullptr;
 Result (*primary_ctx_retain)(Context*, Device) = nullptr;
 Result (*device_get)(Device*, int) = nullptr;
 Result (*get_error_string)(Result, const char**) = nullptr;
+Result (*memset_d8_async)(unsigned long long, unsigned char, size_t, Stream) = nullptr;
 
 std::string load() {  // "" on success, else why not
   void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
@@ -81,7 +84,8 @@ std::string load() {  // "" on success, else why not
   };
   if (!sym(launch_kernel, "cuLaunchKernel") || !sym(ctx_get_current, "cuCtxGetCurrent") ||
       !sym(ctx_set_current, "cuCtxSetCurrent") || !sym(primary_ctx_retain, "cuDevicePrimaryCtxRetain") ||
-      !sym(device_get, "cuDeviceGet") || !sym(get_error_string, "cuGetErrorString"))
+      !sym(device_get, "cuDeviceGet") || !sym(get_error_string, "cuGetErrorString") ||
+      !sym(memset_d8_async, "cuMemsetD8Async"))
     return "libcuda.so.1 lacks a driver API entry point";
   return "";
 }
@@ -211,10 +215,12 @@ struct LaunchSpec {
   std::vector<Patch> patches;
 };
 struct AllocSpec {
-  int role;  // 0: temporary in the recorded layout; 1-3: the op's outputs, allocated by the op
+  int role;  // 0: temporary in the recorded layout; 1-5: the op's outputs, allocated by the op
   at::ScalarType dtype;
   std::vector<int64_t> sizes, strides;
+  bool zero = false;  // the run allocated it zeroed (torch.zeros: the amax a kernel accumulates into)
 };
+constexpr int kMaxOuts = 6;  // outs[1..5]: the roles of an op's outputs
 struct Plan {
   int n_inputs = 0;
   cu::Context ctx = nullptr;
@@ -225,10 +231,10 @@ struct Plan {
 using PlanPtr = std::shared_ptr<const Plan>;
 
 struct Key {
-  std::array<int64_t, 32> v{};
+  std::array<int64_t, 128> v{};
   int n = 0;
   void add(int64_t a) {
-    TORCH_INTERNAL_ASSERT(n < 32);
+    TORCH_INTERNAL_ASSERT(n < 128);
     v[n++] = a;
   }
   void add_double(double d) {
@@ -290,6 +296,7 @@ PlanPtr to_plan(py::handle data, int n_inputs, int device) {
     s.dtype = reinterpret_cast<THPDtype*>(a[py::int_(1)].ptr())->scalar_type;
     s.sizes = item<std::vector<int64_t>>(a, 2);
     s.strides = item<std::vector<int64_t>>(a, 3);
+    s.zero = py::len(a) > 4 && item<bool>(a, 4);
     plan->allocs.push_back(std::move(s));
   }
   for (auto t : persistent) plan->persistent.push_back(THPVariable_Unpack(t.ptr()));
@@ -335,7 +342,7 @@ void store(const Key& key, py::handle plan_data, py::handle why, int n_inputs, i
 // Replays `plan` with the call's input pointers; `make(role, spec)` allocates the op's outputs.
 // Returns false, launching nothing, if a buffer's alignment is not what the kernels assume.
 template <class Make>
-bool replay(const Plan& plan, const Tensor* inputs, c10::Device dev, Make&& make, Tensor (&outs)[4]) {
+bool replay(const Plan& plan, const Tensor* inputs, c10::Device dev, Make&& make, Tensor (&outs)[kMaxOuts]) {
   DeviceScope scope(dev);
   cu::Context cur = nullptr;
   cu::check(cu::ctx_get_current(&cur), "cuCtxGetCurrent");
@@ -344,9 +351,11 @@ bool replay(const Plan& plan, const Tensor* inputs, c10::Device dev, Make&& make
   int s = 0;
   for (; s < plan.n_inputs; s++) ptrs[s] = inputs[s].defined() ? reinterpret_cast<uint64_t>(inputs[s].data_ptr()) : 0;
   c10::SmallVector<Tensor, 8> temps;
+  c10::SmallVector<std::pair<uint64_t, size_t>, 2> zeroed;
   for (const auto& a : plan.allocs) {
     Tensor t = a.role ? make(a.role, a) : alloc_strided(a.sizes, a.strides, a.dtype);
     ptrs[s++] = reinterpret_cast<uint64_t>(t.data_ptr());
+    if (a.zero && t.nbytes()) zeroed.emplace_back(ptrs[s - 1], t.nbytes());
     if (a.role) {
       outs[a.role] = std::move(t);
     } else {
@@ -361,6 +370,7 @@ bool replay(const Plan& plan, const Tensor* inputs, c10::Device dev, Make&& make
         return false;
       }
   cu::Stream stream = scope.stream(dev);
+  for (const auto& z : zeroed) cu::check(cu::memset_d8_async(z.first, 0, z.second, stream), "cuMemsetD8Async");
   for (const auto& l : plan.launches) {
     alignas(16) uint8_t buf[kMaxParamBytes];
     std::memcpy(buf, l.params.data(), l.params.size());
@@ -477,20 +487,22 @@ Tensor alloc_like(const Tensor& x, int layout, at::ScalarType dtype) {
   return alloc_strided(x.sizes(), strides, dtype);
 }
 
-bool read_eps(PyObject* o, double& eps) {
+bool read_real(PyObject* o, double& v) {  // an exact float or int (not a bool), finite
   if (PyFloat_CheckExact(o)) {
-    eps = PyFloat_AS_DOUBLE(o);
+    v = PyFloat_AS_DOUBLE(o);
   } else if (PyLong_CheckExact(o)) {
-    eps = PyLong_AsDouble(o);
-    if (eps == -1.0 && PyErr_Occurred()) {
+    v = PyLong_AsDouble(o);
+    if (v == -1.0 && PyErr_Occurred()) {
       PyErr_Clear();
       return false;
     }
   } else {
     return false;
   }
-  return std::isfinite(eps) && eps >= 0.0;
+  return std::isfinite(v);
 }
+
+bool read_eps(PyObject* o, double& eps) { return read_real(o, eps) && eps >= 0.0; }
 
 // normalized_shape as the user passed it: an int or a tuple/list of ints; false otherwise.
 bool read_shape(PyObject* o, int64_t* dims, int64_t& k) {
@@ -533,11 +545,20 @@ bool backend_ok(PyObject* o) {
   return cmp == 0;
 }
 
-bool distinct(const Tensor& x, const Tensor& w, const Tensor& b) {  // else the plan's slots are ambiguous
-  const void* px = x.data_ptr();
-  const void* pw = w.defined() ? w.data_ptr() : nullptr;
-  const void* pb = b.defined() ? b.data_ptr() : nullptr;
-  return !((px && (px == pw || px == pb)) || (pw && pw == pb));
+// Which of a plan's inputs share a pointer (weight and bias the same tensor, dy and dh the same
+// gradient, ...): for each input, 1 + the first earlier one with its pointer, or 0, as base-8 digits.
+// A plan takes an aliased input's pointer from the first input that has it (plans.pointer_slot), so
+// calls alias alike exactly when their keys do. At most 16 inputs.
+int64_t alias_code(const Tensor* t, int n) {
+  int64_t code = 0;
+  for (int i = 0; i < n; i++) {
+    int64_t digit = 0;
+    const void* p = t[i].defined() ? t[i].data_ptr() : nullptr;
+    for (int j = 0; p && j < i && !digit; j++)
+      if (t[j].defined() && t[j].data_ptr() == p) digit = j + 1;
+    code = code * 8 + digit;
+  }
+  return code;
 }
 
 bool plain_args(PyObject* x, PyObject* w, PyObject* b) {
@@ -549,10 +570,10 @@ bool param_ok(const Tensor& p, c10::Device dev, c10::IntArrayRef shape) {
 }
 
 // One call of an op through its plan: replay it, or run the Python host function (`python(record)`
-// -> (out1, out2, out3, plan, why)), recording it when the key is due. outs[1..3]: the op's outputs.
+// -> (out1, ..., out_n, plan, why)), recording it when the key is due. outs[1..n]: the op's outputs.
 template <class Make, class Python>
 void run(const Key& key, const Tensor* inputs, int n_inputs, c10::Device dev, Make&& make, Python&& python,
-         Tensor (&outs)[4]) {
+         Tensor (&outs)[kMaxOuts], int n_out = 3) {
   PlanPtr plan;
   Action action = lookup(key, plan);
   if (action == Action::kReplay && replay(*plan, inputs, dev, make, outs)) return;
@@ -560,8 +581,8 @@ void run(const Key& key, const Tensor* inputs, int n_inputs, c10::Device dev, Ma
   n_python++;
   py::gil_scoped_acquire gil;  // held already in a forward; the backward runs on autograd's thread
   py::tuple r = python(record);
-  for (int i = 0; i < 3; i++) outs[i + 1] = unwrap(r[i]);
-  if (record) store(key, r[3], r[4], n_inputs, dev.index());
+  for (int i = 0; i < n_out; i++) outs[i + 1] = unwrap(r[i]);
+  if (record) store(key, r[n_out], r[n_out + 1], n_inputs, dev.index());
 }
 
 // The backward node of either op: its saved tensors and the differentiable fallback.
@@ -581,12 +602,19 @@ struct NormBackward : public Node {
   bool differentiable(const Tensor& dy) const {
     return c10::GradMode::is_enabled() || functorch_active() || !tensor_ok(dy, dy.device());
   }
-  template <class Python> variable_list differentiable_grads(const bool (&need)[3], Python&& python) {
+  // python(needs) -> the gradients in the order of `need` (GroupNorm: dx, dw, db; rows: dx, dres, dw, db
+  // mapped by `order`: out[order[i]] = r[i])
+  template <size_t K, class Python>
+  variable_list differentiable_grads(const bool (&need)[K], Python&& python, const int* order = nullptr) {
     n_vjp++;
-    variable_list out(3);
+    variable_list out(K);
     py::gil_scoped_acquire gil;
-    py::tuple r = python(py::make_tuple(need[0], need[1], need[2]));
-    for (int i = 0; i < 3; i++) out[i] = need[i] ? unwrap(r[i]) : Tensor();
+    py::tuple needs(K);
+    for (size_t i = 0; i < K; i++) needs[i] = py::bool_(need[i]);
+    py::tuple r = python(needs);
+    for (size_t i = 0; i < K; i++) {
+      out[order ? order[i] : i] = need[i] ? unwrap(r[i]) : Tensor();
+    }
     return out;
   }
 };
@@ -616,25 +644,137 @@ int64_t bwd_align(const Tensor* t) {  // dy, x, w, b (with an activation), mean,
 
 // ----------------------------------------------------------------------------- LayerNorm / RMSNorm
 
+bool upcasts[2] = {true, false};  // torch's CUDA autocast runs layer_norm / rms_norm in float32 (set by _setup)
+
+// Mirror of normkit._layout.row_view(t, shape, strided=True, lead): 0 where the rows of t (its last k
+// dims a row) need a copy, else the number of leading dims of the view the kernels get (1: [M, N],
+// 2: [O, I, N], `inner` = I). force_n / force_inner: the leading sizes of another operand's view,
+// which t must be walked with (the residual, dy and dh with x's rows).
+int row_view_dims(const Tensor& t, int64_t k, int64_t& inner, int force_n = 0, int64_t force_inner = 0) {
+  const int64_t d = t.dim();
+  inner = 1;
+  if (k == 1 && d == 2 && !force_n) return 1;
+  if (d > 16) return 0;
+  std::pair<int64_t, int64_t> rows[16], cols[16];  // (size, stride), outermost first, size-1 dims dropped
+  auto merge = [&](int64_t lo, int64_t hi, std::pair<int64_t, int64_t>* out) {
+    int n = 0;
+    for (int64_t i = lo; i < hi; i++) {
+      const int64_t size = t.size(i), stride = t.stride(i);
+      if (size == 1) continue;
+      if (n && out[n - 1].second == stride * size) {
+        out[n - 1] = {out[n - 1].first * size, stride};
+      } else {
+        out[n++] = {size, stride};
+      }
+    }
+    return n;
+  };
+  const int nr = merge(0, d - k, rows), nc = merge(d - k, d, cols);
+  if (nc > 1) return 0;
+  const int want = force_n ? force_n : (nr <= 1 ? 1 : nr);
+  if (want == 1) return nr <= 1 ? 1 : 0;
+  if (want == 2) {
+    if (nr <= 1) {
+      inner = force_inner;
+      return 2;
+    }
+    if (nr == 2 && (!force_n || rows[1].first == force_inner)) {
+      inner = rows[1].first;
+      return 2;
+    }
+  }
+  return 0;
+}
+
+// Adds how t's rows reach the kernels to `key`: (0, M, N, row stride) for one row stride and
+// contiguous columns (the common case: shapes with the same rows share it), else t's sizes and
+// strides, of which the view the Python path makes (row_view) is a function. n, inner: that view's
+// leading dims. False where the rows need a copy (the Python path's case).
+bool add_layout(Key& key, const Tensor& t, int64_t k, int& n, int64_t& inner, int force_n = 0,
+                int64_t force_inner = 0) {
+  int64_t M, N, rs;
+  if (force_n <= 1 && rows_view(t, k, M, N, rs)) {
+    for (int64_t v : {int64_t(0), M, N, rs}) key.add(v);
+    n = 1;
+    inner = 1;
+    return true;
+  }
+  n = row_view_dims(t, k, inner, force_n, force_inner);
+  if (!n || t.dim() > 8) return false;
+  key.add(n);
+  key.add(t.dim());
+  for (int64_t v : t.sizes()) key.add(v);
+  for (int64_t v : t.strides()) key.add(v);
+  return true;
+}
+
+bool read_bool(PyObject* o, bool& v) {
+  if (o != Py_True && o != Py_False) return false;
+  v = o == Py_True;
+  return true;
+}
+
+// None (-> `none`), or a torch.dtype among `allowed`
+bool read_dtype(PyObject* o, std::initializer_list<at::ScalarType> allowed, std::optional<at::ScalarType>& d) {
+  d.reset();
+  if (o == Py_None) return true;
+  if (!THPDtype_Check(o)) return false;
+  const at::ScalarType s = reinterpret_cast<THPDtype*>(o)->scalar_type;
+  for (auto a : allowed)
+    if (a == s) {
+      d = s;
+      return true;
+    }
+  return false;
+}
+
+bool is_fp8(at::ScalarType s) { return s == at::kFloat8_e4m3fn || s == at::kFloat8_e5m2; }
+
+int64_t opt_code(const std::optional<at::ScalarType>& d) { return d ? static_cast<int64_t>(*d) : -1; }
+
 struct RowNormBackward : public NormBackward {
   int64_t ndim_ = 1;
-  bool rms_ = false;
+  bool rms_ = false, prenorm_ = false;
+  double weight_offset_ = 0;
+  at::ScalarType x_dtype_ = at::kFloat;
+  std::optional<at::ScalarType> r_dtype_;  // the residual's dtype (set with a residual)
   std::string name() const override { return "NormkitRowNormBackward"; }
   variable_list apply(variable_list&& grads) override;
 };
 
+// A LayerNorm/RMSNorm call as this path reads it: normkit.functional's arguments, the fused options
+// resolved as _check_fusion / _autocast_rows resolve them.
 struct RowCall {
-  Tensor x, w, b;
-  int64_t ndim, M, N, row_stride;
-  double eps;
-  bool rms;
-  int act;
+  Tensor x, w, b, r, scale;  // r: the residual; scale: a tensor out_scale
+  int64_t ndim = 1, w_rows = 1;
+  double eps = 0, weight_offset = 0, scale_value = 0;  // scale_value: a float out_scale (float8 only)
+  bool rms = false, prenorm = false, amax = false, float_scale = false;
+  int act = 0;
+  std::optional<at::ScalarType> out_dtype, h_dtype;  // out_dtype: unset when it is x's dtype
+  Key layout;                                        // x's rows, then the residual's
+  int lead_n = 1;
+  int64_t inner = 1;
 };
 
+// A weight/bias the kernels take in place: (shape) -> 1, (heads, *shape) -> heads, 0: not this path's
+// case (wrong shape, strided: the Python path copies or raises), -1: None.
+int64_t param_rows_of(const Tensor& p, c10::Device dev, c10::IntArrayRef shape, int64_t heads) {
+  if (!p.defined()) return -1;
+  if (!tensor_ok(p, dev) || !p.is_contiguous()) return 0;
+  if (p.sizes() == shape) return 1;
+  if (heads > 0 && p.dim() == static_cast<int64_t>(shape.size()) + 1 && p.size(0) == heads &&
+      p.sizes().slice(1) == shape)
+    return heads;
+  return 0;
+}
+
 // Recognises a call this path serves: (x, normalized_shape, weight, bias, eps, rms, activation,
-// backend) as normkit.functional passes them; false for anything else (the Python path runs).
+// backend[, residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax,
+// autocast]) as normkit.functional passes them (autocast: apply torch's autocast contract, as the
+// public functions do; False where the caller has applied it or wants none); false for anything else
+// (the Python path runs, and raises the errors for bad arguments).
 bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCall& c) {
-  if (nargs != 8 || (kwnames && PyTuple_GET_SIZE(kwnames))) return false;
+  if ((nargs != 8 && nargs != 16) || (kwnames && PyTuple_GET_SIZE(kwnames))) return false;
   PyObject *pw = args[2], *pb = args[3], *prms = args[5];
   if (!plain_args(args[0], pw, pb) || !backend_ok(args[7]) || (prms != Py_True && prms != Py_False)) return false;
   c.rms = prms == Py_True;
@@ -644,6 +784,28 @@ bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCa
     c.eps = 1.1920928955078125e-07;  // torch.finfo(float32).eps, F.rms_norm's default for these dtypes
   } else if (!read_eps(args[4], c.eps)) {
     return false;
+  }
+  PyObject *pr = Py_None, *pscale = Py_None;
+  bool autocast = true;
+  std::optional<at::ScalarType> r_dtype;
+  if (nargs == 16) {
+    pr = args[8];
+    pscale = args[13];
+    if (pr != Py_None && !plain_tensor(pr)) return false;
+    if (pscale != Py_None && !plain_tensor(pscale)) {
+      if (!read_real(pscale, c.scale_value)) return false;
+      c.float_scale = true;
+    }
+    if (!read_bool(args[9], c.prenorm) || !read_bool(args[14], c.amax) || !read_bool(args[15], autocast) ||
+        !read_dtype(args[10], {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
+        !read_real(args[11], c.weight_offset) ||
+        !read_dtype(args[12], {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2},
+                    c.out_dtype))
+      return false;
+    if ((c.prenorm || r_dtype) && pr == Py_None) return false;  // errors: Python raises them
+    if (c.weight_offset != 0 && pw == Py_None) return false;
+    const bool fp8 = c.out_dtype && is_fp8(*c.out_dtype);
+    if (fp8 != (pscale != Py_None)) return false;  // float8 needs a scale, a scale needs float8
   }
   int64_t dims[16];
   if (!read_shape(args[1], dims, c.ndim) || !modes_ok() || functorch_active()) return false;
@@ -655,17 +817,48 @@ bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCa
   if (c.x.sizes().slice(d - c.ndim) != shape) return false;
   if (pw != Py_None) c.w = THPVariable_Unpack(pw);
   if (pb != Py_None) c.b = THPVariable_Unpack(pb);
-  return param_ok(c.w, dev, shape) && param_ok(c.b, dev, shape) && rows_view(c.x, c.ndim, c.M, c.N, c.row_stride) &&
-         distinct(c.x, c.w, c.b) && autocast_ok(c.x, c.w, c.b);
+  if (pr != Py_None) {
+    c.r = THPVariable_Unpack(pr);
+    if (!tensor_ok(c.r, dev) || c.r.sizes() != c.x.sizes()) return false;
+    c.h_dtype = r_dtype ? *r_dtype : c.r.scalar_type();
+  }
+  if (pscale != Py_None && plain_tensor(pscale)) {
+    c.scale = THPVariable_Unpack(pscale);
+    if (!tensor_ok(c.scale, dev) || c.scale.numel() != 1 || (c.scale.requires_grad() && c10::GradMode::is_enabled()))
+      return false;
+    c.scale_value = 0;
+  }
+  const int64_t heads = d > c.ndim + 1 ? c.x.size(d - c.ndim - 1) : 0;
+  const int64_t wr = param_rows_of(c.w, dev, shape, heads), br = param_rows_of(c.b, dev, shape, heads);
+  if (wr == 0 || br == 0 || (wr > 0 && br > 0 && (wr == 1) != (br == 1))) return false;  // mixed: Python expands
+  c.w_rows = std::max<int64_t>({wr, br, int64_t(1)});
+  if (c.out_dtype == c.x.scalar_type()) c.out_dtype.reset();
+  if (autocast && at::autocast::is_autocast_enabled(at::kCUDA) && upcasts[c.rms] &&
+      c.x.scalar_type() != at::kFloat && !c.out_dtype)
+    c.out_dtype = at::kFloat;  // torch's contract: float32 out, computed in one pass from x (_autocast_rows)
+  if (!add_layout(c.layout, c.x, c.ndim, c.lead_n, c.inner)) return false;
+  if (c.r.defined()) {
+    int n_r = 0;
+    int64_t inner_r = 0;
+    if (!add_layout(c.layout, c.r, c.ndim, n_r, inner_r, c.lead_n, c.inner)) return false;
+  }
+  return true;
 }
 
-Key row_fwd_key(const RowCall& c, bool store_stats) {
+Key row_fwd_key(const RowCall& c, bool store_stats, bool store_h) {
   Key key;
+  const Tensor in[5] = {c.x, c.w, c.b, c.r, c.scale};
   for (int64_t v : {int64_t(1), int64_t(c.x.device().index()), dtype_code(c.x), dtype_code(c.w), dtype_code(c.b),
-                    int64_t(c.rms), int64_t(c.act), int64_t(store_stats), c.M, c.N, c.row_stride})
+                    dtype_code(c.r), dtype_code(c.scale), opt_code(c.h_dtype), opt_code(c.out_dtype), int64_t(c.rms),
+                    int64_t(c.act), int64_t(store_stats), int64_t(store_h), int64_t(c.amax), c.w_rows,
+                    alias_code(in, 5)})
     key.add(v);
   key.add_double(c.eps);
-  key.add(aligned(c.x) | aligned(c.w) << 1 | aligned(c.b) << 2);
+  key.add_double(c.weight_offset);
+  key.add_double(c.scale_value);
+  key.add(c.float_scale);
+  key.add(aligned(c.x) | aligned(c.w) << 1 | aligned(c.b) << 2 | aligned(c.r) << 3 | aligned(c.scale) << 4);
+  for (int i = 0; i < c.layout.n; i++) key.add(c.layout.v[i]);
   return key;
 }
 
@@ -673,22 +866,55 @@ PyObject* py_row_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObje
   HANDLE_TH_ERRORS
   RowCall c;
   if (!callbacks || !parse_row(args, nargs, kwnames, c) || !c.x.is_cuda()) Py_RETURN_NONE;
-  const bool grad = needs_grad(c.x, c.w, c.b);  // then the forward keeps its statistics
-  const Tensor inputs[3] = {c.x, c.w, c.b};
-  Tensor outs[4];
+  const bool grad = c10::GradMode::is_enabled() && (c.x.requires_grad() || (c.w.defined() && c.w.requires_grad()) ||
+                                                    (c.b.defined() && c.b.requires_grad()) ||
+                                                    (c.r.defined() && c.r.requires_grad()));
+  if (grad && c.out_dtype && is_fp8(*c.out_dtype)) Py_RETURN_NONE;  // a float8 y's gradient: the Python path
+  const bool store_h = c.r.defined() && (grad || c.prenorm);  // with grad the backward normalizes h again
+  const Tensor inputs[5] = {c.x, c.w, c.b, c.r, c.scale};
+  Tensor outs[kMaxOuts];  // y, mean, rstd, h, amax
   auto make = [&](int role, const AllocSpec& a) {
-    return role == 1 ? alloc(c.x.sizes(), a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+    if (role == 1 || role == 4) return alloc(c.x.sizes(), a.dtype);
+    if (role == 5) return alloc({}, at::kFloat);  // the amax: 4 bytes, handed out as a 0-dim float32
+    return alloc_strided(a.sizes, a.strides, a.dtype);
   };
-  run(row_fwd_key(c, grad), inputs, 3, c.x.device(), make, [&](bool record) {
-    return callbacks->row_fwd(py::handle(args[0]), py::handle(args[2]), py::handle(args[3]), c.ndim, c.eps, c.rms,
-                              act_name(c.act), grad, record);
-  }, outs);
+  py::object out_dtype = c.out_dtype ? py::reinterpret_borrow<py::object>(
+      reinterpret_cast<PyObject*>(torch::getTHPDtype(*c.out_dtype))) : py::none();
+  py::object h_dtype = c.h_dtype ? py::reinterpret_borrow<py::object>(
+      reinterpret_cast<PyObject*>(torch::getTHPDtype(*c.h_dtype))) : py::none();
+  run(row_fwd_key(c, grad, store_h), inputs, 5, c.x.device(), make, [&](bool record) {
+    return callbacks->row_fwd(py::handle(args[0]), py::handle(args[2]), py::handle(args[3]), wrap(c.r),
+                              wrap(c.scale), c.ndim, c.eps, c.rms, act_name(c.act), grad, store_h, h_dtype,
+                              c.weight_offset, out_dtype, c.float_scale ? py::object(py::float_(c.scale_value))
+                              : py::none(), c.amax, record);
+  }, outs, 5);
   if (grad) {
-    auto* n = attach<RowNormBackward>(outs[1], c.x, c.w, c.b, outs[2], outs[3], c.eps, c.act);
+    auto node = make_node<RowNormBackward>();
+    auto* n = static_cast<RowNormBackward*>(node.get());
+    n->set_next_edges(torch::autograd::collect_next_edges(c.x, c.w, c.b, c.r));
+    torch::autograd::set_history(outs[1], node);
+    if (c.prenorm) torch::autograd::set_history(outs[4], node);
+    // what was normalized: h (an output of this node when prenorm returns it) or x
+    n->x_ = c.r.defined() ? SavedVariable(outs[4], c.prenorm) : SavedVariable(c.x, false);
+    n->w_ = SavedVariable(c.w, false);
+    n->b_ = SavedVariable(c.b, false);
+    n->mean_ = SavedVariable(outs[2], false);
+    n->rstd_ = SavedVariable(outs[3], false);
+    n->eps_ = c.eps;
+    n->act_ = c.act;
     n->ndim_ = c.ndim;
     n->rms_ = c.rms;
+    n->prenorm_ = c.prenorm;
+    n->weight_offset_ = c.weight_offset;
+    n->x_dtype_ = c.x.scalar_type();
+    if (c.r.defined()) n->r_dtype_ = c.r.scalar_type();
   }
-  return THPVariable_Wrap(std::move(outs[1]));
+  if (!c.prenorm && !c.amax) return THPVariable_Wrap(std::move(outs[1]));
+  py::list out;
+  out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outs[1]))));
+  if (c.prenorm) out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outs[4]))));
+  if (c.amax) out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outs[5]))));
+  return py::tuple(out).release().ptr();
   END_HANDLE_TH_ERRORS
 }
 
@@ -697,44 +923,80 @@ PyObject* py_parse_row(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObj
   HANDLE_TH_ERRORS
   RowCall c;
   if (!parse_row(args, nargs, kwnames, c)) Py_RETURN_NONE;
-  const bool grad = needs_grad(c.x, c.w, c.b);
-  return py::make_tuple(c.ndim, c.M, c.N, c.row_stride, c.eps, c.act, grad, row_fwd_key(c, grad).list()).release().ptr();
+  const bool grad = needs_grad(c.x, c.w, c.b) || (c10::GradMode::is_enabled() && c.r.defined() && c.r.requires_grad());
+  int64_t M = 0, N = 0, rs = 0;
+  rows_view(c.x, c.ndim, M, N, rs);
+  py::object out_dtype = c.out_dtype ? py::reinterpret_borrow<py::object>(
+      reinterpret_cast<PyObject*>(torch::getTHPDtype(*c.out_dtype))) : py::none();
+  return py::make_tuple(c.ndim, M, N, rs, c.eps, c.act, grad, c.lead_n, c.w_rows, out_dtype,
+                        row_fwd_key(c, grad, c.r.defined() && (grad || c.prenorm)).list())
+      .release()
+      .ptr();
   END_HANDLE_TH_ERRORS
 }
 
 variable_list RowNormBackward::apply(variable_list&& grads) {
   Tensor dy = grads[0];
-  if (!dy.defined()) return variable_list(3);
-  const bool need[3] = {task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2)};
-  Tensor x = x_.unpack(), w = w_.unpack(), b = b_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
-  if (differentiable(dy) || dy.device() != x.device()) {
-    return differentiable_grads(need, [&](py::tuple needs) {
-      return callbacks->row_vjp(wrap(dy), wrap(x), wrap(w), wrap(b), ndim_, eps_, rms_, act_name(act_), needs);
-    });
+  Tensor dh = prenorm_ && grads.size() > 1 ? grads[1] : Tensor();
+  if (!dy.defined() && !dh.defined()) return variable_list(4);
+  // edges: x, weight, bias, residual
+  const bool need[4] = {task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2),
+                        task_should_compute_output(3)};
+  Tensor z = x_.unpack(getptr()), w = w_.unpack(), b = b_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
+  const c10::Device dev = z.device();
+  if (!dy.defined() || differentiable(dy) || dy.device() != dev || (dh.defined() && (!tensor_ok(dh, dev)))) {
+    // python returns (dx, dres, dw, db); the node's outputs are (dx, dw, db, dres)
+    static const int order[4] = {0, 3, 1, 2};
+    const bool need_vjp[4] = {need[0], need[3], need[1], need[2]};
+    variable_list g = differentiable_grads(need_vjp, [&](py::tuple needs) {
+      return callbacks->row_vjp(wrap(dy), wrap(dh), wrap(z), wrap(w), wrap(b), ndim_, eps_, rms_, act_name(act_),
+                                weight_offset_, py::make_tuple(need[0], need[1], need[2], need[3]),
+                                py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(x_dtype_))),
+                                r_dtype_ ? py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(*r_dtype_)))
+                                         : py::handle(Py_None));
+    }, order);
+    return g;  // differentiable_grads placed them in the node's order (dx, dw, db, dres)
   }
-  int64_t M, N, sx, sdy;
-  rows_view(x, ndim_, M, N, sx);
-  if (!rows_view(dy, ndim_, M, N, sdy)) {  // e.g. the expanded gradient of a sum()
-    dy = dy.contiguous();
-    rows_view(dy, ndim_, M, N, sdy);
-  }
-  const c10::Device dev = x.device();
-  const bool want_dw = need[1] && w.defined(), want_db = need[2] && b.defined();
-  const Tensor inputs[6] = {dy, x, w, act_ ? b : Tensor(), mean, rstd};  // the bias only recomputes act's input
   Key key;
-  for (int64_t v : {int64_t(2), int64_t(dev.index()), dtype_code(x), dtype_code(dy), dtype_code(w),
-                    dtype_code(inputs[3]), want_db ? dtype_code(b) : int64_t(-1), int64_t(rms_), int64_t(act_),
-                    int64_t(want_dw), int64_t(want_db), M, N, sx, sdy, bwd_align(inputs)})
+  int n = 0, n2 = 0;
+  int64_t inner = 0, inner2 = 0;
+  TORCH_CHECK(add_layout(key, z, ndim_, n, inner), "normkit host path: saved rows without a view");
+  if (!add_layout(key, dy, ndim_, n2, inner2, n, inner)) {  // e.g. the expanded gradient of a sum()
+    dy = dy.contiguous();
+    TORCH_CHECK(add_layout(key, dy, ndim_, n2, inner2, n, inner), "normkit host path: dy without a row view");
+  }
+  if (dh.defined() && !add_layout(key, dh, ndim_, n2, inner2, n, inner)) {
+    dh = dh.contiguous();
+    TORCH_CHECK(add_layout(key, dh, ndim_, n2, inner2, n, inner), "normkit host path: dh without a row view");
+  }
+  const bool want_dw = need[1] && w.defined(), want_db = need[2] && b.defined();
+  const Tensor inputs[7] = {dy, z, w, act_ ? b : Tensor(), mean, rstd, dh};  // the bias only recomputes act's input
+  const int64_t w_rows = w.defined() ? (w.dim() > ndim_ ? w.size(0) : 1) : (b.defined() && b.dim() > ndim_ ? b.size(0) : 1);
+  int64_t align = 0;
+  for (int i = 0; i < 7; i++) align |= int64_t(aligned(inputs[i])) << i;
+  for (int64_t v : {int64_t(2), int64_t(dev.index()), dtype_code(z), dtype_code(dy), dtype_code(dh), dtype_code(w),
+                    dtype_code(inputs[3]), want_dw ? dtype_code(w) : int64_t(-1), want_db ? dtype_code(b) : int64_t(-1),
+                    int64_t(rms_), int64_t(act_), int64_t(need[0]), int64_t(want_dw), int64_t(want_db), int64_t(need[3]),
+                    int64_t(x_dtype_), opt_code(r_dtype_), w_rows, alias_code(inputs, 7), align})
     key.add(v);
-  Tensor outs[4];
+  key.add_double(weight_offset_);
+  Tensor outs[kMaxOuts];  // the first gradient buffer (dx, or dresidual), dweight, dbias, a second (dresidual)
   auto make = [&](int role, const AllocSpec& a) {
-    return alloc(role == 1 ? x.sizes() : role == 2 ? w.sizes() : b.sizes(), a.dtype);
+    return alloc(role == 1 || role == 4 ? z.sizes() : role == 2 ? w.sizes() : b.sizes(), a.dtype);
   };
-  run(key, inputs, 6, dev, make, [&](bool record) {
-    return callbacks->row_bwd(wrap(dy), wrap(x), wrap(w), wrap(b), wrap(mean), wrap(rstd), ndim_, rms_,
-                              act_name(act_), want_dw, want_db, record);
-  }, outs);
-  return {need[0] ? outs[1] : Tensor(), need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor()};
+  py::object xd, rd;
+  run(key, inputs, 7, dev, make, [&](bool record) {
+    return callbacks->row_bwd(wrap(dy), wrap(dh), wrap(z), wrap(w), wrap(b), wrap(mean), wrap(rstd), ndim_, rms_,
+                              act_name(act_), py::make_tuple(need[0], want_dw, want_db, need[3]), weight_offset_,
+                              py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(x_dtype_))),
+                              r_dtype_ ? py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(*r_dtype_)))
+                                       : py::handle(Py_None), record);
+  }, outs, 4);
+  // as row_norm_backward_fused hands them out: the kernel writes dx once (in the residual's dtype when
+  // only the residual wants it), or twice when x and the residual want different dtypes
+  Tensor dx = need[0] ? outs[1] : Tensor();
+  Tensor dres = need[3] ? (outs[4].defined() ? outs[4] : outs[1]) : Tensor();
+  return {dx, need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor(), dres};
 }
 
 // ----------------------------------------------------------------------------- GroupNorm
@@ -782,8 +1044,7 @@ bool parse_gn(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, GnCall
   if (pb != Py_None) c.b = THPVariable_Unpack(pb);
   const int64_t C = c.C;
   c.layout = gn_layout(c.x);
-  return param_ok(c.w, dev, C) && param_ok(c.b, dev, C) && c.layout >= 0 && distinct(c.x, c.w, c.b) &&
-         autocast_ok(c.x, c.w, c.b);
+  return param_ok(c.w, dev, C) && param_ok(c.b, dev, C) && c.layout >= 0 && autocast_ok(c.x, c.w, c.b);
 }
 
 Key gn_fwd_key(const GnCall& c) {
@@ -791,6 +1052,8 @@ Key gn_fwd_key(const GnCall& c) {
   for (int64_t v : {int64_t(3), int64_t(c.x.device().index()), dtype_code(c.x), dtype_code(c.w), dtype_code(c.b),
                     int64_t(c.act), c.B, c.C, c.S, c.groups, int64_t(c.layout)})
     key.add(v);
+  const Tensor in[3] = {c.x, c.w, c.b};
+  key.add(alias_code(in, 3));  // weight and bias may be one tensor
   key.add_double(c.eps);
   key.add(aligned(c.x) | aligned(c.w) << 1 | aligned(c.b) << 2);
   return key;
@@ -801,7 +1064,7 @@ PyObject* py_group_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyOb
   GnCall c;
   if (!callbacks || !parse_gn(args, nargs, kwnames, c) || !c.x.is_cuda()) Py_RETURN_NONE;
   const Tensor inputs[3] = {c.x, c.w, c.b};
-  Tensor outs[4];
+  Tensor outs[kMaxOuts];
   auto make = [&](int role, const AllocSpec& a) {
     return role == 1 ? alloc_like(c.x, c.layout, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
   };
@@ -850,9 +1113,10 @@ variable_list GroupNormBackward::apply(variable_list&& grads) {
   Key key;
   for (int64_t v : {int64_t(4), int64_t(dev.index()), dtype_code(x), dtype_code(dy), dtype_code(w),
                     dtype_code(inputs[3]), want_db ? dtype_code(b) : int64_t(-1), int64_t(act_), int64_t(want_dw),
-                    int64_t(want_db), x.size(0), x.size(1), spatial(x), groups_, int64_t(layout_), bwd_align(inputs)})
+                    int64_t(want_db), x.size(0), x.size(1), spatial(x), groups_, int64_t(layout_), bwd_align(inputs),
+                    alias_code(inputs, 6)})
     key.add(v);
-  Tensor outs[4];
+  Tensor outs[kMaxOuts];
   auto make = [&](int role, const AllocSpec& a) {
     return role == 1 ? alloc_like(x, layout_, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
   };
@@ -868,7 +1132,8 @@ variable_list GroupNormBackward::apply(variable_list&& grads) {
 #define NORMKIT_FASTCALL(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)), METH_FASTCALL | METH_KEYWORDS
 PyMethodDef fast_methods[] = {
     {"row_norm", NORMKIT_FASTCALL(py_row_norm),
-     "row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend) -> Tensor, or None: not its case"},
+     "row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend[, residual, prenorm, residual_dtype, "
+     "weight_offset, out_dtype, out_scale, return_amax, autocast]) -> y or (y[, h][, amax]), or None: not its case"},
     {"group_norm", NORMKIT_FASTCALL(py_group_norm),
      "group_norm(x, num_groups, weight, bias, eps, activation, backend) -> Tensor, or None: not its case"},
     {"_parse_row", NORMKIT_FASTCALL(py_parse_row), "test hook: row_norm's reading of a call"},
@@ -876,7 +1141,9 @@ PyMethodDef fast_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 // What needs no GPU: the tensor types, key sets and the activation names (at import).
-void setup(py::tuple activations) {
+void setup(py::tuple activations, py::tuple autocast_upcasts) {
+  upcasts[0] = py::cast<bool>(autocast_upcasts[0]);  // layer_norm
+  upcasts[1] = py::cast<bool>(autocast_upcasts[1]);  // rms_norm
   tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
   py::object parameter = py::module_::import("torch.nn").attr("Parameter");
   parameter_type = reinterpret_cast<PyTypeObject*>(parameter.release().ptr());

@@ -12,8 +12,9 @@ How a run is recorded:
 - launch.recording collects every launch (launch.Kernel.__call__): the CompiledKernel, the grid and
   the arguments handed to Triton's launcher;
 - a TorchDispatchMode sees every torch op of the run. Allocations (empty, empty_strided, ...) are
-  the plan's buffers; views are free; any other op (a copy_, zero_, fill_, ...) is work a replay
-  would not redo, so such a run is not replayable and that call stays on the Python path;
+  the plan's buffers, torch.zeros a buffer the replay zeroes (the fp8 amax the kernels accumulate
+  into); views are free; any other op (a copy_, zero_, fill_, ...) is work a replay would not redo,
+  so such a run is not replayable and that call stays on the Python path;
 - each pointer argument becomes a slot: one of the call's inputs, a buffer of the run (plus a byte
   offset), or a tensor that outlives the run (backend state such as the split-row counters), which
   the plan keeps alive and passes unchanged;
@@ -39,8 +40,9 @@ from ..backends import triton as tb
 from ..backends.triton import launch
 
 # what each allocation becomes at replay: a temporary in the recorded layout, or one of the op's
-# three outputs (y, mean, rstd forward; dx, dweight, dbias backward), which host.cpp allocates in
-# the user-facing shape (checked here to be the same memory layout as recorded)
+# outputs (role 1-5: y, mean, rstd, h, amax forward; the first gradient buffer, dweight, dbias, a
+# second gradient buffer backward), which host.cpp allocates in the user-facing shape (checked here
+# to be the same memory layout as recorded)
 ROLE_TEMP = 0
 MAX_PARAMS = 64  # host.cpp's fixed parameter arrays
 MAX_PARAM_BYTES = 1024
@@ -159,12 +161,13 @@ def pointer_slot(t, inputs, allocs, persistent: list):
 
 
 def _alloc_of(t, allocs, what: str, taken=()) -> int:
-    """Index of the allocation that t is all of (the buffer itself, or a view of all of it)."""
+    """Index of the allocation that t is all of (the buffer itself, or a view of all of it, of any
+    dtype: the amax is its int32 buffer viewed as float32)."""
     for j, a in enumerate(allocs):
         if a is t:
             return j
     for j, a in enumerate(allocs):
-        if j not in taken and a.device == t.device and a.dtype == t.dtype and a.numel() == t.numel() \
+        if j not in taken and a.device == t.device and a.nbytes == t.nbytes \
                 and a.data_ptr() == t.data_ptr() and _storage_ptr(a) == _storage_ptr(t):
             return j
     raise NotReplayable(f"{what} is not a whole buffer the run allocated")
@@ -176,6 +179,7 @@ def build_plan(launches, inputs, allocs, outputs):
     allocs: the tensors the run allocated, in order; outputs: [(role, tensor)] for the op's
     outputs, each of which must be one of allocs."""
     device = next(t.device for t in inputs if t is not None)
+    zeroed = {id(a) for a in allocs if getattr(a, "_normkit_zeroed", False)}
     allocs = [a for a in allocs if isinstance(a, torch.Tensor) and a.device == device]  # not host-side scalars
     roles = [ROLE_TEMP] * len(allocs)
     for role, t in outputs:
@@ -196,7 +200,8 @@ def build_plan(launches, inputs, allocs, outputs):
         plan_launches.append((int(rec.function), *map(int, grid), 32 * rec.num_warps, int(rec.shared), template,
                               offsets, tuple(patches)))
         kernels.append(rec.kernel)
-    alloc_specs = tuple((roles[j], a.dtype, tuple(a.shape), tuple(a.stride())) for j, a in enumerate(allocs))
+    alloc_specs = tuple((roles[j], a.dtype, tuple(a.shape), tuple(a.stride()), id(a) in zeroed)
+                        for j, a in enumerate(allocs))
     _KEEP.update(k for k in kernels if k is not None)
     return alloc_specs, tuple(persistent), tuple(plan_launches)
 
@@ -207,6 +212,7 @@ _KEEP: set = set()  # CompiledKernels whose CUfunctions plans use (Triton unload
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                 torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                 torch.ops.aten.new_empty_strided.default}
+_ZEROED = {torch.ops.aten.zeros.default}  # allocations the replay zeroes (cuMemsetD8Async)
 
 
 class _Watch(TorchDispatchMode):
@@ -219,6 +225,9 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
+            self.allocs.append(out)
+        elif func in _ZEROED:
+            out._normkit_zeroed = True
             self.allocs.append(out)
         elif not func.is_view:
             self.other.append(str(func))
@@ -281,12 +290,13 @@ def _require(cond: bool, why: str) -> None:
 # backend), returns what it returns, and with record=True also the plan of that run (or why none).
 
 def _run(record: bool, fn, inputs, check):
-    """fn() -> (out0, out1, out2); with record, the plan of that run too: (outs, plan, why)."""
+    """fn() -> (out1, ..., out_n) (output roles 1..n); with record, the plan of that run too:
+    (outs, plan, why)."""
     if not record:
         return fn(), None, None
     with Recorder() as rec:
         outs = fn()
-    plan, why = rec.plan(inputs, list(zip((1, 2, 3), outs)), lambda: check(*rec.output_allocs(outs)))
+    plan, why = rec.plan(inputs, list(zip(range(1, len(outs) + 1), outs)), lambda: check(*rec.output_allocs(outs)))
     return outs, plan, why
 
 
@@ -295,33 +305,51 @@ def _contiguous_like(a, p, what: str) -> None:
              "of its input's size")
 
 
-def row_fwd(x, weight, bias, ndim, eps, rms, act, store_stats, record):
-    """LayerNorm/RMSNorm forward: (y in x's shape, mean or None, rstd or None, plan, why)."""
-    shape = tuple(x.shape[x.dim() - ndim:])
+def row_fwd(x, weight, bias, residual, scale, ndim, eps, rms, act, store_stats, store_h, residual_dtype, weight_offset,
+            out_dtype, out_scale, return_amax, record):
+    """LayerNorm/RMSNorm forward with the fused options, as the Python path runs it
+    (_autograd.row_norm_forward_fused): (y in x's shape, mean or None, rstd or None, h or None,
+    amax or None, plan, why). residual_dtype: h's dtype (set with a residual); out_dtype None: x's;
+    out_scale: a float scale (a tensor one comes as `scale`)."""
+    opts = _autograd.RowOptions(residual_dtype, float(weight_offset), out_dtype, out_scale, return_amax)
+    opts = _autograd.PLAIN if opts == _autograd.PLAIN else opts
 
     def fn():
-        y, mean, rstd = tb.row_norm_fwd(as_rows(x, shape), flat_param(weight), flat_param(bias), eps, rms, act,
-                                        store_stats)
-        return fresh(y.view(x.shape)), mean, rstd
+        y, h, mean, rstd, amax = _autograd.row_norm_forward_fused(
+            tb, x, weight, bias, ndim, eps, rms, act, residual=residual, scale=scale, opts=opts,
+            store_stats=store_stats, store_h=store_h)
+        return y, mean, rstd, h, amax
 
-    (y, mean, rstd), plan, why = _run(record, fn, (x, weight, bias),
-                                      lambda y2, *_: _contiguous_like(y2, x, "y"))
-    return y, mean, rstd, plan, why
+    def check(y2, mean2, rstd2, h2, amax2):
+        _contiguous_like(y2, x, "y")
+        _contiguous_like(h2, x, "h")
+
+    outs, plan, why = _run(record, fn, (x, weight, bias, residual, scale), check)
+    return (*outs, plan, why)
 
 
-def row_bwd(dy, x, weight, bias, mean, rstd, ndim, rms, act, need_dw, need_db, record):
-    """LayerNorm/RMSNorm backward (dy with an [M, N] row view): (dx, dweight or None, dbias or None,
-    plan, why); dweight/dbias are computed when need_dw/need_db."""
-    needs = (True, need_dw, need_db)
+def row_bwd(dy, dh, x, weight, bias, mean, rstd, ndim, rms, act, needs, weight_offset, x_dtype, residual_dtype,
+            record):
+    """LayerNorm/RMSNorm backward as the Python path runs it (_autograd.row_norm_backward_fused):
+    x is what was normalized (h with a residual), dh h's gradient or None, needs (x, weight, bias,
+    residual). Returns (the first gradient buffer the kernel writes: dx, or dresidual when only it
+    is wanted; dweight or None; dbias or None; a second buffer: dresidual in another dtype than dx,
+    or None; plan, why)."""
 
-    def check(dx, dw, db):
-        _contiguous_like(dx, x, "dx")
+    def fn():
+        dx, dres, dw, db = _autograd.row_norm_backward_fused(
+            tb, dy, x, weight, bias, mean, rstd, ndim, rms, act, tuple(needs), weight_offset=weight_offset, dh=dh,
+            x_dtype=x_dtype, residual_dtype=residual_dtype)
+        first = dx if dx is not None else dres
+        return first, dw, db, (dres if dres is not None and dres is not first else None)
+
+    def check(first, dw, db, second):
+        _contiguous_like(first, x, "dx")
+        _contiguous_like(second, x, "dresidual")
         _contiguous_like(dw, weight, "dweight")
         _contiguous_like(db, bias, "dbias")
 
-    outs, plan, why = _run(record, lambda: _autograd.row_norm_backward(
-        tb, dy, x, weight, bias, mean, rstd, ndim, rms, act, needs), (dy, x, weight, bias if act else None, mean, rstd),
-        check)
+    outs, plan, why = _run(record, fn, (dy, x, weight, bias if act else None, mean, rstd, dh), check)
     return (*outs, plan, why)
 
 
@@ -348,10 +376,13 @@ def gn_bwd(dy, x, weight, bias, mean, rstd, num_groups, act, need_dw, need_db, c
     return (*outs, plan, why)
 
 
-def row_vjp(dy, x, weight, bias, ndim, eps, rms, act, needs):
-    """(dx, dweight, dbias) in differentiable torch ops: the backward when it is itself recorded
-    (create_graph=True, double backward) or runs under a torch.func transform."""
-    return _autograd.row_norm_vjp_differentiable(dy, x, weight, bias, ndim, eps, rms, act, needs)
+def row_vjp(dy, dh, x, weight, bias, ndim, eps, rms, act, weight_offset, needs, x_dtype, residual_dtype):
+    """(dx, dresidual, dweight, dbias) in differentiable torch ops: the backward when it is itself
+    recorded (create_graph=True, double backward), runs under a torch.func transform, or has only
+    h's gradient. needs: (x, weight, bias, residual)."""
+    return _autograd.row_norm_vjp_fused(dy, dh, x, weight, bias, ndim, eps, rms, act,
+                                        _autograd.RowOptions(weight_offset=float(weight_offset)), tuple(needs), x_dtype,
+                                        residual_dtype)
 
 
 def gn_vjp(dy, x, weight, bias, num_groups, eps, act, needs):

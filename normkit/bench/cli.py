@@ -16,6 +16,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import host_cases
+from .host_cases import CASES as HOST_CASES
 from .ops import DIRECTIONS, DTYPES, OPS, SUITES, pow2_range
 
 NO_GPU_LINE = ("no CUDA GPU: running the CPU paths at small sizes; numbers are CPU timings, "
@@ -112,6 +114,10 @@ def add_arguments(parser) -> None:
     g.add_argument("--quick", action="store_true", help="a few widths, the sweep suite only, fewer repetitions")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     g.add_argument("--no-host", action="store_true", help="skip the host-overhead measurement")
+    g.add_argument("--host-cases", type=_list_of(tuple(HOST_CASES) + ("all",), "host cases", allow_none=True),
+                   help="host-cost rows of fused options and strided layouts against torch's unfused calls "
+                        "(normkit.bench.host_cases): names, all or none (default GPU: all, CPU: none)")
+    g.add_argument("--host-only", action="store_true", help="run no GB/s point: only the host-overhead rows")
     g.add_argument("--time-budget", type=_positive(float), metavar="SECONDS",
                    help="start no new point after this long from the start (the summary says how many are left)")
     g.add_argument("--resume", action="store_true",
@@ -238,7 +244,8 @@ def run(args) -> int:
     suites = args.suites or prof.suites
     if suites == ("quick",) and (args.widths or args.rows or args.mib):  # sizes asked for: the sweep at those
         suites = ("sweep",)
-    points = plan(ops, args.dtypes or prof.dtypes, suites, args.widths or prof.widths, numel_of, args.rows)
+    points = [] if args.host_only else plan(ops, args.dtypes or prof.dtypes, suites, args.widths or prof.widths,
+                                            numel_of, args.rows)
     done = {r.point + (r.impl,) for r in rows}
     tasks = [(p, d, todo) for p in points for d in args.dirs
              if (todo := [i for i in runnable if (p.op, d, p.dtype, p.label, i.name) not in done])]
@@ -258,6 +265,9 @@ def run(args) -> int:
         measured = {(h.op, h.impl) for h in host_rows}
         for impl in (i for i in runnable if i.is_normkit or i.name in prof.host_peers):
             host_rows += runner.run_host([op for op in ops if (op, impl.name) not in measured], [impl], timer, device)
+        cases = args.host_cases if args.host_cases is not None else (("all",) if device == "cuda" else ())
+        cases = tuple(HOST_CASES) if "all" in cases else cases
+        host_rows += host_cases.run([c for c in cases if (c, "normkit") not in measured], timer, device)
     _finish(args, out, rows, host_rows, env)
     compiles = [r.first_call_s for r in rows if r.impl == "compile" and r.first_call_s]
     if compiles:

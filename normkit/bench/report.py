@@ -289,7 +289,8 @@ def summary_markdown(rows: list[Row], host_rows: list[HostRow], env: dict) -> st
     for section in (_problems, _headline_section, _points_section):
         out += [""] + section(rows, env)
     if host_rows:
-        out += [""] + _host_section(host_rows)
+        from .host_cases import section
+        out += [""] + _host_section(host_rows) + [""] + section(host_rows)
     return "\n".join(out) + "\n"
 
 
