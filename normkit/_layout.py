@@ -125,7 +125,10 @@ def sample_rows(t_shape, x_shape, k: int):
     if len(slead) > len(lead):
         return None
     padded = slead + (1,) * (len(lead) - len(slead))
-    last = max((i for i, s in enumerate(padded) if s != 1), default=-1)
+    last = -1  # the last dim that is not broadcast (a plain loop: dynamo traces this)
+    for i in range(len(padded)):
+        if padded[i] != 1:
+            last = i
     if padded[: last + 1] != lead[: last + 1]:
         return None
     return math.prod(lead[: last + 1]), math.prod(lead[last + 1:])
