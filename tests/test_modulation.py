@@ -409,3 +409,80 @@ def test_gpu_dit_widths(n, dtype, poison):
     x, w, b, sc, sh = _inputs((2, 256, n), (2, n), (n,), dtype, FP32, FP32, seed=12)
     _check("layer_norm", "triton", x, n, None, None, sc, sh)
     _check("layer_norm", "triton", x, n, w, b, sc, sh)
+
+
+# ----------------------------------------------------------------------------- patching diffusers models
+
+def _g():
+    return torch.Generator().manual_seed(1)
+
+
+def _tiny_diffusers(name):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    if name == "dit":
+        m = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=2,
+                                            sample_size=8, patch_size=2, num_embeds_ada_norm=10)
+        return m, lambda: m(torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1)),
+                            timestep=torch.tensor([3, 7]), class_labels=torch.tensor([1, 4])).sample
+    if name == "pixart":
+        m = diffusers.PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                               out_channels=8, num_layers=2, sample_size=8, patch_size=2,
+                                               cross_attention_dim=16, caption_channels=12)
+        return m, lambda: m(torch.randn(2, 4, 8, 8, generator=_g()), encoder_hidden_states=torch.randn(2, 5, 12, generator=_g()),
+                            timestep=torch.tensor([3, 7]), added_cond_kwargs={"resolution": None,
+                                                                             "aspect_ratio": None}).sample
+    if name == "sd3":
+        m = diffusers.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2,
+                                            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                            caption_projection_dim=16, pooled_projection_dim=8, out_channels=4)
+        return m, lambda: m(torch.randn(2, 4, 8, 8, generator=_g()), encoder_hidden_states=torch.randn(2, 5, 16, generator=_g()),
+                            pooled_projections=torch.randn(2, 8, generator=_g()), timestep=torch.tensor([3, 7])).sample
+    m = diffusers.FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                         attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                         pooled_projection_dim=8, axes_dims_rope=(2, 2, 4))
+    return m, lambda: m(torch.randn(2, 12, 16, generator=_g()), encoder_hidden_states=torch.randn(2, 5, 16, generator=_g()),
+                        pooled_projections=torch.randn(2, 8, generator=_g()), timestep=torch.tensor([0.3, 0.7]),
+                        img_ids=torch.zeros(12, 3), txt_ids=torch.zeros(5, 3)).sample
+
+
+@pytest.mark.parametrize("name", ["dit", "pixart", "sd3", "flux"])
+def test_patched_diffusers_models_match(name, monkeypatch):
+    """fp32 models: patched (modulation fused, as the report says) vs unpatched, output and every
+    parameter's gradient; the fused calls really run normkit's modulated kernels."""
+    model, run = _tiny_diffusers(name)
+    want = run()
+    want_grads = torch.autograd.grad(want.square().mean(), list(model.parameters()), allow_unused=True)
+    report = normkit.patch(model)
+    fused = [n for n, what in report.fused.items() if "adaLN" in what]
+    assert fused, (report.fused, report.unfused)
+    from normkit.backends import torch_backend
+    calls = []
+    real = torch_backend.row_norm_fwd_fused
+    monkeypatch.setattr(torch_backend, "row_norm_fwd_fused",
+                        lambda *a, **k: calls.append(k.get("mod_scale") is not None) or real(*a, **k))
+    got = run()
+    assert any(calls), "no modulated normkit call ran"
+    got_grads = torch.autograd.grad(got.square().mean(), list(model.parameters()), allow_unused=True)
+    assert ref.rel_err(got, want) <= 1e-5
+    flat = lambda gs: torch.cat([g.reshape(-1) for g, e in zip(gs, want_grads) if e is not None])  # noqa: E731
+    assert ref.rel_err(flat(got_grads), flat(want_grads)) <= 1e-5
+    normkit.unpatch(model)
+    assert ref.rel_err(run(), want) == 0.0
+
+
+def test_bf16_modulation_runs_as_written_unless_relaxed():
+    from diffusers.models.normalization import AdaLayerNormZero
+    torch.manual_seed(0)
+    m = AdaLayerNormZero(32).to(BF16)
+    x, emb = randn(2, 5, 32, dtype=BF16), randn(2, 32, dtype=BF16)
+    want = m(x, emb=emb)[0]
+    normkit.patch(m)
+    assert torch.equal(m(x, emb=emb)[0], want)  # not exact in bf16: the module's own roundings
+    normkit.unpatch(m)
+    normkit.patch(m, fuse="relaxed")
+    got = m(x, emb=emb)[0]
+    # normkit rounds once: within bf16 rounding of the module's value, and closer to float64
+    e = m.linear(m.silu(emb)).float().chunk(6, dim=1)
+    y64 = ref.layer_norm(x, (32,), None, None, 1e-6, scale=e[1], shift=e[0])[0]
+    assert ref.rel_err(got, y64) <= ref.rel_err(want, y64) + 1e-3 and ref.rel_err(got, want) <= 2e-2
