@@ -16,7 +16,10 @@ The differentiable backward serves the custom ops' autograd (_library.py) and th
 LayerNorm/RMSNorm carry the fused options (RowOptions): a residual add whose sum h is normalized and
 returned (the autograd output h, whose gradient joins dx and dresidual), a weight offset, the
 output dtype (float8 with a scale; the backward treats the cast as the identity, as
-TransformerEngine's fused norms do) and the output's amax (not differentiable).
+TransformerEngine's fused norms do), the output's amax (not differentiable), and adaLN modulation:
+y = act((xhat * w + b) * (1 + scale) + shift) with scale/shift tensors per sample (mod_scale /
+mod_shift here; `scale` alone is the float8 output's scale tensor), whose gradients are the
+per-sample sums of dy * (xhat * w + b) and dy.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from torch._functorch.utils import unwrap_dead_wrappers
 
 from .backends import torch_backend
-from ._layout import acc_dtype, bcs, flat_param, fresh, from_bcs, is_channels_last, row_view
+from ._layout import acc_dtype, bcs, flat_param, fresh, from_bcs, is_channels_last, mod_table, row_view
 
 _interpreter_stack = torch._C._functorch.peek_interpreter_stack
 
@@ -50,11 +53,18 @@ class RowOptions:
     out_dtype: Optional[torch.dtype] = None
     out_scale: Optional[float] = None  # a float scale for float8 outputs
     return_amax: bool = False
+    mod_scale: bool = False  # adaLN modulation: set exactly when a scale= / shift= tensor travels with the call
+    mod_shift: bool = False
+
+    @property
+    def modulated(self) -> bool:
+        return self.mod_scale or self.mod_shift
 
     def named(self, residual) -> str:
         """The options that are set, by their argument names (for errors)."""
         names = [n for n, on in (("residual", residual is not None), ("weight_offset", self.weight_offset != 0.0),
-                                 ("out_dtype", self.out_dtype is not None), ("return_amax", self.return_amax)) if on]
+                                 ("out_dtype", self.out_dtype is not None), ("return_amax", self.return_amax),
+                                 ("scale", self.mod_scale), ("shift", self.mod_shift)) if on]
         return ", ".join(f"{n}=" for n in names)
 
 
@@ -151,6 +161,51 @@ def row_norm_vjp_differentiable(dy, x, weight, bias, normalized_ndim: int, eps: 
                 rows(g, bias).reshape(bias.shape).to(bias.dtype) if needs[2] and bias is not None else None)
 
 
+def per_sample(t, ndim: int, normalized_ndim: int, n=None):
+    """A modulation tensor (lead + normalized dims) viewed to broadcast per sample against a tensor of
+    `ndim` dims: its lead aligned with the leading dims from the left (ones appended); with n, the
+    normalized dims flattened to one of n."""
+    k = normalized_ndim
+    lead = tuple(t.shape[: t.dim() - k])
+    tail = (n,) if n is not None else tuple(t.shape[t.dim() - k:])
+    return t.reshape(lead + (1,) * (ndim - len(tail) - len(lead)) + tail)
+
+
+def _sum_per_sample(t, like, k: int):
+    """t (x-shaped, normalized dims flattened) summed over each sample's rows: like's shape."""
+    target = per_sample(like, t.dim(), k, t.shape[-1])
+    dims = [i for i in range(t.dim() - 1) if target.shape[i] == 1 and t.shape[i] != 1]
+    return (t.sum(dims, keepdim=True) if dims else t).reshape(like.shape).to(like.dtype)
+
+
+def modulation_vjp(dy, x, weight, bias, normalized_ndim: int, eps: float, rms: bool, activation, mod_scale, mod_shift,
+                   needs, *, weight_offset: float = 0.0):
+    """The backward of the modulation in differentiable torch ops: (g, dscale, dshift) where g is
+    the gradient of the affine output xhat * w + b (to go through row_norm_vjp_differentiable with
+    no activation), dscale/dshift None unless `needs` (scale, shift) asks."""
+    acc = acc_dtype(x)
+    k = normalized_ndim
+    lead = tuple(x.shape[: x.dim() - k])
+    n = math.prod(x.shape[x.dim() - k:])
+    flat = lambda p: None if p is None else p.to(acc).reshape(p.shape[: p.dim() - k] + (n,))  # noqa: E731
+    with _no_autocast(x):
+        xhat, _ = _normalize(x.to(acc).reshape(lead + (n,)), -1, eps, rms)
+        w = flat(weight)
+        w = w + weight_offset if weight_offset and w is not None else w
+        yaff = xhat * w if w is not None else xhat
+        yaff = yaff + flat(bias) if bias is not None else yaff
+        s1 = None if mod_scale is None else 1 + per_sample(mod_scale, len(lead) + 1, k, n).to(acc)
+        g = dy.to(acc).reshape(lead + (n,))
+        if activation is not None:
+            z = yaff * s1 if s1 is not None else yaff
+            z = z + per_sample(mod_shift, len(lead) + 1, k, n).to(acc) if mod_shift is not None else z
+            g = g * _act_derivative(activation, z)
+        dscale = _sum_per_sample(g * yaff, mod_scale, k) if needs[0] and mod_scale is not None else None
+        dshift = _sum_per_sample(g, mod_shift, k) if needs[1] and mod_shift is not None else None
+        g = g * s1 if s1 is not None else g
+    return g.reshape(x.shape), dscale, dshift
+
+
 def group_norm_vjp_differentiable(dy, x, weight, bias, num_groups: int, eps: float, activation, needs):
     """GroupNorm's (dx, dweight, dbias) in differentiable torch ops, as row_norm_vjp_differentiable."""
     acc = acc_dtype(x)
@@ -197,9 +252,10 @@ def _affine_tangent(xhat, t_xhat, w, b, tw, tb, activation):
 
 
 def row_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, normalized_ndim: int, rms: bool, activation, *,
-                 weight_offset: float = 0.0, out_dtype=None):
-    """Tangent of y from the tangents of x (what was normalized), weight and bias; in out_dtype
-    (default x's): a float8 output's tangent is the tangent of y itself (the cast is the identity)."""
+                 weight_offset: float = 0.0, out_dtype=None, mod_scale=None, mod_shift=None, ts=None, tt=None):
+    """Tangent of y from the tangents of x (what was normalized), weight, bias and the modulation's
+    scale/shift (ts, tt); in out_dtype (default x's): a float8 output's tangent is the tangent of y
+    itself (the cast is the identity)."""
     acc = acc_dtype(x)
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     n = math.prod(shape)
@@ -212,7 +268,23 @@ def row_norm_jvp(x, weight, bias, mean, rstd, tx, tw, tb, normalized_ndim: int, 
     flat = lambda p: None if p is None else p.to(acc).reshape(p.shape[: p.dim() - k] + (n,))  # noqa: E731
     w = flat(weight)
     w = w + weight_offset if weight_offset and w is not None else w
-    t = _affine_tangent(xhat, t_xhat, w, flat(bias), flat(tw), flat(tb), activation)
+    if mod_scale is None and mod_shift is None:
+        t = _affine_tangent(xhat, t_xhat, w, flat(bias), flat(tw), flat(tb), activation)
+        return t.reshape(x.shape).to(out_dtype or x.dtype)
+    t = _affine_tangent(xhat, t_xhat, w, flat(bias), flat(tw), flat(tb), None)  # of yaff = xhat * w + b
+    yaff = xhat * w if w is not None else xhat
+    yaff = yaff + flat(bias) if bias is not None else yaff
+    mod = lambda m: None if m is None else per_sample(m, len(lead) + 1, normalized_ndim, n).to(acc)  # noqa: E731
+    s1 = None if mod_scale is None else 1 + mod(mod_scale)
+    z = yaff * s1 if s1 is not None else yaff
+    if s1 is not None:
+        t = t * s1
+    if ts is not None:
+        t = t + yaff * mod(ts)
+    if tt is not None:
+        t = t + mod(tt)
+    if activation is not None:
+        t = t * _act_derivative(activation, z + mod(mod_shift) if mod_shift is not None else z)
     return t.reshape(x.shape).to(out_dtype or x.dtype)
 
 
@@ -250,6 +322,11 @@ def check_backend(backend, opts: RowOptions, residual) -> None:
     """Raise now, naming the option, if `backend` cannot run these fused options."""
     if residual is not None or opts != PLAIN:
         _fused_entry(backend, "row_norm_fwd_fused", opts, residual)
+        if opts.modulated and not getattr(backend, "MODULATION", False):
+            from .backends import BackendUnavailableError
+            names = ", ".join(n for n, on in (("scale=", opts.mod_scale), ("shift=", opts.mod_shift)) if on)
+            raise BackendUnavailableError(f"{names} (adaLN modulation) not supported by backend={backend.NAME!r}; "
+                                          "use backend='triton' or 'torch'")
 
 
 def param_rows(p, shape):
@@ -269,11 +346,20 @@ def _rows(backend, t, shape, like=None):
     return row_view(t, shape, getattr(backend, "STRIDED_ROWS", False), None if like is None else like.shape[:-1])
 
 
+def _mod_kwargs(mod_scale, mod_shift, n: int) -> dict:
+    """The backends' modulation arguments: [S, N] tables, passed only when there is modulation."""
+    if mod_scale is None and mod_shift is None:
+        return {}
+    return {"mod_scale": mod_table(mod_scale, n), "mod_shift": mod_table(mod_shift, n)}
+
+
 def row_norm_forward_fused(backend, x, weight, bias, normalized_ndim: int, eps: float, rms: bool, activation, *,
                            residual=None, scale=None, opts: RowOptions = PLAIN, store_stats: bool = True,
-                           store_h: bool = True):
+                           store_h: bool = True, mod_scale=None, mod_shift=None):
     """The kernels' forward on user-shaped tensors: (y, h, mean, rstd, amax), None where absent
-    (h without a residual or store_h, mean for RMSNorm, amax unless asked), none of them a view."""
+    (h without a residual or store_h, mean for RMSNorm, amax unless asked), none of them a view.
+    scale: the float8 output's scale tensor; mod_scale / mod_shift: the adaLN modulation tensors
+    (lead + normalized dims, per sample of x)."""
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     lead = tuple(x.shape[: x.dim() - normalized_ndim])
     rows = _rows(backend, x, shape)
@@ -288,7 +374,8 @@ def row_norm_forward_fused(backend, x, weight, bias, normalized_ndim: int, eps: 
             store_stats=store_stats,
             residual=None if residual is None else _rows(backend, residual, shape, rows),
             h_dtype=opts.residual_dtype, store_h=store_h, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype,
-            out_scale=scale if scale is not None else opts.out_scale, want_amax=opts.return_amax)
+            out_scale=scale if scale is not None else opts.out_scale, want_amax=opts.return_amax,
+            **_mod_kwargs(mod_scale, mod_shift, rows.shape[-1]))
     view = lambda t, s: None if t is None else fresh(t.view(s))  # noqa: E731
     return view(y, x.shape), view(h, x.shape), view(mean, lead), view(rstd, lead), fresh(amax)
 
@@ -301,13 +388,15 @@ def row_norm_forward(backend, x, weight, bias, normalized_ndim: int, eps: float,
 
 def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim: int, rms: bool, activation,
                             needs, *, weight_offset: float = 0.0, dh=None, x_dtype=None, residual_dtype=None,
-                            param_dtypes=None):
-    """The kernels' first-order backward: (dx, dresidual, dweight, dbias), each None where not
-    needed (needs: x, weight, bias, residual). x is what was normalized (h with a residual); dh, the
-    gradient of h, joins dx; dx comes in x_dtype (default x's) and dresidual in residual_dtype.
+                            param_dtypes=None, mod_scale=None, mod_shift=None, mod_dtypes=(None, None)):
+    """The kernels' first-order backward: (dx, dresidual, dweight, dbias, dscale, dshift), each
+    None where not needed (needs: x, weight, bias, residual; mod_dtypes: the dtypes of dscale and
+    dshift, None where not needed). x is what was normalized (h with a residual); dh, the gradient
+    of h, joins dx; dx comes in x_dtype (default x's) and dresidual in residual_dtype.
     param_dtypes: (dweight, dbias) dtypes, default the parameters' own."""
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     need_dx, need_dw, need_db, need_dr = needs
+    modulated = mod_scale is not None or mod_shift is not None
     x_dtype = x_dtype or x.dtype
     # the kernel writes dx once, or twice when x and the residual want it in different dtypes
     first = residual_dtype if (need_dr and not need_dx) else x_dtype
@@ -315,44 +404,56 @@ def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized
     rows = _rows(backend, x, shape)
     mean_rows = None if mean is None else mean.reshape(-1)
     dw_dtype, db_dtype = param_dtypes or (weight.dtype if need_dw else None, bias.dtype if need_db else None)
-    if dh is None and second is None and weight_offset == 0.0 and first == x.dtype and \
+    dmod = (None, None)
+    if dh is None and second is None and weight_offset == 0.0 and first == x.dtype and not modulated and \
             not _per_head(weight, bias, shape):
         extra = {} if activation is None else {"bias": flat_param(bias), "activation": activation}
         dx, dw, db = backend.row_norm_bwd(_rows(backend, dy, shape, rows), rows, flat_param(weight), mean_rows,
                                           rstd.reshape(-1), rms, dw_dtype, db_dtype, **extra)
         dres = None
     else:
-        dx, dres, dw, db = _fused_entry(backend, "row_norm_bwd_fused", RowOptions(weight_offset=weight_offset), dh)(
+        mod = _mod_kwargs(mod_scale, mod_shift, rows.shape[-1])
+        if mod:
+            mod["dmod_dtypes"] = mod_dtypes
+        dx, dres, dw, db, *dmod = _fused_entry(backend, "row_norm_bwd_fused", RowOptions(
+            weight_offset=weight_offset, mod_scale=mod_scale is not None, mod_shift=mod_shift is not None), dh)(
             _rows(backend, dy, shape, rows), rows, param_rows(weight, shape), mean_rows, rstd.reshape(-1), rms,
             dw_dtype, db_dtype, bias=param_rows(bias, shape), activation=activation, weight_offset=weight_offset,
-            dh=None if dh is None else _rows(backend, dh, shape, rows), dx_dtype=first, dres_dtype=second)
+            dh=None if dh is None else _rows(backend, dh, shape, rows), dx_dtype=first, dres_dtype=second, **mod)
+        dmod = tuple(dmod) or (None, None)
+        dmod = tuple(None if d is None else fresh(d.view(t.shape)) for d, t in zip(dmod, (mod_scale, mod_shift)))
     dx = fresh(dx.view(x.shape))
     dres = fresh(dres.view(x.shape)) if dres is not None else (dx if need_dr else None)
     pshape = next((tuple(p.shape) for p in (weight, bias) if p is not None), shape)
     return (dx if need_dx else None), dres, (None if dw is None else dw.view(pshape)), \
-        (None if db is None else db.view(pshape))
+        (None if db is None else db.view(pshape)), dmod[0], dmod[1]
 
 
 def row_norm_backward(backend, dy, x, weight, bias, mean, rstd, normalized_ndim: int, rms: bool, activation, needs):
     """The kernels' first-order backward: (dx, dweight, dbias), each None where not needed."""
-    dx, _, dw, db = row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim, rms, activation,
+    dx, _, dw, db, _, _ = row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim, rms, activation,
                                             tuple(needs) + (False,))
     return dx, dw, db
 
 
 def row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activation, opts: RowOptions, needs,
-                       x_dtype, residual_dtype):
-    """The differentiable backward with the fused options: (dx, dresidual, dweight, dbias)."""
+                       x_dtype, residual_dtype, mod_scale=None, mod_shift=None, mod_needs=(False, False)):
+    """The differentiable backward with the fused options: (dx, dresidual, dweight, dbias, dscale, dshift)."""
     need_dx, need_dw, need_db, need_dr = needs
+    dscale = dshift = None
     if dy is None:
         dz = dw = db = None
     else:
+        if mod_scale is not None or mod_shift is not None:  # dy becomes the gradient of the affine output
+            dy, dscale, dshift = modulation_vjp(dy, z, weight, bias, normalized_ndim, eps, rms, activation, mod_scale,
+                                                mod_shift, mod_needs, weight_offset=opts.weight_offset)
+            activation = None
         dz, dw, db = row_norm_vjp_differentiable(dy, z, weight, bias, normalized_ndim, eps, rms, activation,
                                                  (need_dx or need_dr, need_dw, need_db), weight_offset=opts.weight_offset)
     if dh is not None:
         dz = dh if dz is None else dz + dh
     return (dz.to(x_dtype) if need_dx and dz is not None else None,
-            dz.to(residual_dtype) if need_dr and dz is not None else None, dw, db)
+            dz.to(residual_dtype) if need_dr and dz is not None else None, dw, db, dscale, dshift)
 
 
 class _Function(torch.autograd.Function):
@@ -372,20 +473,24 @@ class _Function(torch.autograd.Function):
 class RowNormFn(_Function):
     """LayerNorm (rms=False) / RMSNorm over the trailing normalized_ndim dims, with the fused
     options; outputs (y, h, mean, rstd, amax), None where absent. h (with a residual) is
-    differentiable, its gradient joins dx and dresidual; the statistics and amax are not."""
+    differentiable, its gradient joins dx and dresidual; the statistics and amax are not.
+    mod_scale / mod_shift (last): the adaLN modulation tensors, differentiable."""
 
     @staticmethod
-    def forward(x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend):
+    def forward(x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend,
+                mod_scale=None, mod_shift=None):
         return row_norm_forward_fused(backend, x, weight, bias, normalized_ndim, eps, rms, activation,
-                                      residual=residual, scale=scale, opts=opts)
+                                      residual=residual, scale=scale, opts=opts, mod_scale=mod_scale,
+                                      mod_shift=mod_shift)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend = inputs
+        x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend = inputs[:11]
+        mod_scale, mod_shift = (tuple(inputs[11:13]) + (None, None))[:2]
         _, h, mean, rstd, amax = output
         z = x if h is None else h  # what was normalized: the backward needs only it and the statistics
-        ctx.save_for_backward(z, weight, bias, mean, rstd)
-        ctx.save_for_forward(z, weight, bias, mean, rstd)
+        ctx.save_for_backward(z, weight, bias, mean, rstd, mod_scale, mod_shift)
+        ctx.save_for_forward(z, weight, bias, mean, rstd, mod_scale, mod_shift)
         ctx.mark_non_differentiable(*(t for t in (mean, rstd, amax) if t is not None))
         ctx.set_materialize_grads(False)
         ctx.args = (normalized_ndim, eps, rms, activation, opts, backend, x.dtype,
@@ -393,48 +498,60 @@ class RowNormFn(_Function):
 
     @staticmethod
     def backward(ctx, dy, dh, _dmean, _drstd, _damax):
-        z, weight, bias, mean, rstd = ctx.saved_tensors
+        z, weight, bias, mean, rstd, mod_scale, mod_shift = ctx.saved_tensors
         normalized_ndim, eps, rms, activation, opts, backend, x_dtype, r_dtype = ctx.args
-        needs = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3],)
+        n = ctx.needs_input_grad
+        needs = n[:3] + (n[3],)
+        mod_needs = tuple(n[11:13]) + (False,) * (2 - len(n[11:13]))
         if dy is None and dh is None:
-            dx, dres, dw, db = None, None, None, None
+            dx, dres, dw, db, ds, dt = (None,) * 6
         elif dy is None or _differentiable_backward_wanted():
-            dx, dres, dw, db = row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activation, opts,
-                                                  needs, x_dtype, r_dtype)
+            dx, dres, dw, db, ds, dt = row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms,
+                                                          activation, opts, needs, x_dtype, r_dtype, mod_scale,
+                                                          mod_shift, mod_needs)
         else:
-            dx, dres, dw, db = row_norm_backward_fused(
+            mod_dtypes = tuple(t.dtype if t is not None and need else None
+                               for t, need in zip((mod_scale, mod_shift), mod_needs))
+            dx, dres, dw, db, ds, dt = row_norm_backward_fused(
                 backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs,
-                weight_offset=opts.weight_offset, dh=dh, x_dtype=x_dtype, residual_dtype=r_dtype)
-        return (dx, dw, db, dres) + (None,) * 7
+                weight_offset=opts.weight_offset, dh=dh, x_dtype=x_dtype, residual_dtype=r_dtype,
+                mod_scale=mod_scale, mod_shift=mod_shift, mod_dtypes=mod_dtypes)
+        return (dx, dw, db, dres) + (None,) * 7 + (ds, dt)
 
     @staticmethod
-    def jvp(ctx, tx, tw, tb, tr, *_):
-        z, weight, bias, mean, rstd = ctx.saved_tensors
+    def jvp(ctx, tx, tw, tb, tr, *rest):
+        z, weight, bias, mean, rstd, mod_scale, mod_shift = ctx.saved_tensors
         normalized_ndim, eps, rms, activation, opts, backend, x_dtype, r_dtype = ctx.args
         if mean is None and not rms:
             raise RuntimeError("normkit: forward-mode AD needs the forward's statistics")
+        ts, tt = (tuple(rest[7:9]) + (None, None))[:2]
         tz = tx
         if r_dtype is not None:  # the tangent of h = x + residual
             parts = [t.to(acc_dtype(z)) for t in (tx, tr) if t is not None]
             tz = None if not parts else (parts[0] if len(parts) == 1 else parts[0] + parts[1]).to(z.dtype)
         ty = row_norm_jvp(z, weight, bias, mean, rstd, tz, tw, tb, normalized_ndim, rms, activation,
-                          weight_offset=opts.weight_offset, out_dtype=opts.out_dtype or x_dtype)
+                          weight_offset=opts.weight_offset, out_dtype=opts.out_dtype or x_dtype, mod_scale=mod_scale,
+                          mod_shift=mod_shift, ts=ts, tt=tt)
         return ty, (tz if r_dtype is not None else None), None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend):
+    def vmap(info, in_dims, x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend,
+             mod_scale=None, mod_shift=None):
         xd, wd, bd, rd, sd = in_dims[:5]
+        msd, mtd = (tuple(in_dims[11:13]) + (None, None))[:2]
         V = info.batch_size
         move = lambda t, d: None if t is None else (t.movedim(d, 0) if d is not None  # noqa: E731
                                                      else t.expand((V,) + tuple(t.shape)))
         x, residual = move(x, xd), move(residual, rd)
+        # the batch dim is one more leading dim of x, and so one more sample dim of the modulation
+        mod_scale, mod_shift = move(mod_scale, msd), move(mod_shift, mtd)
         if wd is None and bd is None and sd is None and not opts.return_amax:
             # the batch dim is one more leading dim: the kernels take it
             out = RowNormFn.apply(x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts,
-                                  backend)
+                                  backend, mod_scale, mod_shift)
             return out, tuple(None if t is None else 0 for t in out)
         return _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, normalized_ndim, eps, rms,
-                                        activation, opts)
+                                        activation, opts, mod_scale, mod_shift)
 
 
 def _batched_param(p, bdim, like_ndim, inner_shape, batch):
@@ -448,7 +565,7 @@ def _batched_param(p, bdim, like_ndim, inner_shape, batch):
 
 
 def _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, normalized_ndim, eps, rms, activation,
-                             opts: RowOptions):
+                             opts: RowOptions, mod_scale=None, mod_shift=None):
     """vmap over weight, bias or a tensor scale, or with the amax (one per sample): everything in
     torch ops, batch dim 0 everywhere."""
     acc = acc_dtype(x)
@@ -465,6 +582,10 @@ def _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, norma
         z = z * (w.to(acc) + opts.weight_offset)
     if b is not None:
         z = z + b.to(acc)
+    if mod_scale is not None:
+        z = z * (1 + per_sample(mod_scale, x.dim(), normalized_ndim).to(acc))
+    if mod_shift is not None:
+        z = z + per_sample(mod_shift, x.dim(), normalized_ndim).to(acc)
     lead = tuple(x.shape[: x.dim() - normalized_ndim])
     y = _ACT[activation](z)
     amax = y.abs().amax(tuple(range(1, y.dim()))) if opts.return_amax else None

@@ -111,3 +111,33 @@ def from_bcs(y3: torch.Tensor, shape) -> torch.Tensor:
 def acc_dtype(x: torch.Tensor) -> torch.dtype:
     """The compute (and statistics) dtype for x: float64 for float64, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- adaLN modulation tables
+
+def sample_rows(t_shape, x_shape, k: int):
+    """(S, rows per sample) for a modulation tensor of shape t_shape (lead + the k normalized dims)
+    applied per sample to x of shape x_shape: t's lead is aligned with x's leading dims from the
+    left ((B, N) and (B, 1, N) both mean one row per sample of a (B, T, N) x), and must equal a
+    prefix of them followed by ones only, so that rows r of x use table row r // (rows per sample).
+    None where t's lead is not of that form (per token, or not broadcastable)."""
+    lead, slead = tuple(x_shape[: len(x_shape) - k]), tuple(t_shape[: len(t_shape) - k])
+    if len(slead) > len(lead):
+        return None
+    padded = slead + (1,) * (len(lead) - len(slead))
+    last = -1  # the last dim that is not broadcast (a plain loop: dynamo traces this)
+    for i in range(len(padded)):
+        if padded[i] != 1:
+            last = i
+    if padded[: last + 1] != lead[: last + 1]:
+        return None
+    return math.prod(lead[: last + 1]), math.prod(lead[last + 1:])
+
+
+def mod_table(t, n: int):
+    """A modulation tensor (lead + normalized dims) as the kernels take it: [S, n] with unit column
+    stride (a view where it is one, e.g. a chunk of diffusers' embedding; else a copy); None stays None."""
+    if t is None:
+        return None
+    table = t.reshape(-1, n) if n else t.reshape(math.prod(t.shape[: t.dim() - 1]), 0)
+    return table if table.stride(-1) == 1 or n <= 1 else table.contiguous()

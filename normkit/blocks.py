@@ -36,6 +36,16 @@ what the block computes, rounding points included:
   those calls run unfused unless fuse(relaxed=True), which accepts it (torch.compile's Inductor
   skips the same rounding when it fuses the two).
 
+- adaLN modulation (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous,
+  AdaLayerNorm, DiT's norm_out, any block written `self.norm(x) * (1 + scale) + shift`, also as
+  `y = self.norm(x); y = y * (1 + scale) + shift`): one normkit call with scale= / shift=, where the
+  norm is a LayerNorm/RMSNorm normkit knows and scale/shift are one row per sample. The fused kernel
+  computes 1 + scale, the product and the sum in fp32 and rounds once; the block rounds the norm's
+  output and each step to their dtype. So only all-fp32 calls (x, scale, shift, the norm's weights)
+  are fused exactly; bf16/fp16 ones run as written unless fuse(relaxed=True) / patch(fuse="relaxed"),
+  which accepts the difference (normkit's value is the more accurate one; Inductor skips the same
+  roundings when it fuses these ops).
+
 Every fused forward checks at each call what it relies on (the norm's class, dtypes, no hooks on
 the modules it calls through normkit) and otherwise runs the block's own computation.
 """
@@ -56,7 +66,7 @@ from . import functional as F
 
 _patch = importlib.import_module("normkit.patch")  # the module: normkit.patch is the function
 
-__all__ = ["fuse", "unfuse", "add_norm", "norm_act"]
+__all__ = ["fuse", "unfuse", "add_norm", "norm_act", "norm_modulate"]
 
 OPS = _patch.OPS
 _KERNEL_DTYPES, _LOW_PRECISION = _patch._KERNEL_DTYPES, _patch._LOW_PRECISION
@@ -158,6 +168,50 @@ def norm_act(norm: nn.Module, act: nn.Module, x: torch.Tensor, backend: Optional
     if not (relaxed or x.dtype == torch.float32 or _autocast_fp32(x)):
         return None  # the norm's output would be rounded to x's dtype before the activation
     return F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation=name, backend=backend)
+
+
+def norm_modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift, backend: Optional[str] = None,
+                  relaxed: bool = False) -> torch.Tensor:
+    """norm(x) * (1 + scale) + shift (shift may be None), as one normkit call with the adaLN
+    modulation fused where that computes what the block does (see the module docstring: all fp32,
+    or relaxed); else as written."""
+    def as_written():
+        y = norm(x) * (1 + scale)
+        return y + shift if shift is not None else y
+
+    style = _norm_style(norm)
+    shape = tuple(getattr(norm, "normalized_shape", ()) or ())
+    if style not in ("ln", "rms") or not shape or _hooked(norm) or x.dtype not in _KERNEL_DTYPES:
+        return as_written()
+    mods = [t for t in (scale, shift) if t is not None]
+    if not all(isinstance(t, torch.Tensor) and t.dtype in _KERNEL_DTYPES and t.device == x.device and
+               t.dim() <= x.dim() for t in mods):
+        return as_written()
+    # torch broadcasts from the right: with leading ones, normkit's per-sample rule (from the left) agrees
+    scale, shift = (None if t is None else t.reshape((1,) * (x.dim() - t.dim()) + tuple(t.shape))
+                    for t in (scale, shift))
+    k = len(shape)
+    from ._layout import sample_rows
+    for t in (scale, shift):
+        if t is not None and (tuple(t.shape[x.dim() - k:]) != shape or sample_rows(t.shape, x.shape, k) is None or
+                              any(a not in (1, b) for a, b in zip(t.shape, x.shape))):
+            return as_written()
+    w, b = getattr(norm, "weight", None), getattr(norm, "bias", None) if style == "ln" else None
+    params = [p for p in (w, b) if p is not None]
+    if any(p.dtype not in _KERNEL_DTYPES for p in params):
+        return as_written()
+    y_dtype = x.dtype if style == "rms" or not F._autocast_upcasts("layer_norm", x.device.type) or \
+        not torch.is_autocast_enabled(x.device.type) else torch.float32
+    for t in (scale, shift):
+        if t is not None:
+            y_dtype = torch.promote_types(y_dtype, t.dtype)
+    exact = all(t.dtype == torch.float32 for t in [x, *mods, *params])
+    if not (exact or relaxed):
+        return as_written()
+    kw = dict(scale=scale, shift=shift, backend=backend, out_dtype=y_dtype)
+    if style == "ln":
+        return F.row_norm_as_written(x, shape, w, b, norm.eps, False, **kw)
+    return F.row_norm_as_written(x, shape, w, None, norm.eps, True, **kw)
 
 
 def _norm_then_act(norm, act, x, backend, relaxed):
@@ -470,6 +524,57 @@ class _Rewriter(ast.NodeTransformer):
             return None
         return self._norm_act(norm, act, stmts[i])
 
+    def _modulation(self, node):
+        """(scale expression, shift expression or None) of `P + T` / `P` with P = `(1 + S)` or
+        `(1 + S)[idx]`, for the node `N * P (+ T)`; else None."""
+        def one_plus(e):
+            if isinstance(e, ast.Subscript):
+                inner = one_plus(e.value)
+                return None if inner is None else ast.Subscript(inner, e.slice, ast.Load())
+            if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add) and isinstance(e.left, ast.Constant) and \
+                    e.left.value == 1 and not isinstance(e.left.value, bool):
+                return e.right
+            return None
+        return one_plus(node)
+
+    def _norm_modulate(self, norm, x, mult, shift):
+        """self.norm(x) * mult (+ shift) -> one call, if mult is (1 + S) (indexed); else None."""
+        if self.kinds.get(norm) not in ("row", "head"):
+            return None
+        scale = self._modulation(mult)
+        if scale is None:
+            return None
+        self.sites.append(f"{norm} + adaLN modulation (x * (1 + scale) + shift) in one normkit call")
+        return self._call("_normkit_norm_modulate", self._attr(norm), x, scale,
+                          shift if shift is not None else ast.Constant(None), self._attr("_normkit_backend"),
+                          self._attr("_normkit_relaxed"))
+
+    def visit_BinOp(self, node):  # self.norm(x) * (1 + scale) + shift, or without the shift
+        mul, shift = (node.left, node.right) if isinstance(node.op, ast.Add) else (node, None)
+        norm = isinstance(mul, ast.BinOp) and isinstance(mul.op, ast.Mult) and _self_call(mul.left, self.self_name)
+        if norm and len(norm[1]) == 1:
+            fused = self._norm_modulate(norm[0], self.visit(norm[1][0]), self.visit(mul.right),
+                                        None if shift is None else self.visit(shift))
+            if fused is not None:
+                return fused
+        return super().generic_visit(node)
+
+    def _norm_modulate_pair(self, stmts, i):
+        """y = self.norm(x); y = y * (1 + S) + T"""
+        first, second = (_assigned(s) for s in (stmts[i:i + 2] + [None] * 2)[:2])
+        if not (first and second) or first[0] != second[0]:
+            return None
+        norm = _self_call(first[1], self.self_name)
+        value = second[1]
+        mul, shift = (value.left, value.right) if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) \
+            else (value, None)
+        if not norm or len(norm[1]) != 1 or not isinstance(mul, ast.BinOp) or not isinstance(mul.op, ast.Mult) or \
+                not _is_name(mul.left, first[0]) or (shift is not None and _uses([shift], first[0])) or \
+                _uses([mul.right], first[0]):
+            return None
+        call = self._norm_modulate(norm[0], norm[1][0], mul.right, shift)
+        return None if call is None else [ast.Assign([ast.Name(first[0], ast.Store())], call)]
+
     def _norm_act(self, norm, act, at):
         if self.kinds.get(norm[0]) != "gn" or self.kinds.get(act[0]) != "act":
             return None
@@ -513,9 +618,9 @@ class _Rewriter(ast.NodeTransformer):
                 out += new
                 i += 3
                 continue
-            new = self._norm_act_pair(stmts, i)
+            new = self._norm_act_pair(stmts, i) or self._norm_modulate_pair(stmts, i)
             if new is not None:
-                out += new
+                out += [self.visit(s) for s in new]
                 i += 2
                 continue
             found = self._per_head(stmts, i)
@@ -586,8 +691,8 @@ def _rewrite(cls, kinds: tuple):
     rewriter = _Rewriter(fdef.args.args[0].arg, dict(kinds))
     fdef.body = rewriter._body(fdef.body)
     if not rewriter.sites:
-        return ("its forward computes no residual add -> norm, GroupNorm -> activation or per-head norm "
-                "before a transpose that normkit fuses")
+        return ("its forward computes no residual add -> norm, GroupNorm -> activation, adaLN modulation or "
+                "per-head norm before a transpose that normkit fuses")
     ast.increment_lineno(tree, code.co_firstlineno - 1)
     namespace: dict = {}
     exec(compile(ast.fix_missing_locations(tree), code.co_filename, "exec"), inner.__globals__, namespace)
@@ -673,7 +778,7 @@ def _fused_class(original: type, block: _Block, relaxed: bool) -> type:
             "forward": forward, "_normkit_fused_original": original, "_normkit_relaxed": relaxed,
             "_normkit_add_norm": staticmethod(add_norm), "_normkit_norm_act": staticmethod(_norm_then_act),
             "_normkit_try_norm_act": staticmethod(norm_act), "_normkit_hooked": staticmethod(_hooked),
-            "_normkit_norm_heads": staticmethod(_norm_heads),
+            "_normkit_norm_heads": staticmethod(_norm_heads), "_normkit_norm_modulate": staticmethod(norm_modulate),
             "__module__": original.__module__, "__qualname__": original.__qualname__})
         _fused_classes[key] = cls
     return cls

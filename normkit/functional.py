@@ -18,6 +18,12 @@ LayerNorm and RMSNorm take fused epilogues (keyword-only):
                       value. The backward treats the cast as the identity (dy is the gradient of y).
   return_amax=True    also return max |y| (before scaling; a 0-dim fp32 tensor, NaN if y has one),
                       computed deterministically, for delayed fp8 scaling.
+  scale=, shift=      adaLN modulation (DiT, PixArt, SD3, Flux): y = act((xhat * w + b) * (1 + scale)
+                      + shift), computed in fp32 in the same pass and rounded once. Per sample: shape
+                      lead + normalized_shape, lead aligned with x's leading dims from the left and
+                      equal to a prefix of them ((B, N) or (B, 1, N) for x of (B, T, N); (N,) or
+                      (1, N): one row for all). Any float dtype; differentiable (dscale, dshift are
+                      per-sample sums, deterministic). Either may be given alone.
 Returns y, or the tuple (y[, h][, amax]) when prenorm / return_amax ask for more.
 """
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 from . import _host, _library, backends, compile_fusion
 from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, param_rows, row_norm_forward_fused, \
     transforms_active
-from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view
+from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view, sample_rows
 from .reference import ACTIVATIONS, default_rms_eps
 
 __all__ = [
@@ -265,6 +271,33 @@ def _check_fusion(x, shape, weight, residual, prenorm, residual_dtype, weight_of
     return (PLAIN if opts == PLAIN else opts), scale
 
 
+def _check_modulation(x, shape, weight, bias, scale, shift, opts):
+    """The adaLN modulation tensors, checked; returns opts with their flags set. Errors name the argument."""
+    for t, arg in ((scale, "scale"), (shift, "shift")):
+        if t is None:
+            continue
+        _check_tensor(t, arg)
+        k = len(shape)
+        if t.dim() < k or tuple(t.shape[t.dim() - k:]) != shape:
+            raise ValueError(f"{arg}: expected shape (..., {', '.join(map(str, shape))}) ending in normalized_shape "
+                             f"{shape} (per sample: (B, {', '.join(map(str, shape))}) for x of shape (B, T, "
+                             f"{', '.join(map(str, shape))})), got {tuple(t.shape)}")
+        if sample_rows(t.shape, x.shape, k) is None:
+            lead = tuple(x.shape[: x.dim() - k])
+            raise ValueError(f"{arg}: expected one row per sample: leading dims equal to a prefix of x's leading dims "
+                             f"{lead} (aligned from the left, then ones), got {tuple(t.shape[: t.dim() - k])}; "
+                             f"per-token modulation is not fused")
+        if t.device != x.device:
+            raise ValueError(f"{arg}: expected a tensor on x's device {x.device}, got one on {t.device}")
+        if any(p is not None and p.dim() > len(shape) for p in (weight, bias)):
+            raise ValueError(f"{arg}: adaLN modulation with per-head weight/bias is not supported; got a weight/bias "
+                             f"of shape {tuple((weight if weight is not None else bias).shape)}")
+    if scale is not None and shift is not None and \
+            sample_rows(scale.shape, x.shape, len(shape)) != sample_rows(shift.shape, x.shape, len(shape)):
+        raise ValueError(f"shift: expected the same samples as scale {tuple(scale.shape)}, got {tuple(shift.shape)}")
+    return dataclasses.replace(opts, mod_scale=scale is not None, mod_shift=shift is not None)
+
+
 def _same_param_rows(weight, bias, shape):
     """With one parameter per head and the other not, the other is expanded to per head (autograd
     sums its gradient back): the kernels take both in one layout."""
@@ -298,7 +331,7 @@ def _autocast_rows(x, weight, bias, opts, backend_name, op):
 
 
 def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, residual=None, scale=None,
-              opts=PLAIN, prenorm=False):
+              opts=PLAIN, prenorm=False, mod_scale=None, mod_shift=None):
     """Checked arguments -> y (or the tuple of _outputs), through the custom op (compile, modes,
     subclasses), the autograd function (gradients, torch.func, forward AD) or straight to the
     kernels (inference). The host path is asked again here: the public functions ask it first, but a
@@ -306,26 +339,26 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
     plain = residual is None and scale is None and opts is PLAIN and (weight is None or weight.dim() == len(shape)) \
         and (bias is None or bias.dim() == len(shape))  # not per-head parameters
     fast = _host.fast
-    if fast is not None and not _is_compiling():
+    if fast is not None and mod_scale is None and mod_shift is None and not _is_compiling():
         y = fast.row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, residual, prenorm,
                           opts.residual_dtype, opts.weight_offset, opts.out_dtype,
                           scale if scale is not None else opts.out_scale, opts.return_amax, False)
         if y is not None:
             return y
-    if _library.needed(x, weight, bias, residual, scale):
+    if _library.needed(x, weight, bias, residual, scale, mod_scale, mod_shift):
         if _is_compiling():
             compile_fusion.traced()  # Inductor decides, op by op, whether normkit's op stays (compile_fusion.py)
         if plain:
             return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
         y, h, _, _, amax = _library.row_norm_fused(x, len(shape), weight, bias, eps, rms, backend_name, activation,
-                                                   residual, scale, opts)
+                                                   residual, scale, opts, mod_scale, mod_shift)
         return _outputs(y, h, amax, prenorm, opts.return_amax)
     backend = backends.resolve(backend_name, x, op)
-    if _needs_autograd(x, weight, bias, residual) or transforms_active():
-        _forward_only_check(backend, op, x, weight, bias)
+    if _needs_autograd(x, weight, bias, residual, mod_scale, mod_shift) or transforms_active():
+        _forward_only_check(backend, op, x, weight, bias, mod_scale, mod_shift)
         check_backend(backend, opts, residual)
         y, h, _, _, amax = RowNormFn.apply(x, weight, bias, residual, scale, len(shape), eps, rms, activation, opts,
-                                           backend)
+                                           backend, mod_scale, mod_shift)
         return _outputs(y, h, amax, prenorm, opts.return_amax)
     if plain:  # inference: no statistics to keep, so the kernel need not write them
         rows = row_view(x, shape, getattr(backend, "STRIDED_ROWS", False))
@@ -335,15 +368,16 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
     check_backend(backend, opts, residual)
     y, h, _, _, amax = row_norm_forward_fused(backend, x, weight, bias, len(shape), eps, rms, activation,
                                               residual=residual, scale=scale, opts=opts, store_stats=False,
-                                              store_h=prenorm)
+                                              store_h=prenorm, mod_scale=mod_scale, mod_shift=mod_shift)
     return _outputs(y, h, amax, prenorm, opts.return_amax)
 
 
-def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax) -> bool:
+def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax, scale=None,
+           shift=None) -> bool:
     """No fused option asked for (the defaults; weight_offset's is the int 0: a float default would
     be a symbolic input that torch.compile(dynamic=True) specializes by restarting its trace)."""
     return residual is None and prenorm is False and residual_dtype is None and weight_offset == 0 and \
-        out_dtype is None and out_scale is None and return_amax is False
+        out_dtype is None and out_scale is None and return_amax is False and scale is None and shift is None
 
 
 def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
@@ -357,7 +391,8 @@ def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, 
 
 
 def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
-                    residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast: bool):
+                    residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast: bool, scale=None,
+                    shift=None):
     op = "rms_norm" if rms else "layer_norm"
     if rms:
         _check_tensor(x, "x")
@@ -365,30 +400,34 @@ def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, bac
     shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps, per_head=True)
     weight, bias = _same_param_rows(weight, bias, shape)
     _check_activation(activation)
-    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax):
-        opts, scale = PLAIN, None  # the common call: nothing fused, nothing more to check
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax, scale, shift):
+        opts, fp8_scale = PLAIN, None  # the common call: nothing fused, nothing more to check
     else:
-        opts, scale = _check_fusion(x, shape, weight, residual, prenorm, residual_dtype, weight_offset, out_dtype,
-                                    out_scale, return_amax)
+        opts, fp8_scale = _check_fusion(x, shape, weight, residual, prenorm, residual_dtype, weight_offset, out_dtype,
+                                        out_scale, return_amax)
+        if scale is not None or shift is not None:
+            opts = _check_modulation(x, shape, weight, bias, scale, shift, opts)
     if autocast:
         x, weight, bias, opts = _autocast_rows(x, weight, bias, opts, backend, op)
-    return _row_norm(x, shape, weight, bias, eps, rms, activation, backend, op, residual, scale, opts, prenorm)
+    return _row_norm(x, shape, weight, bias, eps, rms, activation, backend, op, residual, fp8_scale, opts, prenorm,
+                     scale, shift)
 
 
 def row_norm_as_written(x, normalized_shape, weight, bias, eps, rms: bool, *, activation=None, backend=None,
                         residual=None, prenorm=False, residual_dtype=None, weight_offset=0, out_dtype=None,
-                        out_scale=None, return_amax=False):
+                        out_scale=None, return_amax=False, scale=None, shift=None):
     """LayerNorm/RMSNorm without torch's autocast contract for F.layer_norm / F.rms_norm: computes in
     float32 and rounds to x's dtype (or out_dtype) whatever autocast says. For modules that write
     their norm out in explicit float32 ops (HF's RMSNorm classes), which autocast does not upcast as
     a whole. The fused options are layer_norm's."""
-    y = _via_host(x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend, residual, prenorm,
-                  residual_dtype, weight_offset, out_dtype, out_scale, return_amax, False)
+    y = None if scale is not None or shift is not None else _via_host(
+        x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend, residual, prenorm,
+        residual_dtype, weight_offset, out_dtype, out_scale, return_amax, False)
     if y is not None:
         return y
     return _fused_row_norm(x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend,
                            residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax,
-                           autocast=False)
+                           autocast=False, scale=scale, shift=shift)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -398,6 +437,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
                residual: Optional[torch.Tensor] = None, prenorm: bool = False,
                residual_dtype: Optional[torch.dtype] = None, weight_offset: float = 0,
                out_dtype: Optional[torch.dtype] = None, out_scale=None, return_amax: bool = False,
+               scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
                backend: Optional[str] = None):
     """LayerNorm over the trailing `normalized_shape` dims, as torch.nn.functional.layer_norm.
 
@@ -405,34 +445,42 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
     transform in the same kernel (forward and backward).
     residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax: the fused
     epilogues (see the module docstring); returns y, or (y[, h][, amax]).
+    scale, shift: adaLN modulation, y = act((xhat * w + b) * (1 + scale) + shift) in one pass, one
+    scale/shift row per sample ((B, N) or (B, 1, N) for x of (B, T, N)); see the module docstring.
     backend: None picks Triton for CUDA tensors and torch otherwise; a name forces that backend.
     Under CUDA autocast it returns float32, as torch's layer_norm does (read x's dtype, write fp32).
     """
-    y = _via_host(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm, residual_dtype,
-                  weight_offset, out_dtype, out_scale, return_amax, True)
+    y = None if scale is not None or shift is not None else _via_host(
+        x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm, residual_dtype,
+        weight_offset, out_dtype, out_scale, return_amax, True)
     if y is not None:
         return y
     return _fused_row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm,
-                           residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
+                           residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True,
+                           scale=scale, shift=shift)
 
 
 def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torch.Tensor] = None,
              eps: Optional[float] = None, *, activation: Optional[str] = None, residual: Optional[torch.Tensor] = None,
              prenorm: bool = False, residual_dtype: Optional[torch.dtype] = None, weight_offset: float = 0,
              out_dtype: Optional[torch.dtype] = None, out_scale=None, return_amax: bool = False,
+             scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
              backend: Optional[str] = None):
     """RMSNorm over the trailing `normalized_shape` dims, as torch.nn.functional.rms_norm.
 
     eps=None means torch's default: the machine epsilon of the compute type (float32, or float64).
-    activation, the fused epilogues and backend are as in layer_norm; under autocast the dtype torch's
-    rms_norm returns there (float32 from torch 2.12; torch 2.11 keeps x's dtype).
+    activation, the fused epilogues (scale=/shift= modulation included) and backend are as in
+    layer_norm; under autocast the dtype torch's rms_norm returns there (float32 from torch 2.12;
+    torch 2.11 keeps x's dtype).
     """
-    y = _via_host(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm, residual_dtype,
-                  weight_offset, out_dtype, out_scale, return_amax, True)
+    y = None if scale is not None or shift is not None else _via_host(
+        x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm, residual_dtype,
+        weight_offset, out_dtype, out_scale, return_amax, True)
     if y is not None:
         return y
     return _fused_row_norm(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm,
-                           residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True)
+                           residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True,
+                           scale=scale, shift=shift)
 
 
 # ----------------------------------------------------------------------------- group norm

@@ -5,7 +5,8 @@ LayerNorm and RMSNorm take the fused options that belong to the layer as attribu
 (`weight_offset`, `out_dtype`, `residual_dtype`, `activation`) and the residual stream as a
 forward argument: `norm(x, residual)` returns (y, h), h = x + residual being the new residual
 stream (the add-norm of a pre-norm transformer block, as flash-attention's and Liger's fused
-add-norm modules); `norm(x, residual, prenorm=False)` returns y alone.
+add-norm modules); `norm(x, residual, prenorm=False)` returns y alone. The adaLN modulation is a
+forward argument too: `norm(x, scale=scale, shift=shift)` (per sample, as normkit.layer_norm).
 """
 from __future__ import annotations
 
@@ -34,8 +35,12 @@ class _RowNormOptions:
             with torch.no_grad():
                 self.weight.sub_(offset)
 
-    def _fused(self, residual, prenorm):
+    def _fused(self, residual, prenorm, scale=None, shift=None):
         kw = {}
+        if scale is not None:
+            kw["scale"] = scale
+        if shift is not None:
+            kw["shift"] = shift
         if self.weight_offset:
             kw["weight_offset"] = self.weight_offset
         if self.out_dtype is not None:
@@ -52,7 +57,8 @@ class _RowNormOptions:
 
 class LayerNorm(_RowNormOptions, torch.nn.LayerNorm):
     """torch.nn.LayerNorm computed by normkit; `activation`, `weight_offset`, `out_dtype`,
-    `residual_dtype` and `backend` as in normkit.layer_norm. forward(x, residual=None, prenorm=True)."""
+    `residual_dtype` and `backend` as in normkit.layer_norm. forward(x, residual=None, prenorm=True, *,
+    scale=None, shift=None)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None, *, activation: Optional[str] = None, weight_offset: float = 0,
@@ -61,9 +67,10 @@ class LayerNorm(_RowNormOptions, torch.nn.LayerNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self._set_options(activation, weight_offset, out_dtype, residual_dtype, backend)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, prenorm: bool = True):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, prenorm: bool = True, *,
+                scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None):
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, activation=self.activation,
-                          backend=self.backend, **self._fused(residual, prenorm))
+                          backend=self.backend, **self._fused(residual, prenorm, scale, shift))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + self._extra()
@@ -72,7 +79,7 @@ class LayerNorm(_RowNormOptions, torch.nn.LayerNorm):
 class RMSNorm(_RowNormOptions, torch.nn.RMSNorm):
     """torch.nn.RMSNorm computed by normkit; `activation`, `weight_offset` (Gemma: 1.0, the weight
     then starts at zero), `out_dtype`, `residual_dtype` and `backend` as in normkit.rms_norm.
-    forward(x, residual=None, prenorm=True)."""
+    forward(x, residual=None, prenorm=True, *, scale=None, shift=None)."""
 
     def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
                  device=None, dtype=None, *, activation: Optional[str] = None, weight_offset: float = 0,
@@ -81,9 +88,10 @@ class RMSNorm(_RowNormOptions, torch.nn.RMSNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self._set_options(activation, weight_offset, out_dtype, residual_dtype, backend)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, prenorm: bool = True):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, prenorm: bool = True, *,
+                scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None):
         return rms_norm(x, self.normalized_shape, self.weight, self.eps, activation=self.activation,
-                        backend=self.backend, **self._fused(residual, prenorm))
+                        backend=self.backend, **self._fused(residual, prenorm, scale, shift))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + self._extra()

@@ -20,6 +20,7 @@ __all__ = [
     "group_norm_backward",
     "activation",
     "residual_sum",
+    "modulate",
     "output_value",
     "amax",
     "FP8_MAX",
@@ -80,29 +81,47 @@ def _affine(y, weight, bias, weight_offset):
     return y
 
 
+def modulate(y, scale=None, shift=None, normalized_ndim: int = 1):
+    """adaLN modulation y * (1 + scale) + shift in float64, scale and shift per sample: their lead dims
+    are aligned with y's leading dims from the left ((B, N) and (B, 1, N) both act on every token of a
+    (B, T, N) y), as normkit's scale=/shift= options take them."""
+    def per_sample(t):
+        lead = t.shape[: t.dim() - normalized_ndim]
+        ones = (1,) * (y.dim() - normalized_ndim - len(lead))
+        return t.to(_f64).reshape(tuple(lead) + ones + tuple(t.shape[t.dim() - normalized_ndim:]))
+    if scale is not None:
+        y = y * (1.0 + per_sample(scale))
+    if shift is not None:
+        y = y + per_sample(shift)
+    return y
+
+
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None, *, residual=None,
-               residual_dtype=None, weight_offset=0.0):
+               residual_dtype=None, weight_offset=0.0, scale=None, shift=None):
     """float64 LayerNorm. Returns (y, mean, rstd); mean/rstd have x's leading shape.
-    residual: normalizes h = residual_sum(x, residual, residual_dtype). weight_offset: y = xhat * (offset + w) + b."""
+    residual: normalizes h = residual_sum(x, residual, residual_dtype). weight_offset: y = xhat * (offset + w) + b.
+    scale, shift: adaLN modulation (`modulate`) of the affine output, before the activation."""
     x = x.to(_f64) if residual is None else residual_sum(x, residual, residual_dtype)
     dims = _dims(x, normalized_shape)
     mean = x.mean(dim=dims, keepdim=True)
     var = ((x - mean) ** 2).mean(dim=dims, keepdim=True)  # two-pass: exact in float64
     rstd = torch.rsqrt(var + eps)
-    y = activation(_affine((x - mean) * rstd, weight, bias, weight_offset), activation_name)
+    y = _affine((x - mean) * rstd, weight, bias, weight_offset)
+    y = activation(modulate(y, scale, shift, len(dims)), activation_name)
     lead = x.shape[: x.dim() - len(dims)]
     return y, mean.reshape(lead), rstd.reshape(lead)
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, activation_name=None, *, residual=None, residual_dtype=None,
-             weight_offset=0.0):
-    """float64 RMSNorm. Returns (y, rstd); rstd has x's leading shape. residual, weight_offset: as layer_norm."""
+             weight_offset=0.0, scale=None, shift=None):
+    """float64 RMSNorm. Returns (y, rstd); rstd has x's leading shape. residual, weight_offset, scale,
+    shift: as layer_norm."""
     if eps is None:
         eps = default_rms_eps(x.dtype)
     x = x.to(_f64) if residual is None else residual_sum(x, residual, residual_dtype)
     dims = _dims(x, normalized_shape)
     rstd = torch.rsqrt((x * x).mean(dim=dims, keepdim=True) + eps)
-    y = activation(_affine(x * rstd, weight, None, weight_offset), activation_name)
+    y = activation(modulate(_affine(x * rstd, weight, None, weight_offset), scale, shift, len(dims)), activation_name)
     lead = x.shape[: x.dim() - len(dims)]
     return y, rstd.reshape(lead)
 
@@ -152,18 +171,24 @@ def _grads(f, dy, x, params):
 
 
 def layer_norm_backward(dy, x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None, *,
-                        weight_offset=0.0):
-    """float64 (dx, dweight, dbias) of layer_norm; None where weight/bias is None."""
-    f = lambda x_, w_, b_: layer_norm(x_, normalized_shape, w_, b_, eps, activation_name,  # noqa: E731
-                                      weight_offset=weight_offset)[0]
-    return _grads(f, dy, x, [weight, bias])
+                        weight_offset=0.0, scale=None, shift=None):
+    """float64 (dx, dweight, dbias) of layer_norm; None where weight/bias is None. With scale= or
+    shift= (adaLN modulation): (dx, dweight, dbias, dscale, dshift), None where absent."""
+    f = lambda x_, w_, b_, s_, t_: layer_norm(x_, normalized_shape, w_, b_, eps, activation_name,  # noqa: E731
+                                              weight_offset=weight_offset, scale=s_, shift=t_)[0]
+    grads = _grads(f, dy, x, [weight, bias, scale, shift])
+    return grads if scale is not None or shift is not None else grads[:3]
 
 
-def rms_norm_backward(dy, x, normalized_shape, weight=None, eps=None, activation_name=None, *, weight_offset=0.0):
-    """float64 (dx, dweight) of rms_norm; dweight is None where weight is None."""
+def rms_norm_backward(dy, x, normalized_shape, weight=None, eps=None, activation_name=None, *, weight_offset=0.0,
+                      scale=None, shift=None):
+    """float64 (dx, dweight) of rms_norm; dweight is None where weight is None. With scale= or
+    shift=: (dx, dweight, dscale, dshift)."""
     eps = default_rms_eps(x.dtype) if eps is None else eps
-    f = lambda x_, w_: rms_norm(x_, normalized_shape, w_, eps, activation_name, weight_offset=weight_offset)[0]  # noqa: E731
-    return _grads(f, dy, x, [weight])
+    f = lambda x_, w_, s_, t_: rms_norm(x_, normalized_shape, w_, eps, activation_name,  # noqa: E731
+                                        weight_offset=weight_offset, scale=s_, shift=t_)[0]
+    grads = _grads(f, dy, x, [weight, scale, shift])
+    return grads if scale is not None or shift is not None else grads[:2]
 
 
 def group_norm_backward(dy, x, num_groups, weight=None, bias=None, eps=1e-5, activation_name=None):

@@ -235,7 +235,7 @@ def test_compiled_variants_side_by_side_each_compile_a_graph_and_do_not_recompil
     assert rows[1].patched == rows[1].norms == 4 and rows[1].out_diff <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["whisper-encoder", "t5-encoder", "dit", "sd15-unet"])
+@pytest.mark.parametrize("name", ["whisper-encoder", "t5-encoder", "dit", "sd15-unet", "sd3"])
 def test_encoder_and_dit_cases_build_patch_and_match(name):
     """The model benchmark's Whisper-style encoder (column-strided LayerNorm rows), T5 encoder
     (T5LayerNorm, recognised by computation) and DiT (adaLN-Zero's LayerNorm): tiny, on the CPU,
@@ -249,9 +249,11 @@ def test_encoder_and_dit_cases_build_patch_and_match(name):
     model = spec.build(size, "cpu")
     model_zoo.randomize_norms(model, torch.Generator().manual_seed(1))
     plain = copy.deepcopy(model)
-    report = normkit.patch(model)
+    report = normkit.patch(model, fuse=spec.fuse)
     norms = [n for n, m in plain.named_modules() if model_zoo.is_norm_module(m)]
     assert norms and set(report) == set(norms) and not report.skipped, str(report)
+    if name in ("dit", "sd3"):  # the benchmark exercises the fused adaLN modulation
+        assert any("adaLN" in what for what in report.fused.values()), str(report)
     batch = spec.batch(size, "cpu", torch.float32, torch.Generator().manual_seed(2))
     with torch.no_grad():
         got, expected = spec.loss(model, batch), spec.loss(plain, batch)

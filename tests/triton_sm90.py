@@ -16,9 +16,11 @@ from normkit.backends.triton import kernels  # noqa: E402
 # argument name -> signature type; None: absent (a constexpr None), 1: a unit stride/count (Triton
 # specializes it away); everything not listed is an int32
 FWD_ARGS = dict(X="*bf16", R="*bf16", Y="*bf16", H="*fp32", W="*fp32", B="*fp32", MEAN="*fp32", RSTD="*fp32",
-                AMAX="*i32", SCALE="*fp32", SYNC="*i32", SCRATCH="*fp32", eps="fp32", w_offset="fp32", scale="fp32")
+                AMAX="*i32", SCALE="*fp32", SYNC="*i32", SCRATCH="*fp32", MS="*fp32", MT="*bf16", eps="fp32",
+                w_offset="fp32", scale="fp32")
 BWD_ARGS = dict(DY="*bf16", X="*bf16", DH="*fp32", W="*fp32", B="*fp32", MEAN="*fp32", RSTD="*fp32", DX="*bf16",
-                DRES="*fp32", DW_PART="*fp32", DB_PART="*fp32", SYNC="*i32", SCRATCH="*fp32", w_offset="fp32")
+                DRES="*fp32", DW_PART="*fp32", DB_PART="*fp32", SYNC="*i32", SCRATCH="*fp32", MS="*fp32", MT="*bf16",
+                DS_PART="*fp32", DT_PART="*fp32", w_offset="fp32")
 
 
 def _source(fn, types, constexprs, absent=(), units=()):
@@ -38,28 +40,34 @@ def _source(fn, types, constexprs, absent=(), units=()):
 def variants():
     """(name, ASTSource, num_warps)."""
     out = []
-    for rms, res, fp8, amax, per_row, act, path in [
-            (False, False, 0, False, False, 0, "tile"), (True, True, 1, True, False, 2, "tile"),
-            (False, True, 2, True, True, 4, "tile"), (True, True, 1, True, True, 3, "split"),
-            (False, True, 0, False, False, 0, "split"), (False, True, 1, True, True, 5, "looped"),
-            (True, False, 0, True, False, 1, "looped")]:
+    for rms, res, fp8, amax, per_row, act, path, mod in [
+            (False, False, 0, False, False, 0, "tile", 0), (True, True, 1, True, False, 2, "tile", 0),
+            (False, True, 2, True, True, 4, "tile", 0), (True, True, 1, True, True, 3, "split", 0),
+            (False, True, 0, False, False, 0, "split", 0), (False, True, 1, True, True, 5, "looped", 0),
+            (True, False, 0, True, False, 1, "looped", 0), (False, False, 0, False, False, 0, "tile", 3),
+            (True, True, 1, True, False, 2, "split", 1), (False, False, 0, False, False, 4, "looped", 2)]:
         cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, STORE_STATS=True, ACT=act, HAS_RES=res,
                   STORE_H=res, H_ROUND=1 if res else 0, FP8=fp8, SCALE_PTR=fp8 == 2, WANT_AMAX=amax,
                   BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024, SPLIT=4 if path == "split" else 1,
-                  LOOPED=path == "looped", PERSISTENT=path == "split")
+                  LOOPED=path == "looped", PERSISTENT=path == "split", HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2))
         types = dict(FWD_ARGS, Y="*u8" if fp8 else "*bf16")
-        absent = [n for n, on in (("R", res), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2)) if not on]
+        absent = [n for n, on in (("R", res), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2), ("MS", mod & 1),
+                                  ("MT", mod & 2)) if not on]
         units = ["INNER", "sx_c", "W_ROWS"] if not per_row else ["sx_c"]
-        out.append((f"fwd rms={rms} res={res} fp8={fp8} amax={amax} per_row={per_row} {path}",
+        out.append((f"fwd rms={rms} res={res} fp8={fp8} amax={amax} per_row={per_row} mod={mod} {path}",
                     _source(kernels.row_norm_fwd_kernel, types, cx, absent, units), 8))
-    for rms, dh, dres, per_row, act, path, dy in [
-            (False, False, False, False, 0, "tile", "*bf16"), (True, True, True, True, 2, "tile", "*fp8e4nv"),
-            (False, True, True, False, 4, "split", "*fp8e5"), (True, True, False, True, 3, "looped", "*fp32")]:
+    for rms, dh, dres, per_row, act, path, dy, mod in [
+            (False, False, False, False, 0, "tile", "*bf16", 0), (True, True, True, True, 2, "tile", "*fp8e4nv", 0),
+            (False, True, True, False, 4, "split", "*fp8e5", 0), (True, True, False, True, 3, "looped", "*fp32", 0),
+            (False, False, False, False, 0, "tile", "*bf16", 3), (True, True, True, False, 2, "tile", "*bf16", 1),
+            (False, False, False, False, 5, "looped", "*bf16", 3)]:
         cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, WANT_DW=True, WANT_DB=not rms, ACT=act,
-                  HAS_DH=dh, HAS_DRES=dres, BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024,
+                  HAS_DH=dh, HAS_DRES=dres, HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2), WANT_DS=bool(mod & 1),
+                  WANT_DT=bool(mod & 2), BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024,
                   SPLIT=4 if path == "split" else 1, LOOPED=path == "looped")
-        absent = [n for n, on in (("DH", dh), ("DRES", dres)) if not on]
-        out.append((f"bwd rms={rms} dh={dh} dres={dres} per_row={per_row} {path} dy={dy}",
+        absent = [n for n, on in (("DH", dh), ("DRES", dres), ("MS", mod & 1), ("MT", mod & 2), ("DS_PART", mod & 1),
+                                  ("DT_PART", mod & 2)) if not on]
+        out.append((f"bwd rms={rms} dh={dh} dres={dres} per_row={per_row} mod={mod} {path} dy={dy}",
                     _source(kernels.row_norm_bwd_kernel, dict(BWD_ARGS, DY=dy), cx, absent, ["sdy_c", "sx_c"]), 8))
     return out
 

@@ -27,10 +27,17 @@ row_norm_fwd_fused(x, weight, bias, eps, rms, *, activation=None, store_stats=Tr
     float8_e4m3fn / float8_e5m2 store y * out_scale (a float or a 1-element tensor) saturated to
     the format's largest finite value. want_amax: amax = max |y| before scaling, a 0-dim float32.
 row_norm_bwd_fused(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, *, bias=None,
-                   activation=None, weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None)
-    -> (dx, dres | None, dweight | None, dbias | None)
+                   activation=None, weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None,
+                   mod_scale=None, mod_shift=None, dmod_dtypes=(None, None))
+    -> (dx, dres | None, dweight | None, dbias | None)[ + (dscale | None, dshift | None)]
     x: what was normalized (h with a residual). dh: rows like x, added to dx. dx in dx_dtype (None:
     x's); dres, the same values in dres_dtype, when dres_dtype is given.
+adaLN modulation (backends with MODULATION = True: torch, triton; check_backend refuses the others
+by name): both fused entry points take mod_scale= / mod_shift=, [S, N] tables with unit column
+stride (any row stride), row r of x using table row r // (M / S); the forward computes
+act((xhat * w + b) * (1 + scale) + shift). The backward then also needs bias (to recompute
+xhat * w + b) and returns (dscale, dshift) appended, [S, N] in dmod_dtypes (None: not computed),
+the per-sample sums, deterministic.
 Backends with STRIDED_ROWS = True also take rows as [O, I, N] views with any strides (row r is
 (r // I, r % I); normkit._layout.row_view); every row operand of one call has the same structure,
 and outputs are dense in that shape. The others get [M, N] with unit column stride.

@@ -31,6 +31,7 @@ _ACTIVATION_GRADS = {
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+MODULATION = True  # takes adaLN scale/shift tables (mod_scale=, mod_shift=)
 STRIDED_ROWS = True  # rows may come as [O, I, N] views with any strides (normkit._layout.row_view)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -66,6 +67,24 @@ def _affine(xhat, weight, bias, acc, weight_offset=0.0):
     if bias is not None:
         z = z + _param(bias, xhat, acc)
     return z
+
+
+def _per_sample(t, table):
+    """t (rows, any leading shape) as [S, rows per sample, N] for a modulation table [S, N]."""
+    S, n = table.shape
+    return t.reshape(S, t[..., 0].numel() // S if S else 0, n)
+
+
+def _modulate(z, mod_scale, mod_shift):
+    """z * (1 + scale) + shift with one table row per sample (row r uses row r // (M / S))."""
+    if mod_scale is None and mod_shift is None:
+        return z
+    zs = _per_sample(z, mod_scale if mod_scale is not None else mod_shift)
+    if mod_scale is not None:
+        zs = zs * (1 + mod_scale.to(z.dtype)[:, None])
+    if mod_shift is not None:
+        zs = zs + mod_shift.to(z.dtype)[:, None]
+    return zs.reshape(z.shape)
 
 
 def _param_sum(t, heads: int):
@@ -159,9 +178,9 @@ def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_
 
 def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=None, store_stats: bool = True,
                        residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
-                       want_amax=False):
+                       want_amax=False, mod_scale=None, mod_shift=None):
     acc = _acc(x)
-    if not rms and residual is None and not weight_offset and out_dtype in (None, x.dtype, acc) and not want_amax and \
+    if not rms and residual is None and mod_scale is None and mod_shift is None and not weight_offset and out_dtype in (None, x.dtype, acc) and not want_amax and \
             (activation is None or (out_dtype or x.dtype) == acc) and _native_cpu(x, weight, bias):
         y, mean, rstd = _native_layer_norm(x, weight, bias, eps)  # y in fp32: one rounding to the output's dtype
         return _ACTIVATIONS[activation](y).to(out_dtype or x.dtype).contiguous(), mean, rstd, None, None
@@ -182,7 +201,8 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
         xc = xs - mean_s
         mean = (shift + mean_s).squeeze(-1)
     rstd = torch.rsqrt(xc.square().mean(dim=-1) + eps)
-    y = _ACTIVATIONS[activation](_affine(xc * rstd[..., None], weight, bias, acc, weight_offset))
+    y = _affine(xc * rstd[..., None], weight, bias, acc, weight_offset)
+    y = _ACTIVATIONS[activation](_modulate(y, mod_scale, mod_shift))
     amax = (y.abs().amax() if y.numel() else y.new_zeros(())) if want_amax else None
     out_dtype = out_dtype or x.dtype
     if out_dtype in FP8_MAX:  # y * scale saturated to the format's range (NaN stays NaN), then rounded
@@ -199,10 +219,12 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
 
 
 def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None,
-                       weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None):
+                       weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
+                       dmod_dtypes=(None, None)):
     acc = _acc(x)
     N = x.shape[-1]
-    if not rms and activation is None and not weight_offset and dh is None and dres_dtype is None and \
+    modulated = mod_scale is not None or mod_shift is not None
+    if not rms and activation is None and not modulated and not weight_offset and dh is None and dres_dtype is None and \
             N > 1 and _native_cpu(x, weight, bias):  # N = 1: dx is exactly 0 below
         dx, dw, db = _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype)
         return dx.to(dx_dtype or x.dtype).contiguous(), None, dw, db
@@ -210,7 +232,17 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     rstd = rstd.reshape(lead)
     xhat = _xhat(x, None if rms else mean.reshape(lead).to(acc), rstd.to(acc))
     dyf = dy.to(acc)
-    if activation is not None:  # dy through the activation's derivative at the pre-activation value
+    dmod = ()
+    if modulated:
+        yaff = _affine(xhat, weight, bias, acc, weight_offset)
+        if activation is not None:
+            dyf = _ACTIVATION_GRADS[activation](dyf, _modulate(yaff, mod_scale, mod_shift))
+        table = mod_scale if mod_scale is not None else mod_shift
+        ds_dtype, dt_dtype = dmod_dtypes
+        dmod = (None if ds_dtype is None else _per_sample(dyf * yaff, table).sum(1).to(ds_dtype),
+                None if dt_dtype is None else _per_sample(dyf, table).sum(1).to(dt_dtype))
+        dyf = _modulate(dyf, mod_scale, None) if mod_scale is not None else dyf  # dy * (1 + scale)
+    elif activation is not None:  # dy through the activation's derivative at the pre-activation value
         dyf = _ACTIVATION_GRADS[activation](dyf, _affine(xhat, weight, bias, acc, weight_offset))
     wdy = _affine(dyf, weight, None, acc, weight_offset)
     c1 = (xhat * wdy).sum(dim=-1, keepdim=True) / N
@@ -225,7 +257,7 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     dw = _param_sum(dyf * xhat, heads).to(dweight_dtype) if dweight_dtype is not None else None
     db = _param_sum(dyf, heads).to(dbias_dtype) if dbias_dtype is not None else None
     dres = dx.to(dres_dtype).contiguous() if dres_dtype is not None else None
-    return dx.to(dx_dtype or x.dtype).contiguous(), dres, dw, db
+    return (dx.to(dx_dtype or x.dtype).contiguous(), dres, dw, db) + dmod
 
 
 # ----------------------------------------------------------------------------- group norm

@@ -53,6 +53,7 @@ class ModelSpec:
     liger: Optional[str] = None  # liger_kernel.transformers.apply_liger_kernel_to_<this>, if Liger patches it
     channels_last: bool = False
     shape: Callable = field(default=lambda size: "")  # size -> a short label of the step's input
+    fuse: object = True  # normkit.patch's fuse= ("relaxed": the adaLN modulation fused in bf16 too)
 
 
 # ----------------------------------------------------------------------------- HF causal LMs
@@ -363,11 +364,16 @@ def _t5_build(size, device):
         return transformers.T5EncoderModel(cfg)
 
 
-def _dit_build(size, device):
+def _diffusers_class(name: str):
     diffusers = _require("diffusers", "diffusers")
-    cls = getattr(diffusers, "DiTTransformer2DModel", None)
+    cls = getattr(diffusers, name, None)
     if cls is None:
-        raise Unavailable(f"diffusers {diffusers.__version__} has no DiTTransformer2DModel")
+        raise Unavailable(f"diffusers {diffusers.__version__} has no {name}")
+    return cls
+
+
+def _dit_build(size, device):
+    cls = _diffusers_class("DiTTransformer2DModel")
     with torch.device(device):
         return cls(num_attention_heads=size["heads"], attention_head_dim=size["hidden"] // size["heads"],
                    in_channels=size["channels"], num_layers=size["layers"], sample_size=size["latent"],
@@ -382,6 +388,28 @@ def _dit_batch(size, device, dtype, gen):
 
 def _dit_output(model, batch):
     return model(batch["x"], timestep=batch["t"], class_labels=batch["labels"]).sample
+
+
+def _sd3_build(size, device):
+    cls = _diffusers_class("SD3Transformer2DModel")
+    with torch.device(device):
+        return cls(sample_size=size["latent"], patch_size=2, in_channels=size["channels"], num_layers=size["layers"],
+                   attention_head_dim=size["hidden"] // size["heads"], num_attention_heads=size["heads"],
+                   joint_attention_dim=size["text_dim"], caption_projection_dim=size["hidden"],
+                   pooled_projection_dim=size["pooled"], out_channels=size["channels"])
+
+
+def _sd3_batch(size, device, dtype, gen):
+    batch = _unet_batch("channels", lambda s: (s["latent"],) * 2)(size, device, dtype, gen)
+    batch["text"] = torch.randn(size["batch"], size["text_tokens"], size["text_dim"], generator=gen,
+                                device=device).to(dtype)
+    batch["pooled"] = torch.randn(size["batch"], size["pooled"], generator=gen, device=device).to(dtype)
+    return batch
+
+
+def _sd3_output(model, batch):
+    return model(batch["x"], encoder_hidden_states=batch["text"], pooled_projections=batch["pooled"],
+                 timestep=batch["t"]).sample
 
 
 def _sd_unet_build(size, device):
@@ -454,11 +482,23 @@ SPECS = {s.name: s for s in (
               _t5_build, _hf_batch, _encoder_loss, _encoder_output, lambda s: s["batch"] * s["seq"], "tokens",
               shape=lambda s: f"{s['batch']}x{s['seq']} tok, d{s['d_model']}, {s['layers']}L"),
     ModelSpec("dit", "diffusers DiTTransformer2DModel, DiT-XL widths, 12 layers (adaLN-Zero: LayerNorm without "
-              "affine, then the modulation in torch ops)", "diffusers", ("train", "infer"), "bf16",
+              "affine, then the modulation; patched with fuse='relaxed': norm + modulation in one kernel, fp32 math, "
+              "one rounding)", "diffusers", ("train", "infer"), "bf16",
               {"full": dict(batch=16, channels=4, latent=32, hidden=1152, heads=16, layers=12),
                "tiny": dict(batch=2, channels=4, latent=8, hidden=64, heads=4, layers=2)},
               _dit_build, _dit_batch, _noise_loss(_dit_output), _dit_output, lambda s: s["batch"], "images",
-              shape=lambda s: f"{s['batch']}x{s['channels']}x{s['latent']}x{s['latent']}, h{s['hidden']}, {s['layers']}L"),
+              shape=lambda s: f"{s['batch']}x{s['channels']}x{s['latent']}x{s['latent']}, h{s['hidden']}, {s['layers']}L",
+              fuse="relaxed"),
+    ModelSpec("sd3", "diffusers SD3Transformer2DModel, SD3-medium widths (1536, 24 heads), 6 joint blocks "
+              "(AdaLayerNormZero / AdaLayerNormContinuous; patched with fuse='relaxed')", "diffusers",
+              ("train", "infer"), "bf16",
+              {"full": dict(batch=4, channels=16, latent=64, hidden=1536, heads=24, layers=6, text_dim=4096,
+                            text_tokens=154, pooled=2048),
+               "tiny": dict(batch=2, channels=4, latent=8, hidden=16, heads=2, layers=2, text_dim=16, text_tokens=5,
+                            pooled=8)},
+              _sd3_build, _sd3_batch, _noise_loss(_sd3_output), _sd3_output, lambda s: s["batch"], "images",
+              shape=lambda s: f"{s['batch']}x{s['channels']}x{s['latent']}x{s['latent']}, text {s['text_tokens']}, "
+                              f"h{s['hidden']}, {s['layers']}L", fuse="relaxed"),
     ModelSpec("sd15-unet", "diffusers UNet2DConditionModel, Stable Diffusion 1.5 config (GroupNorm + SiLU, "
               "transformer blocks' LayerNorms), fp16", "diffusers", ("train", "infer"), "fp16",
               {"full": dict(batch=2, sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,

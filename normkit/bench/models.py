@@ -122,7 +122,7 @@ def apply_variant(variant: str, spec, model) -> int:
         return 0
     if variant == "normkit":
         import normkit
-        return len(normkit.patch(model))
+        return len(normkit.patch(model, fuse=getattr(spec, "fuse", True)))
     before = {name: (type(m), m.__dict__.get("forward")) for name, m in model.named_modules()}
     _apply_liger(spec, model)
     return sum(model_zoo.is_norm_module(m) and (type(m), m.__dict__.get("forward")) != before.get(name)

@@ -15,6 +15,7 @@ from . import configs
 
 NAME = "triton"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MODULATION = True  # takes adaLN scale/shift tables (mod_scale=, mod_shift=)
 STRIDED_ROWS = True  # rows may come as [O, I, N] views with any strides (normkit._layout.row_view)
 # every buffer a kernel must fully write is allocated through these names, so tests can poison it
 _empty = torch.empty
@@ -134,7 +135,9 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     rms, has_w, has_b, activation, extra, *per_row = flags
     cfg = configs.row_config(direction, n, itemsize, arch, device_index < 0, "rms" if rms else "ln")
     per_row = bool(per_row and per_row[0])
-    if per_row and cfg.split > 1:  # per-head weight rows: no split rows (their programs must not wait on heads)
+    # the backward's sample walk (modulation) has no split rows either
+    sample_walk = direction == "bwd" and bool(fusion) and (fusion[2] or fusion[3])
+    if (per_row or sample_walk) and cfg.split > 1:  # per-head weight rows: no split rows (their programs must not wait on heads)
         chunk, num_warps = configs.LOOPED[direction]
         cfg = configs.RowConfig(1, min(chunk, cfg.block_n * cfg.split), 1, num_warps, configs.LOOPED_PROGRAMS_PER_SM,
                                 looped=True)
@@ -145,12 +148,14 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
     constexprs["ACT"] = _kernels().act_codes[activation]
     if direction == "fwd":
-        has_res, store_h, h_dtype, out_dtype, scale_ptr, want_amax = fusion or (False, False, None, None, False, False)
+        has_res, store_h, h_dtype, out_dtype, scale_ptr, want_amax, has_ms, has_mt = fusion or _NO_FWD_FUSION
         k = _kernels()
         constexprs.update(HAS_RES=has_res, STORE_H=store_h, H_ROUND=k.h_round_codes.get(str(h_dtype), 0),
-                          FP8=k.fp8_codes.get(str(out_dtype), 0), SCALE_PTR=scale_ptr, WANT_AMAX=want_amax)
+                          FP8=k.fp8_codes.get(str(out_dtype), 0), SCALE_PTR=scale_ptr, WANT_AMAX=want_amax,
+                          HAS_MS=has_ms, HAS_MT=has_mt)
     else:
-        constexprs["HAS_DH"], constexprs["HAS_DRES"] = fusion or (False, False)
+        (constexprs["HAS_DH"], constexprs["HAS_DRES"], constexprs["HAS_MS"], constexprs["HAS_MT"],
+         constexprs["WANT_DS"], constexprs["WANT_DT"]) = fusion or _NO_BWD_FUSION
     constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=cfg.looped)
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
@@ -201,7 +206,7 @@ def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_
 
 def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=None, store_stats: bool = True,
                        residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
-                       want_amax=False):
+                       want_amax=False, mod_scale=None, mod_shift=None):
     """(y, mean, rstd, h or None, amax or None); see the backend interface (normkit.backends)."""
     device = x.device
     N = x.shape[-1]
@@ -221,7 +226,8 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
                 s.fill_(math.nan)
         return y, mean, rstd, h, _amax_out(amax)
     scale_ptr = isinstance(out_scale, torch.Tensor)
-    fusion = (has_res, h is not None, h_dtype, out_dtype if fp8 else None, scale_ptr, want_amax)
+    fusion = (has_res, h is not None, h_dtype, out_dtype if fp8 else None, scale_ptr, want_amax,
+              mod_scale is not None, mod_shift is not None)
     itemsize = max(t.element_size() for t in (x, y, h, residual) if t is not None)
     w_rows = _param_rows(weight, bias)
     cfg, constexprs, device_index, sms = _plan(
@@ -240,8 +246,8 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     _, sr_o, sr_i, sr_c = _strides(residual) if has_res else (1, 0, 0, 0)
     scale = 1.0 if scale_ptr or out_scale is None else float(out_scale)
     args = (x, residual, y.view(torch.uint8) if fp8 else y, h, weight, bias, mean, rstd, amax,
-            out_scale if scale_ptr else None, sync, scratch, M, N, inner, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps,
-            w_rows, float(weight_offset), scale)
+            out_scale if scale_ptr else None, sync, scratch, mod_scale, mod_shift, M, N, inner, sx_o, sx_i, sx_c,
+            sr_o, sr_i, sr_c, eps, w_rows, float(weight_offset), scale) + _mod_rows(M, mod_scale, mod_shift)
     if cfg.looped or cfg.programs_per_sm == 0:
         _kernels().fwd((row_blocks,), args, constexprs, cfg.options, device_index)
     else:
@@ -250,7 +256,29 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_NO_FWD_FUSION = (False, False, None, None, False, False)
+_NO_FWD_FUSION = (False, False, None, None, False, False, False, False)
+_NO_BWD_FUSION = (False, False, False, False, False, False)
+
+
+def _mod_rows(M: int, mod_scale, mod_shift) -> tuple:
+    """(rows per sample, scale table row stride, shift table row stride): the kernels' modulation
+    arguments (1, 0, 0 without modulation). Row r of x uses table row r // rows per sample."""
+    table = mod_scale if mod_scale is not None else mod_shift
+    if table is None:
+        return 1, 0, 0
+    S = table.shape[0]
+    return (max(M // S, 1) if S else 1, 0 if mod_scale is None else mod_scale.stride(0),
+            0 if mod_shift is None else mod_shift.stride(0))
+
+
+def _sample_walk(M: int, S: int, block_m: int, groups_upper: int) -> tuple:
+    """The backward's sample walk: (chunks per sample, blocks per chunk). Each sample's row blocks
+    are cut into chunks so that samples x chunks items keep every group busy; each item writes
+    one row of dscale/dshift partials, so the partials stay about [groups, N] in size."""
+    blocks = -(-(M // S) // block_m)
+    chunks = max(1, min(-(-groups_upper // S), blocks))
+    per_chunk = -(-blocks // chunks)
+    return -(-blocks // per_chunk), per_chunk
 
 
 def _param_rows(weight, bias) -> int:
@@ -273,8 +301,10 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
 
 
 def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None,
-                       weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None):
-    """(dx, dres or None, dweight or None, dbias or None); see the backend interface."""
+                       weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
+                       dmod_dtypes=(None, None)):
+    """(dx, dres or None, dweight or None, dbias or None), then (dscale, dshift) (None where not
+    asked) with modulation; see the backend interface."""
     device = x.device
     N = x.shape[-1]
     M = x.numel() // N if N else math.prod(x.shape[:-1])
@@ -285,11 +315,18 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     pshape = (w_rows, N) if w_rows > 1 else (N,)
     dw = _empty(pshape, dtype=dweight_dtype, device=device) if want_dw else None
     db = _empty(pshape, dtype=dbias_dtype, device=device) if want_db else None
+    table = mod_scale if mod_scale is not None else mod_shift
+    dmod = ()
+    if table is not None:
+        dmod = tuple(None if d is None else _empty((table.shape[0], N), dtype=d, device=device) for d in dmod_dtypes)
     if M == 0 or N == 0:  # no rows, or empty ones: the weight gradients are exact zeros (empty for N = 0)
-        return dx, dres, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)
-    bias = bias if activation is not None else None  # the bias only matters to recompute the pre-activation
+        return (dx, dres, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)) + \
+            tuple(None if d is None else d.zero_() for d in dmod)
+    # the bias only matters to recompute the pre-activation, or yaff for dscale
+    bias = bias if activation is not None or mod_scale is not None else None
     itemsize = max(t.element_size() for t in (x, dy, dx, dres, dh) if t is not None)
-    fusion = (dh is not None, dres is not None)
+    fusion = (dh is not None, dres is not None, mod_scale is not None, mod_shift is not None,
+              bool(dmod) and dmod[0] is not None, bool(dmod) and dmod[1] is not None)
     cfg, constexprs, device_index, sms = _plan(
         "bwd", N, itemsize, device,
         (rms, weight is not None, bias is not None, activation, (want_dw, want_db), w_rows > 1),
@@ -305,6 +342,12 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
         _reduce_partials(dw_part, dw, db_part, db, parts, N, device_index)
         return dx, dres, dw, db
     row_blocks = -(-(M // w_rows) // cfg.block_m)  # per head: a group walks the rows of one head
+    mod_args = (1, 1, 0, 0, 1, 1)
+    if table is not None:  # the sample walk: items of whole row blocks of one sample
+        S = table.shape[0]
+        chunks, per_chunk = _sample_walk(M, S, cfg.block_m, max(1, sms * max(cfg.programs_per_sm, 1)))
+        row_blocks = S * chunks
+        mod_args = (S,) + _mod_rows(M, mod_scale, mod_shift) + (chunks, per_chunk)
     # the partial buffers need the group count, which needs the compiled kernel: size them for
     # the upper bound and hand the kernel exactly as many programs as groups fit
     groups_upper = max(1, min(sms * max(cfg.programs_per_sm, 1) // (cfg.split * w_rows), row_blocks)) * w_rows
@@ -314,13 +357,18 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     inner, sdy_o, sdy_i, sdy_c = _strides(dy)
     _, sx_o, sx_i, sx_c = _strides(x)
     _, sdh_o, sdh_i, sdh_c = _strides(dh) if dh is not None else (1, 0, 0, 0)
-    args = (dy, x, dh, weight, bias, mean, rstd, dx, dres, dw_part, db_part, sync, scratch,
-            M, N, inner, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, w_rows, float(weight_offset))
+    mod_parts = tuple(None if d is None else _empty((mod_args[4], mod_args[0] * N), dtype=torch.float32,
+                                                    device=device) for d in dmod) or (None, None)
+    args = (dy, x, dh, weight, bias, mean, rstd, dx, dres, dw_part, db_part, sync, scratch, mod_scale, mod_shift) + \
+        mod_parts + (M, N, inner, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, w_rows,
+                     float(weight_offset)) + mod_args
     groups = _launch_persistent(_kernels().bwd, cfg, args, constexprs, row_blocks, device_index, sms,
                                 w_rows) // cfg.split
     # partial row g belongs to head g % w_rows: [groups / heads, heads * N] sums to [heads, N]
     _reduce_partials(dw_part, dw, db_part, db, groups // w_rows, N * w_rows, device_index)
-    return dx, dres, dw, db
+    if dmod:  # partial row c holds chunk c of every sample: [chunks, S * N] sums to [S, N]
+        _reduce_partials(mod_parts[0], dmod[0], mod_parts[1], dmod[1], mod_args[4], mod_args[0] * N, device_index)
+    return (dx, dres, dw, db) + dmod
 
 
 @functools.lru_cache(maxsize=None)

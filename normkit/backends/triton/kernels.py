@@ -30,6 +30,13 @@ residual, rounded to h's dtype, is what is normalized, and is stored when asked:
 stream), a weight offset (y = xhat * (offset + w)), the output cast (any float dtype, float8 with a
 scale and saturation) and the amax of y; in the backward, the gradient of h added to dx, and dx
 written in a second dtype for the residual.
+
+adaLN modulation (HAS_MS / HAS_MT): y = act((xhat * w + b) * (1 + scale) + shift), the scale and
+shift rows of a [S, N] table per sample (row r of x uses table row r // rows_per_sample), in fp32
+in the same pass. Its backward walks the rows sample by sample (the "sample walk": work item
+(sample s, chunk c) is a run of whole row blocks of one sample), so each item's dscale/dshift
+column sums go to one partial row [chunks, S * N] that col_sum_kernel reduces in a fixed order,
+as the weight gradients' partials: no float atomics.
 """
 import triton
 import triton.language as tl
@@ -105,22 +112,53 @@ def _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W: tl.cons
 
 
 @triton.jit
-def _epilogue(xhat, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr):
+def _load_mod(MS, MT, samples, cols, col_mask, sms_r, smt_r, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr):
+    """(1 + scale, shift) as fp32 [len(samples), BLOCK_N] tiles: the modulation table rows of the
+    given samples (row stride sms_r / smt_r, unit column stride)."""
+    ms = 1.0
+    mt = 0.0
+    if HAS_MS:
+        ms = tl.load(MS + samples[:, None] * sms_r + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
+        ms = ms + 1.0
+    if HAS_MT:
+        mt = tl.load(MT + samples[:, None] * smt_r + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
+    return ms, mt
+
+
+@triton.jit
+def _affine(xhat, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     y = xhat
     if HAS_W:
         y = y * w
     if HAS_B:
         y = y + b
-    return act_fwd(y, ACT)
+    return y
 
 
 @triton.jit
-def _head_rows(jb, head, rows_per_head, W_ROWS, BLOCK_M: tl.constexpr):
-    """(rows, mask) of block jb of one head's rows: the backward walks the rows of a head together
-    so that a program's weight-gradient partials belong to one head. Plain parameters (W_ROWS == 1,
-    a constant once specialized): block jb of all rows."""
+def _modulate(y, ms, mt, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr):
+    if HAS_MS:
+        y = y * ms
+    if HAS_MT:
+        y = y + mt
+    return y
+
+
+@triton.jit
+def _epilogue(xhat, w, b, ms, mt, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_MS: tl.constexpr,
+              HAS_MT: tl.constexpr, ACT: tl.constexpr):
+    return act_fwd(_modulate(_affine(xhat, w, b, HAS_W, HAS_B), ms, mt, HAS_MS, HAS_MT), ACT)
+
+
+@triton.jit
+def _walk_rows(jb, base, stride, limit, BLOCK_M: tl.constexpr):
+    """(rows, mask) of block jb of a walk over rows base, base + stride, ... (limit rows). The
+    backward walks the rows of one head together (base = head, stride = heads), so that a program's
+    weight-gradient partials belong to one head, or of one sample (base = its first row, stride 1),
+    so that its dscale/dshift partials do. Plain parameters: base 0, stride 1 (constants once
+    specialized), all rows."""
     j = (jb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    return j * W_ROWS + head, j < rows_per_head
+    return j * stride + base, j < limit
 
 
 # ----------------------------------------------------------------------------- row addressing
@@ -179,13 +217,13 @@ def _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H: tl.con
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, it, M, N, INNER,
-              sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, amax, cols, col_mask,
+def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, block, group, k, it, M, N, INNER,
+              sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, amax, cols, col_mask,
               IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
               STORE_STATS: tl.constexpr,
               ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr,
-              FP8: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              SPLIT: tl.constexpr):
+              FP8: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """Normalize one loaded tile x (rows of `block`, columns `cols`) and store it; returns amax."""
     rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < M
@@ -218,7 +256,8 @@ def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, i
         rstd = tl.rsqrt(m2 / N + eps)
     # weights are loaded late: they are not live (registers) while the statistics are computed
     w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-    y = _epilogue(xc * rstd[:, None], w, b, HAS_W, HAS_B, ACT)
+    ms, mt = _load_mod(MS, MT, tl.where(row_mask, rows // mod_rps, 0), cols, col_mask, sms_r, smt_r, HAS_MS, HAS_MT)
+    y = _epilogue(xc * rstd[:, None], w, b, ms, mt, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT)
     amax = _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H, FP8, WANT_AMAX)
     if STORE_STATS:
         first = row_mask & ((rows * 0 + k) == 0)  # vector form: the interpreter rejects a scalar mask term
@@ -230,12 +269,12 @@ def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k, i
 
 @triton.jit
 def row_norm_fwd_kernel(
-    X, R, Y, H, W, B, MEAN, RSTD, AMAX, SCALE, SYNC, SCRATCH,
-    M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS, w_offset, scale,
+    X, R, Y, H, W, B, MEAN, RSTD, AMAX, SCALE, SYNC, SCRATCH, MS, MT,
+    M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
     STORE_STATS: tl.constexpr,
     ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
-    SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr,
+    SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
@@ -245,18 +284,19 @@ def row_norm_fwd_kernel(
     amax = tl.full([], 0, tl.int32)
     if LOOPED:
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        amax = _fwd_looped(X, R, Y, H, W, B, rows, rows < M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps,
-                           W_ROWS, w_offset, scale, MEAN, RSTD, IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT,
-                           HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, BLOCK_M, BLOCK_N)
+        amax = _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, rows < M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
+                           eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, MEAN, RSTD, IS_RMS, HAS_W, HAS_B,
+                           PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT,
+                           BLOCK_M, BLOCK_N)
     elif not PERSISTENT:  # one row block per program
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
         rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         x = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND)
-        amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, pid, 0, 0, M, N, INNER,
-                         sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, amax, cols, col_mask,
-                         IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX,
-                         BLOCK_M, BLOCK_N, 1)
+        amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, pid, pid, 0, 0, M, N, INNER,
+                         sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, amax, cols,
+                         col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8,
+                         WANT_AMAX, HAS_MS, HAS_MT, BLOCK_M, BLOCK_N, 1)
     else:  # groups of SPLIT programs walk row blocks group, group + G, ...
         group = pid // SPLIT
         k = pid % SPLIT
@@ -273,10 +313,11 @@ def row_norm_fwd_kernel(
             rows = ((block + num_groups) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             x_next = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
                              HAS_RES, H_ROUND)
-            amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, block, group, k,
+            amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, block, group, k,
                              (block - group) // num_groups, M, N, INNER, sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset,
-                             scale, amax, cols, col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND,
-                             FP8, WANT_AMAX, BLOCK_M, BLOCK_N, SPLIT)
+                             scale, mod_rps, sms_r, smt_r, amax, cols, col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W,
+                             STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, BLOCK_M,
+                             BLOCK_N, SPLIT)
         if SPLIT > 1:
             _group_exit(SYNC, group, num_groups, SPLIT)
     if WANT_AMAX:  # an integer max over programs: exact and the same in any order
@@ -284,10 +325,11 @@ def row_norm_fwd_kernel(
 
 
 @triton.jit
-def _fwd_looped(X, R, Y, H, W, B, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS,
-                w_offset, scale, MEAN, RSTD, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                PER_ROW_W: tl.constexpr, STORE_STATS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr,
-                H_ROUND: tl.constexpr, FP8: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS,
+                w_offset, scale, mod_rps, sms_r, smt_r, MEAN, RSTD, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+                HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, STORE_STATS: tl.constexpr, ACT: tl.constexpr,
+                HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
+                WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """One program walks its rows in BLOCK_N chunks: statistics, then normalize. Returns amax."""
     num_chunks = tl.cdiv(N, BLOCK_N)
@@ -325,7 +367,8 @@ def _fwd_looped(X, R, Y, H, W, B, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr
         else:
             xhat = ((x - shift[:, None]) - mean_s[:, None]) * rstd[:, None]
         w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-        y = _epilogue(xhat, w, b, HAS_W, HAS_B, ACT)
+        ms, mt = _load_mod(MS, MT, tl.where(row_mask, rows // mod_rps, 0), cols, col_mask, sms_r, smt_r, HAS_MS, HAS_MT)
+        y = _epilogue(xhat, w, b, ms, mt, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT)
         amax = _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H, FP8, WANT_AMAX)
     if STORE_STATS:
         tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -337,9 +380,11 @@ def _fwd_looped(X, R, Y, H, W, B, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr
 # ----------------------------------------------------------------------------- backward
 
 @triton.jit
-def _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-               ACT: tl.constexpr, ONE_COL: tl.constexpr):
-    """(xhat, g, w*g) for a tile, zero outside `mask`; g is dy through the activation's derivative.
+def _bwd_terms(x, dy, w, b, ms, mt, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+               HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, ACT: tl.constexpr, ONE_COL: tl.constexpr):
+    """(xhat, g, w*g, gy, yaff) for a tile, zero outside `mask`: yaff = xhat * w + b, gy the gradient
+    at the modulated value yaff * ms + mt (dy through the activation's derivative), g = gy * ms the
+    gradient of yaff (g = gy without a scale; ms is 1 + scale).
     ONE_COL (rows of one element, where LayerNorm's exact dx is 0: xhat = 0 and c2 = w*g): w*g is
     rounded once, by an FMA with a zero addend, which no compiler fuses into a later add. A plain
     product may be contracted with _dx's subtraction of c2, which then sees w*g unrounded and leaves
@@ -349,14 +394,13 @@ def _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.co
         xhat = tl.where(mask, x * rstd[:, None], 0.0)
     else:
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-    g = dy
+    yaff = _affine(xhat, w, b, HAS_W, HAS_B)
+    gy = dy
     if ACT != 0:
-        z = xhat
-        if HAS_W:
-            z = z * w
-        if HAS_B:
-            z = z + b
-        g = tl.where(mask, act_grad(z, dy, ACT), 0.0)
+        gy = tl.where(mask, act_grad(_modulate(yaff, ms, mt, HAS_MS, HAS_MT), dy, ACT), 0.0)
+    g = gy
+    if HAS_MS:
+        g = gy * ms
     if HAS_W:
         if ONE_COL:
             wg = tl.fma(g, w, 0.0)
@@ -364,7 +408,7 @@ def _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.co
             wg = g * w
     else:
         wg = g
-    return xhat, g, wg
+    return xhat, g, wg, gy, yaff
 
 
 @triton.jit
@@ -390,11 +434,58 @@ def _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o,
 
 
 @triton.jit
+def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group, k, it, rows, row_mask, cols,
+              col_mask, N, INNER, sdh_o, sdh_i, sdh_c, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+              HAS_B: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, ACT: tl.constexpr,
+              HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """dx of one loaded [BLOCK_M, BLOCK_N] tile (the row sums exchanged within a split group),
+    stored; returns (g * xhat, g, gy * yaff, gy): the tile's terms of dweight, dbias, dscale, dshift."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    mean = rstd
+    if not IS_RMS:
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    xhat, g, wg, gy, yaff = _bwd_terms(x, dy, w, b, ms, mt, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, HAS_MS, HAS_MT,
+                                       ACT, BLOCK_N == 1)
+    c1 = tl.sum(xhat * wg, axis=1)
+    c2 = c1
+    if not IS_RMS:
+        c2 = tl.sum(wg, axis=1)
+    if SPLIT > 1:
+        slot = _publish_and_wait(SYNC, SCRATCH, group, k, it, c1, c2, SPLIT, BLOCK_M)
+        c1 = tl.sum(_read_partials(slot, False, SPLIT, BLOCK_M), axis=0)
+        c2 = tl.sum(_read_partials(slot, True, SPLIT, BLOCK_M), axis=0)
+    dx = _dx(xhat, wg, rstd, c1 / N, c2 / N, IS_RMS)
+    _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c, HAS_DH, HAS_DRES)
+    return g * xhat, g, gy * yaff, gy
+
+
+@triton.jit
+def _zero_part(P, row, N, BLOCK_N: tl.constexpr, WANT: tl.constexpr):
+    """Zero one partial-sum row (the looped kernels add into theirs chunk by chunk)."""
+    if WANT:
+        for chunk in range(0, tl.cdiv(N, BLOCK_N)):
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(P + row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
+
+
+@triton.jit
+def _add_part(P, row, cols, col_mask, t, WANT: tl.constexpr):
+    """Add the column sums of tile t into partial row `row` (looped kernels: only this program touches it)."""
+    if WANT:
+        p = P + row + cols
+        tl.store(p, tl.load(p, mask=col_mask, other=0.0) + tl.sum(t, axis=0), mask=col_mask)
+
+
+@triton.jit
 def row_norm_bwd_kernel(
-    DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, SYNC, SCRATCH,
+    DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, SYNC, SCRATCH, MS, MT, DS_PART, DT_PART,
     M, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, W_ROWS, w_offset,
+    mod_s, mod_rps, sms_r, smt_r, mod_chunks, mod_bpc,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, WANT_DW: tl.constexpr,
     WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
+    HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, WANT_DS: tl.constexpr, WANT_DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
 ):
     """Persistent: group g (SPLIT programs; one program unless the row is split) handles row blocks
@@ -402,65 +493,101 @@ def row_norm_bwd_kernel(
     DW_PART/DB_PART ([G, N]); col_sum_kernel then adds the G partials in a fixed order.
     With per-head parameters (W_ROWS heads; G a multiple of W_ROWS) group g walks only the rows of
     head g % W_ROWS, so DW_PART is [G / W_ROWS, W_ROWS * N] and the same reduction gives [W_ROWS, N].
+    With modulation (the sample walk; SPLIT == 1): group g handles items g, g + G, ... of the
+    mod_s * mod_chunks items, item (s, c) being row blocks [c * mod_bpc, (c + 1) * mod_bpc) of
+    sample s's mod_rps rows; its dscale/dshift sums go to row c, columns s * N.. of DS_PART/DT_PART
+    ([mod_chunks, mod_s * N]), which the same reduction turns into [mod_s, N].
     No float atomics anywhere: gradients are bitwise reproducible."""
     pid = tl.program_id(0)
     group = pid // SPLIT
     k = pid % SPLIT
     num_groups = tl.num_programs(0) // SPLIT
     part_row = group.to(tl.int64) * N
-    head = group % W_ROWS
-    rows_per_head = M // W_ROWS
-    blocks_per_head = tl.cdiv(rows_per_head, BLOCK_M)
-    step = num_groups // W_ROWS
     if LOOPED:
-        _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_row, group // W_ROWS, step,
-                    blocks_per_head, head, rows_per_head, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o,
-                    sdh_i, sdh_c, W_ROWS, w_offset, IS_RMS, HAS_W, HAS_B, PER_ROW_W, WANT_DW, WANT_DB, ACT, HAS_DH,
-                    HAS_DRES, BLOCK_M, BLOCK_N)
+        _zero_part(DW_PART, part_row, N, BLOCK_N, WANT_DW)
+        _zero_part(DB_PART, part_row, N, BLOCK_N, WANT_DB)
+        if HAS_MS or HAS_MT:
+            for item in range(group, mod_s * mod_chunks, num_groups):
+                s = item // mod_chunks
+                c = item - s * mod_chunks
+                mod_row = (c.to(tl.int64) * mod_s + s) * N
+                _zero_part(DS_PART, mod_row, N, BLOCK_N, WANT_DS)
+                _zero_part(DT_PART, mod_row, N, BLOCK_N, WANT_DT)
+                _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, MS, MT, DS_PART, DT_PART,
+                            part_row, mod_row, s, c * mod_bpc, 1, tl.minimum(c * mod_bpc + mod_bpc,
+                                                                             tl.cdiv(mod_rps, BLOCK_M)),
+                            s.to(tl.int64) * mod_rps, 1, mod_rps, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c,
+                            sdh_o, sdh_i, sdh_c, W_ROWS, w_offset, sms_r, smt_r, IS_RMS, HAS_W, HAS_B, PER_ROW_W,
+                            WANT_DW, WANT_DB, ACT, HAS_DH, HAS_DRES, HAS_MS, HAS_MT, WANT_DS, WANT_DT, BLOCK_M,
+                            BLOCK_N)
+        else:
+            head = group % W_ROWS
+            rows_per_head = M // W_ROWS
+            _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, MS, MT, DS_PART, DT_PART,
+                        part_row, part_row, 0, group // W_ROWS, num_groups // W_ROWS,
+                        tl.cdiv(rows_per_head, BLOCK_M), head, W_ROWS, rows_per_head, N, INNER, sdy_o, sdy_i, sdy_c,
+                        sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, W_ROWS, w_offset, sms_r, smt_r, IS_RMS, HAS_W,
+                        HAS_B, PER_ROW_W, WANT_DW, WANT_DB, ACT, HAS_DH, HAS_DRES, False, False, False, False,
+                        BLOCK_M, BLOCK_N)
     else:
         cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        rows, row_mask = _head_rows(group // W_ROWS, head, rows_per_head, W_ROWS, BLOCK_M)
-        w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        x_next = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
-        dy_next = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
-        for jb in range(group // W_ROWS, blocks_per_head, step):
-            rows, row_mask = _head_rows(jb, head, rows_per_head, W_ROWS, BLOCK_M)
-            mask = row_mask[:, None] & col_mask[None, :]
-            if SPLIT > 1:
-                # prefetch the next tiles now: their loads overlap the wait at the group barrier
-                x, dy = x_next, dy_next
-                nxt, nxt_mask = _head_rows(jb + step, head, rows_per_head, W_ROWS, BLOCK_M)
-                x_next = _load_tile(X, nxt, nxt_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
-                dy_next = _load_tile(DY, nxt, nxt_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
-            else:
-                x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
-                dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
-            if PER_ROW_W:
-                w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            mean = rstd
-            if not IS_RMS:
-                mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT, BLOCK_N == 1)
-            c1 = tl.sum(xhat * wg, axis=1)
-            c2 = c1
-            if not IS_RMS:
-                c2 = tl.sum(wg, axis=1)
-            if SPLIT > 1:
-                slot = _publish_and_wait(SYNC, SCRATCH, group, k, (jb - group // W_ROWS) // step,
-                                         c1, c2, SPLIT, BLOCK_M)
-                c1 = tl.sum(_read_partials(slot, False, SPLIT, BLOCK_M), axis=0)
-                c2 = tl.sum(_read_partials(slot, True, SPLIT, BLOCK_M), axis=0)
-            dx = _dx(xhat, wg, rstd, c1 / N, c2 / N, IS_RMS)
-            _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
-                      HAS_DH, HAS_DRES)
-            if WANT_DW:
-                dw_acc += g * xhat
-            if WANT_DB:
-                db_acc += g
+        if HAS_MS or HAS_MT:  # the sample walk (SPLIT == 1, per-sample parameters are plain)
+            w, b = _load_params(W, B, cols, cols, col_mask, N, 1, w_offset, HAS_W, HAS_B, False)
+            for item in range(group, mod_s * mod_chunks, num_groups):
+                s = item // mod_chunks
+                c = item - s * mod_chunks
+                ms, mt = _load_mod(MS, MT, (s + tl.zeros([1], dtype=tl.int32)).to(tl.int64), cols, col_mask,
+                                   sms_r, smt_r, HAS_MS, HAS_MT)
+                ds_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                dt_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for jb in range(c * mod_bpc, tl.minimum(c * mod_bpc + mod_bpc, tl.cdiv(mod_rps, BLOCK_M))):
+                    rows, row_mask = _walk_rows(jb, s.to(tl.int64) * mod_rps, 1, mod_rps, BLOCK_M)
+                    x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+                    dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+                    tw, tb, ts, tt = _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group,
+                                               k, 0, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
+                                               IS_RMS, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT, HAS_DH, HAS_DRES,
+                                               BLOCK_M, BLOCK_N, 1)
+                    dw_acc += tw
+                    db_acc += tb
+                    ds_acc += ts
+                    dt_acc += tt
+                mod_row = (c.to(tl.int64) * mod_s + s) * N
+                if WANT_DS:
+                    tl.store(DS_PART + mod_row + cols, tl.sum(ds_acc, axis=0), mask=col_mask)
+                if WANT_DT:
+                    tl.store(DT_PART + mod_row + cols, tl.sum(dt_acc, axis=0), mask=col_mask)
+        else:
+            head = group % W_ROWS
+            rows_per_head = M // W_ROWS
+            blocks_per_head = tl.cdiv(rows_per_head, BLOCK_M)
+            step = num_groups // W_ROWS
+            rows, row_mask = _walk_rows(group // W_ROWS, head, W_ROWS, rows_per_head, BLOCK_M)
+            w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+            x_next = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+            dy_next = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+            for jb in range(group // W_ROWS, blocks_per_head, step):
+                rows, row_mask = _walk_rows(jb, head, W_ROWS, rows_per_head, BLOCK_M)
+                if SPLIT > 1:
+                    # prefetch the next tiles now: their loads overlap the wait at the group barrier
+                    x, dy = x_next, dy_next
+                    nxt, nxt_mask = _walk_rows(jb + step, head, W_ROWS, rows_per_head, BLOCK_M)
+                    x_next = _load_tile(X, nxt, nxt_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+                    dy_next = _load_tile(DY, nxt, nxt_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+                else:
+                    x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+                    dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+                if PER_ROW_W:
+                    w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
+                tw, tb, _, _ = _bwd_tile(x, dy, w, b, 1.0, 0.0, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group, k,
+                                         (jb - group // W_ROWS) // step, rows, row_mask, cols, col_mask, N, INNER,
+                                         sdh_o, sdh_i, sdh_c, IS_RMS, HAS_W, HAS_B, False, False, ACT, HAS_DH,
+                                         HAS_DRES, BLOCK_M, BLOCK_N, SPLIT)
+                dw_acc += tw
+                db_acc += tb
         if WANT_DW:
             tl.store(DW_PART + part_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
         if WANT_DB:
@@ -470,22 +597,21 @@ def row_norm_bwd_kernel(
 
 
 @triton.jit
-def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_row, first, step, num_blocks, head,
-                rows_per_head, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, W_ROWS, w_offset,
+def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, MS, MT, DS_PART, DT_PART, part_row, mod_row,
+                sample, first, step, num_blocks, base, stride, limit, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c,
+                sdh_o, sdh_i, sdh_c, W_ROWS, w_offset, sms_r, smt_r,
                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
                 WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr,
-                HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program walks each of its rows in BLOCK_N chunks twice (row sums, then dx), adding its
-    weight-gradient sums into its own partial row, which only it ever touches."""
+                HAS_DRES: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, WANT_DS: tl.constexpr,
+                WANT_DT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program walks blocks first, first + step, ... < num_blocks of the rows base + j * stride
+    (j < limit), each row in BLOCK_N chunks twice (row sums, then dx), adding its weight-gradient
+    sums into partial row part_row (and, with modulation, the rows being all of one sample, its
+    dscale/dshift sums into mod_row), which only it ever touches; the caller zeroes them first."""
     num_chunks = tl.cdiv(N, BLOCK_N)
-    for chunk in range(0, num_chunks):
-        cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-        if WANT_DW:
-            tl.store(DW_PART + part_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
-        if WANT_DB:
-            tl.store(DB_PART + part_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
+    srow = (sample + tl.zeros([1], dtype=tl.int32)).to(tl.int64)
     for jb in range(first, num_blocks, step):
-        rows, row_mask = _head_rows(jb, head, rows_per_head, W_ROWS, BLOCK_M)
+        rows, row_mask = _walk_rows(jb, base, stride, limit, BLOCK_M)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         mean = rstd
         if not IS_RMS:
@@ -499,13 +625,15 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_ro
             x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
             dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT, False)
+            ms, mt = _load_mod(MS, MT, srow, cols, col_mask, sms_r, smt_r, HAS_MS, HAS_MT)
+            xhat, g, wg, _, _ = _bwd_terms(x, dy, w, b, ms, mt, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, HAS_MS,
+                                           HAS_MT, ACT, False)
             c1 += tl.sum(xhat * wg, axis=1)
             if not IS_RMS:
                 c2 += tl.sum(wg, axis=1)
         c1 = c1 / N
         c2 = c2 / N
-        # dx and the partial weight sums, last chunk first (the one most likely still in L2)
+        # dx and the partial sums, last chunk first (the one most likely still in L2)
         for i in range(0, num_chunks):
             cols = (num_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
@@ -513,16 +641,16 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, part_ro
             x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
             dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-            xhat, g, wg = _bwd_terms(x, dy, w, b, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, ACT, False)
+            ms, mt = _load_mod(MS, MT, srow, cols, col_mask, sms_r, smt_r, HAS_MS, HAS_MT)
+            xhat, g, wg, gy, yaff = _bwd_terms(x, dy, w, b, ms, mt, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, HAS_MS,
+                                               HAS_MT, ACT, False)
             dx = _dx(xhat, wg, rstd, c1, c2, IS_RMS)
             _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
                       HAS_DH, HAS_DRES)
-            if WANT_DW:
-                p = DW_PART + part_row + cols
-                tl.store(p, tl.load(p, mask=col_mask, other=0.0) + tl.sum(g * xhat, axis=0), mask=col_mask)
-            if WANT_DB:
-                p = DB_PART + part_row + cols
-                tl.store(p, tl.load(p, mask=col_mask, other=0.0) + tl.sum(g, axis=0), mask=col_mask)
+            _add_part(DW_PART, part_row, cols, col_mask, g * xhat, WANT_DW)
+            _add_part(DB_PART, part_row, cols, col_mask, g, WANT_DB)
+            _add_part(DS_PART, mod_row, cols, col_mask, gy * yaff, WANT_DS)
+            _add_part(DT_PART, mod_row, cols, col_mask, gy, WANT_DT)
 
 
 @triton.jit
