@@ -35,14 +35,17 @@ S2 = configs.GN_SPLIT2_TILE
 VARIANTS = {  # module attribute -> value; "default" is the committed table
     "default": {},
     "old": NO_SPLIT2,  # session 3's choice: looped / split with waits / staged
+    "s2-all": {"GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": NEVER, "bwd": NEVER}, "GN_SPLIT2_MIN_S": {"fwd": 0, "bwd": 0}},
     "s2-big": {"GN_SPLIT2_TILE": {k: (2 * t, 8) for k, (t, w) in S2.items()}},
     "s2-small": {"GN_SPLIT2_TILE": {k: (t // 2, 4) for k, (t, w) in S2.items()}},
-    "s2-8w": {"GN_SPLIT2_TILE": {k: (t, 8) for k, (t, w) in S2.items()}},
     "s2-min1": {"GN_SPLIT2_MIN_GROUPS_PER_SM": {"fwd": 1.0, "bwd": 1.0}},
     "cl-split2": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": 0, "bwd": 0}},
+    "cl-rows": {"GN_STAGED_CL_WHOLE_ROWS": 2048},
+    "cl-rows-2x": {"GN_STAGED_CL_WHOLE_ROWS": 2048, "GN_STAGED_TILE": {2: 8192, 4: 4096}, "GN_STAGED_WARPS": 8},
+    "colsum-narrow": {"GN_COL_SUM": (64, 32, 4)},
+    "cl-rows-colsum": {"GN_STAGED_CL_WHOLE_ROWS": 2048, "GN_COL_SUM": (64, 32, 4)},
     "staged-sub1": {"GN_STAGED_MAX_SUB": 1},
     "staged-tile-2x": {"GN_STAGED_TILE": {2: 8192, 4: 4096}, "GN_STAGED_WARPS": 8},
-    "staged-tile-half": {"GN_STAGED_TILE": {2: 2048, 4: 1024}},
     "staged-cl-all": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": NEVER, "bwd": NEVER}},
 }
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
@@ -183,6 +186,7 @@ def main():
     ap.add_argument("--acts", default="-,silu", help="activations timed for --act-variants and the peers")
     ap.add_argument("--act-variants", default="default,old")
     ap.add_argument("--peers", default="torch,compile")
+    ap.add_argument("--peer-acts", default="-", help="activations the peers are timed with")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of default/old/compile on 2 shapes")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; stop starting new points after it")
     args = ap.parse_args()
@@ -240,7 +244,7 @@ def main():
                                                  param_relerr=f"{perr:.1e}", plan=str(sig[0 if direction == 'fwd' else 1])))
                         except Exception as e:  # noqa: BLE001
                             rows.append(dict(base, dir="-", error=f"{type(e).__name__}: {str(e)[:300]}"))
-                for peer in peers:
+                for peer in (peers if (act or "-") in args.peer_acts.split(",") else []):
                     base = dict(dtype=dname, shape=label, act=act or "-", impl=peer, copy=f"{copy:.0f}")
                     try:
                         fwd, bwd = torch_impls(G, act, peer == "compile")

@@ -342,12 +342,17 @@ def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_pa
                            _device_facts(x.device)[0])
 
 
-def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: int) -> None:
-    """dw = sum of the first `rows` rows of dw_part (and db likewise), in a fixed order."""
+def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: int, block=None) -> None:
+    """dw = sum of the first `rows` rows of dw_part (and db likewise), in a fixed order; block:
+    (BLOCK_P, BLOCK_N, num_warps), the row norms' default if None."""
     first, first_out = (dw_part, dw) if dw is not None else (db_part, db)
     if first is not None:
-        _kernels().col_sum((-(-n // _COL_SUM[1]),), (first, first_out, db_part, db, rows, n),
-                           _COL_SUM_CONSTEXPRS[dw is not None and db is not None], (4, 1), device_index)
+        has_b = dw is not None and db is not None
+        block_p, block_n, warps = block or (*_COL_SUM, 4)
+        constexprs = _COL_SUM_CONSTEXPRS[has_b] if block is None else dict(HAS_B=has_b, BLOCK_P=block_p,
+                                                                            BLOCK_N=block_n)
+        _kernels().col_sum((-(-n // block_n),), (first, first_out, db_part, db, rows, n), constexprs, (warps, 1),
+                           device_index)
 
 
 # ----------------------------------------------------------------------------- group norm
@@ -417,14 +422,15 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
     if staged is not None:
         parts = _staged(staged, device_index, x, dy, dx, weight, bias, mean, rstd, num_groups, activation)
         _reduce_partials(parts[0] if want_dw else None, dw, parts[1] if want_db else None, db,
-                         parts[0].shape[0], C, device_index)
+                         parts[0].shape[0], C, device_index, configs.GN_COL_SUM)
         return dx, dw, db
     cfg, constexprs, device_index, sms = _gn_plan("bwd", cg, S, x.dtype, device,
                                                   (weight is not None, bias is not None, activation,
                                                    (want_dw, want_db)), units, _is_cl(x))
     if cfg.two_kernel:
         p1, p2 = _split2(cfg, device_index, x, dy, dx, weight, bias, mean, rstd, num_groups, activation)
-        _reduce_partials(p1 if want_dw else None, dw, p2 if want_db else None, db, p1.shape[0], C, device_index)
+        _reduce_partials(p1 if want_dw else None, dw, p2 if want_db else None, db, p1.shape[0], C, device_index,
+                         configs.GN_COL_SUM)
         return dx, dw, db
     sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
     dw_part = _empty((B * cfg.ks, C), dtype=torch.float32, device=device) if want_dw else None
@@ -435,7 +441,7 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
         _kernels().gn_bwd((units,), args, constexprs, cfg.options, device_index)
     else:
         _launch_persistent(_kernels().gn_bwd, cfg, args, constexprs, units, device_index, sms)
-    _reduce_partials(dw_part, dw, db_part, db, B * cfg.ks, C, device_index)
+    _reduce_partials(dw_part, dw, db_part, db, B * cfg.ks, C, device_index, configs.GN_COL_SUM)
     return dx, dw, db
 
 
