@@ -30,20 +30,18 @@ from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
 NEVER = 1e9
 WARM_MS, REP_MS = 10, 30
 RING_BYTES = 4 * 50 * 2**20  # 4x the H100's L2
-NO_SPLIT2 = {"GN_SPLIT2_LAYOUTS": {"fwd": (), "bwd": ()}}
+NO_SPLIT2 = {"GN_SPLIT2_LAYOUTS": {k: () for k in configs.GN_SPLIT2_LAYOUTS}}
 S2 = configs.GN_SPLIT2_TILE
 VARIANTS = {  # module attribute -> value; "default" is the committed table
     "default": {},
     "old": NO_SPLIT2,  # session 3's choice: looped / split with waits / staged
-    "s2-all": {"GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": NEVER, "bwd": NEVER}, "GN_SPLIT2_MIN_S": {"fwd": 0, "bwd": 0}},
+    "s2-all": {"GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": NEVER, "bwd": NEVER}, "GN_SPLIT2_MIN_S": {"fwd": 0, "bwd": 0},
+               "GN_SPLIT2_LAYOUTS": {k: ("nchw", "cl") for k in configs.GN_SPLIT2_LAYOUTS}},
     "s2-big": {"GN_SPLIT2_TILE": {k: (2 * t, 8) for k, (t, w) in S2.items()}},
     "s2-small": {"GN_SPLIT2_TILE": {k: (t // 2, 4) for k, (t, w) in S2.items()}},
     "s2-min1": {"GN_SPLIT2_MIN_GROUPS_PER_SM": {"fwd": 1.0, "bwd": 1.0}},
     "cl-split2": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": 0, "bwd": 0}},
-    "cl-rows": {"GN_STAGED_CL_WHOLE_ROWS": 2048},
-    "cl-rows-2x": {"GN_STAGED_CL_WHOLE_ROWS": 2048, "GN_STAGED_TILE": {2: 8192, 4: 4096}, "GN_STAGED_WARPS": 8},
     "colsum-narrow": {"GN_COL_SUM": (64, 32, 4)},
-    "cl-rows-colsum": {"GN_STAGED_CL_WHOLE_ROWS": 2048, "GN_COL_SUM": (64, 32, 4)},
     "staged-sub1": {"GN_STAGED_MAX_SUB": 1},
     "staged-tile-2x": {"GN_STAGED_TILE": {2: 8192, 4: 4096}, "GN_STAGED_WARPS": 8},
     "staged-cl-all": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": NEVER, "bwd": NEVER}},
@@ -95,7 +93,7 @@ def plan_signature(x3, G, act):
         staged = tb._staged_plan(direction, x3, C // G)[0]
         cfg = None if staged else tb._gn_plan(direction, C // G, S, x3.dtype, x3.device, (True, True, act, extra),
                                               B * G, tb._is_cl(x3))[0]
-        sig.append((staged, cfg))
+        sig.append((staged, cfg, configs.GN_COL_SUM if direction == "bwd" else None))
     return tuple(sig)
 
 

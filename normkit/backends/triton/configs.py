@@ -138,13 +138,14 @@ GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
 # (backward), last slice first so that its re-read comes from L2. No program waits on another.
 # Taken for the layouts listed, for groups of at least GN_SPLIT2_MIN_TILES slices and
 # GN_SPLIT2_MIN_S positions, with GN_SPLIT2_MIN_GROUPS_PER_SM <= groups per SM < GN_SPLIT2_MAX_GROUPS_PER_SM.
-# Measured on the H100 (run S7-1, bf16): the forward beats the looped path only below ~1 group per
-# SM (4x128x128x128: 0.51 vs 0.43 of copy; 1x320x64x64) and loses from 2 (8x320x64x64: 0.53 vs
-# 0.60); the backward wins at 4096+ positions (8x320x64x64: 0.48 vs 0.43) and loses at 1024 or
-# fewer (8x640x32x32: 0.38 vs 0.43).
+# Measured on the H100 (runs S7-1/S7-3): bf16 forward beats the looped path only below ~1 group
+# per SM (4x128x128x128: 0.52 vs 0.43 of copy; 1x320x64x64 0.17 vs 0.15) and loses from 2
+# (8x320x64x64: 0.53 vs 0.60); the bf16 backward wins at 4096+ positions (8x320x64x64: 0.50 vs
+# 0.44) and loses at 1024 or fewer (8x640x32x32: 0.38 vs 0.43). fp32 loses (4x128x128x128 fwd 0.58
+# vs 0.65, bwd 0.48 vs 0.60; 8x320x64x64 bwd 0.52 vs 0.56): off. Layouts per (direction, element bytes).
 # (direction, element bytes) -> (tile elements, num_warps)
 GN_SPLIT2_TILE = {("fwd", 2): (8192, 4), ("fwd", 4): (4096, 4), ("bwd", 2): (4096, 4), ("bwd", 4): (2048, 4)}
-GN_SPLIT2_LAYOUTS = {"fwd": ("nchw", "cl"), "bwd": ("nchw", "cl")}
+GN_SPLIT2_LAYOUTS = {("fwd", 2): ("nchw", "cl"), ("bwd", 2): ("nchw", "cl"), ("fwd", 4): (), ("bwd", 4): ()}
 GN_SPLIT2_MIN_TILES = {"fwd": 2, "bwd": 2}
 GN_SPLIT2_MIN_S = {"fwd": 0, "bwd": 4096}
 GN_SPLIT2_MIN_GROUPS_PER_SM = {"fwd": 0.0, "bwd": 0.0}
@@ -177,7 +178,7 @@ def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: 
     r_pad, s_pad = triton.next_power_of_2(max(cg, 1)), triton.next_power_of_2(max(s, 1))
     elem_bytes = 2 if elem_bytes <= 2 else 4
     two = _split2_tile(direction, cg, s, elem_bytes)
-    if ("cl" if channels_last else "nchw") in GN_SPLIT2_LAYOUTS[direction] \
+    if ("cl" if channels_last else "nchw") in GN_SPLIT2_LAYOUTS[(direction, elem_bytes)] \
             and GN_SPLIT2_MIN_GROUPS_PER_SM[direction] <= groups_per_sm < GN_SPLIT2_MAX_GROUPS_PER_SM[direction] \
             and s >= GN_SPLIT2_MIN_S[direction] \
             and -(-cg // two[0]) * -(-s // two[1]) >= GN_SPLIT2_MIN_TILES[direction]:
@@ -223,9 +224,6 @@ GN_STAGED_WARPS = 4
 GN_STAGED_MAX_SUB = 8  # tiles per stats program: the partials are at most 1/(2 * BLOCK_S) of the data
 GN_STAGED_PROGRAMS_PER_SM = 4  # stats programs aimed for, before grouping tiles into spans
 GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
-# channels_last tiles span all channels (padded to a power of two) up to this many: a tile row is
-# then a whole contiguous position row, instead of a 64-128-channel run of it (0: never)
-GN_STAGED_CL_WHOLE_ROWS = 0
 
 
 @dataclass(frozen=True)
@@ -253,12 +251,9 @@ def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
     if not wanted or b * c * s < GN_STAGED_MIN_NUMEL:
         return None
     tile = GN_STAGED_TILE[2 if elem_bytes <= 2 else 4]
-    if channels_last and triton.next_power_of_2(c) <= GN_STAGED_CL_WHOLE_ROWS:
-        block_c = triton.next_power_of_2(c)  # whole position rows: each tile row is one contiguous run
-    elif channels_last:  # contiguous along channels: the channel block with the fewest padded lanes
+    if channels_last:  # contiguous along channels: the channel block with the fewest padded lanes
         block_c = min((128, 64, 32, 16), key=lambda bc: (-(-c // bc) * bc - c, -bc))
         block_c = min(block_c, triton.next_power_of_2(c))
-    if channels_last:
         block_s = max(1, tile // block_c)
     else:  # contiguous along positions
         block_s = min(triton.next_power_of_2(s), 1024, tile)
