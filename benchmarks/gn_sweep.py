@@ -1,82 +1,285 @@
-"""GroupNorm + Mish configuration sweep: each variant (a set of overrides of the GroupNorm entries
-in normkit/backends/triton/configs.py) timed forward and backward on the bench's GroupNorm suites,
-in GB/s and as a fraction of a copy measured in the same run. For choosing the table's values;
-the bench (`normkit bench --ops gn`) is what reports them.
-Run on a GPU: PYTHONPATH=. python benchmarks/gn_sweep.py [--dtypes bf16,fp32] [--variants name,...]"""
+"""GroupNorm configuration sweep: each variant (a set of overrides of the GroupNorm entries in
+normkit/backends/triton/configs.py) checked against the float64 oracle and timed forward and
+backward on the diffusion shapes (the bench's gn-2d suite plus two anchor shapes), NCHW and
+channels_last, next to torch eager and torch.compile in the same run. Kernels are timed as the
+bench times them (a GPU spin hides the host; input sets rotate over 4x L2; median), in GB/s and as
+a fraction of a device-to-device copy measured in the same run. A variant whose launch plan at a
+point equals one already timed there is not timed again (its row says which it equals).
+For choosing the table's values; the bench (`normkit bench --ops gn`) is what reports them.
+Run on a GPU:
+  PYTHONPATH=. python benchmarks/gn_sweep.py --out DIR [--dtypes bf16,fp32] [--variants a,b]
+      [--acts -,silu] [--act-variants default,old] [--peers torch,compile] [--profile]
+Writes DIR/gn_sweep.csv (one row per point, implementation, activation, direction) and prints a
+short table of fractions of copy last."""
 import argparse
+import csv
+import functools
+import os
+import sys
+import time
 
 import torch
-import triton.testing
+import torch.nn.functional as F
 
+from normkit import reference as ref
 from normkit.backends import triton as tb
 from normkit.backends.triton import clear_caches, configs
 from normkit.bench.ops import DTYPES, SUITES
+from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
 
 NEVER = 1e9
-T = configs.GN_LOOPED_TILE if isinstance(next(iter(configs.GN_LOOPED_TILE.values())), tuple) else {}
+WARM_MS, REP_MS = 10, 30
+RING_BYTES = 4 * 50 * 2**20  # 4x the H100's L2
+NO_SPLIT2 = {"GN_SPLIT2_LAYOUTS": {k: () for k in configs.GN_SPLIT2_LAYOUTS}}
+S2 = configs.GN_SPLIT2_TILE
 VARIANTS = {  # module attribute -> value; "default" is the committed table
     "default": {},
-    "split-only": {"GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": NEVER, "bwd": NEVER}, "GN_STAGED_MIN_NUMEL": 1 << 62},
-    "staged-off": {"GN_STAGED_MIN_NUMEL": 1 << 62},
-    "staged-cl-all": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": NEVER, "bwd": NEVER}},
+    "old": NO_SPLIT2,  # session 3's choice: looped / split with waits / staged
+    "s2-all": {"GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": NEVER, "bwd": NEVER}, "GN_SPLIT2_MIN_S": {"fwd": 0, "bwd": 0},
+               "GN_SPLIT2_LAYOUTS": {k: ("nchw", "cl") for k in configs.GN_SPLIT2_LAYOUTS}},
+    "s2-big": {"GN_SPLIT2_TILE": {k: (2 * t, 8) for k, (t, w) in S2.items()}},
+    "s2-small": {"GN_SPLIT2_TILE": {k: (t // 2, 4) for k, (t, w) in S2.items()}},
+    "s2-min1": {"GN_SPLIT2_MIN_GROUPS_PER_SM": {"fwd": 1.0, "bwd": 1.0}},
+    "cl-split2": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": 0, "bwd": 0}},
+    "colsum-narrow": {"GN_COL_SUM": (64, 32, 4)},
+    "staged-sub1": {"GN_STAGED_MAX_SUB": 1},
     "staged-tile-2x": {"GN_STAGED_TILE": {2: 8192, 4: 4096}, "GN_STAGED_WARPS": 8},
-    "looped-bwd-half": {"GN_LOOPED_TILE": {**T, ("bwd", 2): (2048, 4), ("bwd", 4): (2048, 4)}},
+    "staged-cl-all": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": NEVER, "bwd": NEVER}},
 }
-KNOBS = ("GN_LOOPED_MIN_GROUPS_PER_SM", "GN_LOOPED_TILE", "GN_STAGED_MIN_NUMEL", "GN_STAGED_NCHW_MAX_GROUPS_PER_SM",
-         "GN_STAGED_TILE", "GN_STAGED_WARPS", "GN_STAGED_MAX_SUB", "GN_STAGED_CL_MAX_GROUP_CHANNELS")
-
-
-def gbps(fn, nbytes):
-    return nbytes / (triton.testing.do_bench(fn, warmup=10, rep=40) * 1e-3) / 1e9
+EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
 
 def shapes():
-    for name in ("gn-anchors", "gn-1d", "gn-2d"):
-        for shape, groups, *cl in SUITES[name].shapes:
-            yield shape, groups, bool(cl and cl[0])
+    """Each shape NCHW then channels_last, the suite's first (the bigger ones, then batch 1 last)."""
+    suite = [(tuple(s), g) for s, g, *cl in SUITES["gn-2d"].shapes if not (cl and cl[0])]
+    order = sorted(suite + list(EXTRA_SHAPES), key=lambda sg: (sg[0][0] == 1, sg in EXTRA_SHAPES))
+    for shape, groups in order:
+        for cl in (False, True):
+            yield shape, groups, cl
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class Overrides:
+    """Set a variant's configuration values for the duration of a with-block."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def __enter__(self):
+        self.saved = {k: getattr(configs, k) for k in self.values}
+        for k, v in self.values.items():
+            setattr(configs, k, v)
+        clear_caches()
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(configs, k, v)
+        clear_caches()
+
+
+def as3(t, cl):
+    B, C = t.shape[:2]
+    return t.view(B, C, -1) if not cl else t.permute(0, 2, 3, 1).reshape(B, -1, C).transpose(1, 2)
+
+
+def plan_signature(x3, G, act):
+    """What the host functions would launch for this input (staged config, group config), both directions."""
+    B, C, S = x3.shape
+    sig = []
+    for direction, extra in (("fwd", None), ("bwd", (True, True))):
+        staged = tb._staged_plan(direction, x3, C // G)[0]
+        cfg = None if staged else tb._gn_plan(direction, C // G, S, x3.dtype, x3.device, (True, True, act, extra),
+                                              B * G, tb._is_cl(x3))[0]
+        sig.append((staged, cfg, configs.GN_COL_SUM if direction == "bwd" else None))
+    return tuple(sig)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(x, x3, w, b, dy, dy3, G, act):
+    """Relative errors of y, dx, dw, db against the float64 oracle."""
+    y, mean, rstd = tb.group_norm_fwd(x3, G, w, b, 1e-5, act)
+    dx, dw, db = tb.group_norm_bwd(dy3, x3, G, w, b, mean, rstd, act, w.dtype, b.dtype)
+    yr = ref.group_norm(x, G, w, b, 1e-5, act)[0]
+    dxr, dwr, dbr = ref.group_norm_backward(dy, x, G, w, b, 1e-5, act)
+    shape3 = x3.shape
+    return max(rel(y, yr.reshape(shape3)), rel(dx, dxr.reshape(shape3))), max(rel(dw, dwr), rel(db, dbr))
+
+
+ACT = {None: lambda t: t, "silu": F.silu, "mish": F.mish}
+
+
+def torch_impls(G, act, compiled):
+    def fwd_fn(x, w, b):
+        return ACT[act](F.group_norm(x, G, w, b, 1e-5))
+    fn = fwd_fn
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fwd_fn, dynamic=False)
+    cache = {}
+
+    def fwd(x, x3, w, b, dy, dy3):
+        return fn(x, w, b)
+
+    def bwd(x, x3, w, b, dy, dy3):
+        key = x.data_ptr()
+        if key not in cache:
+            xr, wr, br = (t.detach().requires_grad_(True) for t in (x, w, b))
+            cache[key] = (fn(xr, wr, br), (xr, wr, br))
+        y, inputs = cache[key]
+        return torch.autograd.grad(y, inputs, dy, retain_graph=True)
+    return fwd, bwd
+
+
+def nk_impls(G, act, dtype):
+    stats = {}
+
+    def fwd(x, x3, w, b, dy, dy3):
+        return tb.group_norm_fwd(x3, G, w, b, 1e-5, act)
+
+    def bwd(x, x3, w, b, dy, dy3):
+        key = x3.data_ptr()
+        if key not in stats:
+            stats[key] = tb.group_norm_fwd(x3, G, w, b, 1e-5, act)[1:]
+        mean, rstd = stats[key]
+        return tb.group_norm_bwd(dy3, x3, G, w, b, mean, rstd, act, dtype, dtype)
+    return fwd, bwd
+
+
+def timed_gbps(timer, sets, call, nbytes):
+    calls = [functools.partial(call, *s) for s in sets]
+    calls[0]()
+    torch.cuda.synchronize()
+    ms, _ = timer.median_ms(calls, WARM_MS, REP_MS)
+    return ms, nbytes / (ms * 1e6)
+
+
+def profile(sets, impls, label):
+    """Per-kernel GPU time (us per call) of each implementation, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile as tprof
+    for name, call in impls:
+        for s in sets[:2]:
+            call(*s)
+        torch.cuda.synchronize()
+        with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(20):
+                call(*sets[i % len(sets)])
+            torch.cuda.synchronize()
+        rows = [(e.key[:60], e.device_time_total / 20) for e in prof.key_averages() if e.device_time_total > 0]
+        log(f"  profile {label} {name}: " + "; ".join(f"{k} {t:.1f}us" for k, t in
+                                                       sorted(rows, key=lambda r: -r[1])[:5]))
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--acts", default="-,silu", help="activations timed for --act-variants and the peers")
+    ap.add_argument("--act-variants", default="default,old")
+    ap.add_argument("--peers", default="torch,compile")
+    ap.add_argument("--peer-acts", default="-", help="activations the peers are timed with")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of default/old/compile on 2 shapes")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds; stop starting new points after it")
     args = ap.parse_args()
-    big = torch.empty(2**28, device="cuda", dtype=torch.float32)
-    copy = gbps(lambda: big.clone(), 2 * big.numel() * 4)
-    big = None  # free it before the sweep
-    print(f"copy {copy:.0f} GB/s")
+    t_start = time.time()
+    torch._dynamo.config.cache_size_limit = 1 << 10
+    torch._dynamo.config.accumulated_cache_size_limit = 1 << 12
+    timer = CudaTimer()
+    copy = copy_ceiling_gbps(timer, WARM_MS, REP_MS)
+    log(f"copy {copy:.0f} GB/s  ({torch.cuda.get_device_name()}, torch {torch.__version__})")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gn_sweep.csv")
+    rows = []
     names = args.variants.split(",")
-    print("shape," + ",".join(f"{n} fwd,{n} bwd" for n in names))
+    acts = [None if a == "-" else a for a in args.acts.split(",")]
+    act_variants = set(args.act_variants.split(","))
+    peers = [p for p in args.peers.split(",") if p]
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname]
+        eb = torch.empty((), dtype=dtype).element_size()
         for shape, G, cl in shapes():
-            x = torch.randn(shape, device="cuda", dtype=dtype)
-            x = x.to(memory_format=torch.channels_last) if cl else x
-            C = shape[1]
-            x3 = x.view(shape[0], C, -1) if not cl else x.permute(0, 2, 3, 1).reshape(shape[0], -1, C).transpose(1, 2)
-            dy = torch.randn_like(x3)
-            wt, bs = torch.randn(C, device="cuda", dtype=dtype), torch.randn(C, device="cuda", dtype=dtype)
-            cells = []
-            for name in names:
-                saved = {k: getattr(configs, k) for k in KNOBS if hasattr(configs, k)}
-                for k, v in VARIANTS[name].items():
-                    setattr(configs, k, v)
-                clear_caches()
-                try:
-                    _, mean, rstd = tb.group_norm_fwd(x3, G, wt, bs, 1e-5, "mish")
-                    f = gbps(lambda: tb.group_norm_fwd(x3, G, wt, bs, 1e-5, "mish"), 2 * x.numel() * x.element_size())
-                    b = gbps(lambda: tb.group_norm_bwd(dy, x3, G, wt, bs, mean, rstd, "mish", dtype, dtype),
-                             3 * x.numel() * x.element_size())
-                    cells += [f"{f:.0f} ({f / copy:.2f})", f"{b:.0f} ({b / copy:.2f})"]
-                except Exception as e:  # noqa: BLE001
-                    cells += [f"error {type(e).__name__}"] * 2
-                finally:
-                    for k, v in saved.items():
-                        setattr(configs, k, v)
-                    clear_caches()
+            if time.time() - t_start > args.budget:
+                log(f"budget reached: stopping before {dname} {shape}")
+                break
+            B, C = shape[:2]
+            numel = torch.Size(shape).numel()
+            fmt = torch.channels_last if cl else torch.contiguous_format
             label = "x".join(map(str, shape)) + f"/g{G}" + ("/cl" if cl else "")
-            print(f"{dname} {label}," + ",".join(cells), flush=True)
+
+            def make():
+                x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+                dy = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+                w, b = torch.randn(C, device="cuda", dtype=dtype), torch.randn(C, device="cuda", dtype=dtype)
+                return x, as3(x, cl), w, b, dy, as3(dy, cl)
+            sets = [make() for _ in range(max(2, -(-RING_BYTES // (3 * numel * eb))))]
+            for act in [None] + [a for a in acts if a is not None]:
+                seen = {}
+                for name in names:
+                    if act is not None and name not in act_variants:
+                        continue
+                    with Overrides(VARIANTS[name]):
+                        sig = plan_signature(sets[0][1], G, act)
+                        base = dict(dtype=dname, shape=label, act=act or "-", impl=name, copy=f"{copy:.0f}")
+                        if sig in seen:
+                            for direction in ("fwd", "bwd"):
+                                rows.append(dict(base, dir=direction, same_as=seen[sig]))
+                            continue
+                        seen[sig] = name
+                        try:
+                            err, perr = check(*sets[0], G, act)
+                            fwd, bwd = nk_impls(G, act, dtype)
+                            for direction, call in (("fwd", fwd), ("bwd", bwd)):
+                                ms, gbps = timed_gbps(timer, sets, call, (2 if direction == "fwd" else 3) * numel * eb)
+                                rows.append(dict(base, dir=direction, ms=f"{ms:.4f}", gbps=f"{gbps:.0f}",
+                                                 frac=f"{gbps / copy:.3f}", relerr=f"{err:.1e}",
+                                                 param_relerr=f"{perr:.1e}", plan=str(sig[0 if direction == 'fwd' else 1])))
+                        except Exception as e:  # noqa: BLE001
+                            rows.append(dict(base, dir="-", error=f"{type(e).__name__}: {str(e)[:300]}"))
+                for peer in (peers if (act or "-") in args.peer_acts.split(",") else []):
+                    base = dict(dtype=dname, shape=label, act=act or "-", impl=peer, copy=f"{copy:.0f}")
+                    try:
+                        fwd, bwd = torch_impls(G, act, peer == "compile")
+                        for direction, call in (("fwd", fwd), ("bwd", bwd)):
+                            ms, gbps = timed_gbps(timer, sets, call, (2 if direction == "fwd" else 3) * numel * eb)
+                            rows.append(dict(base, dir=direction, ms=f"{ms:.4f}", gbps=f"{gbps:.0f}",
+                                             frac=f"{gbps / copy:.3f}"))
+                        if peer == "compile":
+                            frames = torch._dynamo.utils.counters["frames"]["ok"]
+                            rows[-1]["compiled_frames"] = rows[-2]["compiled_frames"] = str(frames)
+                    except Exception as e:  # noqa: BLE001
+                        rows.append(dict(base, dir="-", error=f"{type(e).__name__}: {str(e)[:300]}"))
+                here = [r for r in rows if r["shape"] == label and r["dtype"] == dname and r["act"] == (act or "-")]
+                log(f"{dname} {label} {act or '-'}: " + "  ".join(
+                    f"{r['impl']}:{r['dir']}={r.get('frac', r.get('same_as', r.get('error', '?'))[:60])}"
+                    + (f"[{r['relerr']}]" if r.get("relerr") and float(r["relerr"]) > 2e-2 else "")
+                    for r in here))
+            if args.profile and label in ("8x320x64x64/g32", "8x320x64x64/g32/cl", "4x128x128x128/g32/cl") \
+                    and dname == "bf16":
+                for name in ("default", "old"):
+                    with Overrides(VARIANTS[name]):
+                        fwd, bwd = nk_impls(G, None, dtype)
+                        profile(sets, [(f"{name} fwd", fwd), (f"{name} bwd", bwd)], label)
+            del sets
+            torch.cuda.empty_cache()
+            write_csv(path, rows)
+    write_csv(path, rows)
+    log(f"done in {time.time() - t_start:.0f} s; {path}")
+
+
+def write_csv(path, rows):
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -51,13 +51,25 @@ FORCED_PATHS = {
     # looped (a program per group walking tiles; forward and backward) on tiles of 16 elements:
     # 3 x 3 tiles per group with ragged edges on both axes, whatever the group count
     "looped": {"GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
-               "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}},
+               "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}, "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}},
     # staged (stats, finalize, apply) for every input and layout, on 16-element tiles grouped into
     # spans of 2 tiles with a ragged last span, and a finalize that steps one span at a time
     "staged": {"GN_STAGED_MIN_NUMEL": 0, "GN_STAGED_NCHW_MAX_GROUPS_PER_SM": float("inf"),
                "GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": 1 << 30, "bwd": 1 << 30},
                "GN_STAGED_TILE": {2: 16, 4: 16}, "GN_STAGED_MAX_SUB": 2, "GN_STAGED_PROGRAMS_PER_SM": 1e-3,
                "GN_STAGED_FINALIZE_TILE": 1},
+    # staged with a narrow weight-gradient reduction over several programs (4 x 4 blocks, 1 warp)
+    "staged-colsum": {"GN_STAGED_MIN_NUMEL": 0, "GN_STAGED_NCHW_MAX_GROUPS_PER_SM": float("inf"),
+                      "GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": 1 << 30, "bwd": 1 << 30},
+                      "GN_STAGED_TILE": {2: 16, 4: 16}, "GN_STAGED_MAX_SUB": 2, "GN_STAGED_PROGRAMS_PER_SM": 1e-3,
+                      "GN_STAGED_FINALIZE_TILE": 1, "GN_COL_SUM": (4, 4, 1)},
+    # two-kernel split (a program per slice: partials, then merge and apply) on 16-element
+    # slices: 3 x 3 slices per group (35 positions: a ragged last slice), whatever the group count
+    "split2": {"GN_SPLIT2_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
+               "GN_SPLIT2_LAYOUTS": {(d, b): ("nchw", "cl") for d in ("fwd", "bwd") for b in (2, 4)},
+               "GN_SPLIT2_MIN_TILES": {"fwd": 2, "bwd": 2}, "GN_SPLIT2_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0},
+               "GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": 1e9, "bwd": 1e9}, "GN_SPLIT2_MIN_S": {"fwd": 0, "bwd": 0},
+               "GN_STAGED_MIN_NUMEL": 1 << 62},
 }
 
 
@@ -77,11 +89,12 @@ def _assert_path_taken(path, x, dtype, act):
     x3 = x.view(3, 12, 35) if x.is_contiguous() else x.permute(0, 2, 3, 1).reshape(3, 35, 12).transpose(1, 2)
     for direction, extra in (("fwd", None), ("bwd", (True, True))):
         staged = _staged_plan(direction, x3, 3)[0]
-        if path == "staged":
+        if path.startswith("staged"):
             assert staged is not None and staged.n_sub > 1 and staged.block_p == 1
-        else:
-            cfg = _gn_plan(direction, 3, 35, dtype, x.device, (True, True, act, extra), 12)[0]
-            assert staged is None and cfg.looped and (cfg.block_r, cfg.block_s) == (1, 16)
+            continue
+        cfg = _gn_plan(direction, 3, 35, dtype, x.device, (True, True, act, extra), 12, not x.is_contiguous())[0]
+        assert staged is None and (cfg.block_r, cfg.block_s) == (1, 16)
+        assert cfg.looped if path == "looped" else cfg.two_kernel
 
 
 @pytest.mark.parametrize("fmt", ["nchw", "channels_last"])
@@ -113,6 +126,42 @@ def test_shapes_and_dtypes(shape, groups, dtype, poison):
     if x.dim() >= 3:
         check_gn(channels_last(randn(*shape, dtype=dtype, device=DEVICE)), groups, None, None, None,
                  what=f"{shape} channels_last, no affine")
+
+
+def test_split2_ragged_channel_slices_nan_and_offset_groups(monkeypatch):
+    """The two-kernel split with slices of 2 of a group's 5 channels (the last one ragged): the
+    float64 oracle, a NaN confined to its group, groups offset by 1e4, bitwise weight gradients."""
+    from normkit.backends.triton import _gn_plan, clear_caches, configs
+    monkeypatch.setattr(configs, "GN_SPLIT2_TILE", {(d, b): (64, 4) for d in ("fwd", "bwd") for b in (2, 4)})
+    monkeypatch.setattr(configs, "GN_SPLIT2_LAYOUTS", {(d, b): ("nchw", "cl") for d in ("fwd", "bwd") for b in (2, 4)})
+    monkeypatch.setattr(configs, "GN_SPLIT2_MIN_GROUPS_PER_SM", {"fwd": 0, "bwd": 0})
+    monkeypatch.setattr(configs, "GN_SPLIT2_MAX_GROUPS_PER_SM", {"fwd": 1e9, "bwd": 1e9})
+    monkeypatch.setattr(configs, "GN_SPLIT2_MIN_S", {"fwd": 0, "bwd": 0})
+    monkeypatch.setattr(configs, "GN_STAGED_MIN_NUMEL", 1 << 62)
+    clear_caches()
+    try:
+        cfg = _gn_plan("fwd", 5, 8, torch.float32, torch.device(DEVICE), (True, True, None, None), 4)[0]
+        assert cfg.two_kernel and (cfg.block_r, cfg.block_s) == (2, 8)
+        for fmt in ("nchw", "channels_last"):
+            x = randn(2, 10, 2, 4, device=DEVICE)
+            x = channels_last(x) if fmt == "channels_last" else x
+            check_gn(x, 2, randn(10, device=DEVICE), randn(10, device=DEVICE), "silu", what=f"split2 {fmt}")
+            xo = x.detach() + 1e4
+            assert_close(normkit.group_norm(xo, 2, backend="triton"), ref.group_norm(xo, 2)[0], 1e-5, f"split2 {fmt} offset")
+            xn = x.detach().clone()
+            xn[1, 6, 1, 2] = float("nan")  # batch 1, group 1
+            y = normkit.group_norm(xn, 2, activation="mish", backend="triton")
+            assert torch.isnan(y[1, 5:]).all() and not torch.isnan(y[0]).any() and not torch.isnan(y[1, :5]).any()
+            xg = x.detach().requires_grad_(True)
+            w = randn(10, device=DEVICE).requires_grad_(True)
+            b = randn(10, device=DEVICE).requires_grad_(True)
+            dy = randn(*x.shape, device=DEVICE)
+            g1, g2 = (torch.autograd.grad(normkit.group_norm(xg, 2, w, b, activation="silu", backend="triton"),
+                                          [w, b], dy) for _ in range(2))
+            assert torch.equal(g1[0], g2[0]) and torch.equal(g1[1], g2[1])
+    finally:
+        monkeypatch.undo()
+        clear_caches()
 
 
 def test_channels_last_is_read_in_place():

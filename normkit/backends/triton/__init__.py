@@ -43,6 +43,8 @@ def _kernels():
         gn_stats = Kernel(group_norm.group_norm_staged_stats_kernel)
         gn_finalize = Kernel(group_norm.group_norm_staged_finalize_kernel)
         gn_apply = Kernel(group_norm.group_norm_staged_apply_kernel)
+        gn_split_stats = Kernel(group_norm.group_norm_split_stats_kernel)
+        gn_split_apply = Kernel(group_norm.group_norm_split_apply_kernel)
         act_codes = ACT_CODES
         fp8_codes = FP8_CODES
         h_round_codes = H_ROUND_CODES
@@ -388,22 +390,27 @@ def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_pa
                            _device_facts(x.device)[0])
 
 
-def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: int) -> None:
-    """dw = sum of the first `rows` rows of dw_part (and db likewise), in a fixed order."""
+def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: int, block=None) -> None:
+    """dw = sum of the first `rows` rows of dw_part (and db likewise), in a fixed order; block:
+    (BLOCK_P, BLOCK_N, num_warps), the row norms' default if None."""
     first, first_out = (dw_part, dw) if dw is not None else (db_part, db)
     if first is not None:
-        _kernels().col_sum((-(-n // _COL_SUM[1]),), (first, first_out, db_part, db, rows, n),
-                           _COL_SUM_CONSTEXPRS[dw is not None and db is not None], (4, 1), device_index)
+        has_b = dw is not None and db is not None
+        block_p, block_n, warps = block or (*_COL_SUM, 4)
+        constexprs = _COL_SUM_CONSTEXPRS[has_b] if block is None else dict(HAS_B=has_b, BLOCK_P=block_p,
+                                                                            BLOCK_N=block_n)
+        _kernels().col_sum((-(-n // block_n),), (first, first_out, db_part, db, rows, n), constexprs, (warps, 1),
+                           device_index)
 
 
 # ----------------------------------------------------------------------------- group norm
 
 @functools.lru_cache(maxsize=None)
 def _gn_plan(direction: str, cg: int, s: int, dtype: torch.dtype, device: torch.device, flags: tuple,
-             groups: int = 0):
+             groups: int = 0, channels_last: bool = False):
     device_index, _, sms = _device_facts(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cfg = configs.group_config(direction, cg, s, itemsize, device_index < 0, groups / sms)
+    cfg = configs.group_config(direction, cg, s, itemsize, device_index < 0, groups / sms, channels_last)
     has_w, has_b, activation, extra = flags
     constexprs = dict(HAS_W=has_w, HAS_B=has_b)
     if direction == "bwd":
@@ -429,7 +436,11 @@ def group_norm_fwd(x, num_groups, weight, bias, eps: float, activation=None):
         _staged(staged, device_index, x, None, y, weight, bias, mean, rstd, num_groups, activation, eps)
         return y, mean, rstd
     cfg, constexprs, device_index, sms = _gn_plan("fwd", cg, S, x.dtype, device,
-                                                  (weight is not None, bias is not None, activation, None), units)
+                                                  (weight is not None, bias is not None, activation, None), units,
+                                                  _is_cl(x))
+    if cfg.two_kernel:
+        _split2(cfg, device_index, x, None, y, weight, bias, mean, rstd, num_groups, activation, eps)
+        return y, mean, rstd
     sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
     args = (x, y, weight, bias, mean, rstd, sync, scratch, B, C, S, cg, num_groups,
             x.stride(0), x.stride(1), x.stride(2), eps)
@@ -459,11 +470,16 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
     if staged is not None:
         parts = _staged(staged, device_index, x, dy, dx, weight, bias, mean, rstd, num_groups, activation)
         _reduce_partials(parts[0] if want_dw else None, dw, parts[1] if want_db else None, db,
-                         parts[0].shape[0], C, device_index)
+                         parts[0].shape[0], C, device_index, configs.GN_COL_SUM)
         return dx, dw, db
     cfg, constexprs, device_index, sms = _gn_plan("bwd", cg, S, x.dtype, device,
                                                   (weight is not None, bias is not None, activation,
-                                                   (want_dw, want_db)), units)
+                                                   (want_dw, want_db)), units, _is_cl(x))
+    if cfg.two_kernel:
+        p1, p2 = _split2(cfg, device_index, x, dy, dx, weight, bias, mean, rstd, num_groups, activation)
+        _reduce_partials(p1 if want_dw else None, dw, p2 if want_db else None, db, p1.shape[0], C, device_index,
+                         configs.GN_COL_SUM)
+        return dx, dw, db
     sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
     dw_part = _empty((B * cfg.ks, C), dtype=torch.float32, device=device) if want_dw else None
     db_part = _empty((B * cfg.ks, C), dtype=torch.float32, device=device) if want_db else None
@@ -473,15 +489,20 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
         _kernels().gn_bwd((units,), args, constexprs, cfg.options, device_index)
     else:
         _launch_persistent(_kernels().gn_bwd, cfg, args, constexprs, units, device_index, sms)
-    _reduce_partials(dw_part, dw, db_part, db, B * cfg.ks, C, device_index)
+    _reduce_partials(dw_part, dw, db_part, db, B * cfg.ks, C, device_index, configs.GN_COL_SUM)
     return dx, dw, db
+
+
+def _is_cl(x) -> bool:
+    """Whether a [B, C, S] input has its channels innermost (channels_last)."""
+    return x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) == 1
 
 
 def _staged_plan(direction: str, x, cg: int):
     """(StagedConfig or None, device index) for a [B, C, S] input with groups of cg channels."""
     B, C, S = x.shape
     device_index, _, sms = _device_facts(x.device)
-    channels_last = C > 1 and S > 1 and x.stride(1) == 1
+    channels_last = _is_cl(x)
     return configs.staged_config(direction, B, C, S, cg, x.element_size(), channels_last, sms), device_index
 
 
@@ -513,6 +534,37 @@ def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups,
     k.gn_apply((B * n_cb * n_sb,), (x, dy, out, weight, bias, mean, rstd, c1, c2, C, S, num_groups, cg, n_cb, n_sb)
                + strides, dict(**flags, **tiles), cfg.options, device_index)
     return p1, p2
+
+
+def _split2(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):
+    """The two-kernel split (group_norm.py): split stats, then split apply, a program per slice of
+    each group. Forward (dy None): out = y, and mean/rstd are written. Backward: out = dx; returns
+    the per-(batch, spatial slice) channel sums of g*xhat and g ([B * n_ks, C] fp32), which are the
+    weight gradients' partials."""
+    B, C, S = x.shape
+    bwd = dy is not None
+    cg = C // num_groups
+    n_ks = -(-S // cfg.block_s)
+    n_tiles = -(-cg // cfg.block_r) * n_ks
+    programs = B * num_groups * n_tiles
+    shape = (B * n_ks, C) if bwd else (programs,)
+    p1 = _empty(shape, dtype=torch.float32, device=x.device)
+    p2 = _empty(shape, dtype=torch.float32, device=x.device)
+    k = _kernels()
+    args = (x, dy, weight, bias, mean, rstd, p1, p2, C, S, cg, num_groups, n_tiles, n_ks,
+            x.stride(0), x.stride(1), x.stride(2))
+    flags = dict(BWD=bwd, HAS_W=weight is not None, HAS_B=bias is not None, ACT=k.act_codes[activation])
+    tiles = dict(BLOCK_R=cfg.block_r, BLOCK_S=cfg.block_s)
+    k.gn_split_stats((programs,), args, dict(**(flags if bwd else dict(BWD=False, HAS_W=False, HAS_B=False, ACT=0)),
+                                             **tiles), cfg.options, device_index)
+    k.gn_split_apply((programs,), args[:2] + (out,) + args[2:] + (eps,),
+                     dict(**flags, **tiles, BLOCK_T=_next_pow2(n_tiles), BLOCK_KS=_next_pow2(n_ks),
+                          BLOCK_RG=_next_pow2(cg)), cfg.options, device_index)
+    return p1, p2
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 _COL_SUM = configs.COL_SUM_BLOCK

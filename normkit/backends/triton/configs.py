@@ -132,6 +132,26 @@ GN_WARPS_PER_SM = 32  # persistent programs per SM = this / num_warps (at most 8
 GN_LOOPED_TILE = {("fwd", 2): (8192, 8), ("fwd", 4): (4096, 8), ("bwd", 2): (4096, 8), ("bwd", 4): (4096, 8)}
 GN_LOOPED_STAGES = 1
 GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
+# two-kernel split (group_norm.py: split stats, split apply): a group larger than one tile is cut
+# into [BLOCK_R, BLOCK_S] slices, one program each; `stats` reduces each slice to partials, `apply`
+# merges its group's partials (fixed order) and normalizes its slice (forward) or writes its dx
+# (backward), last slice first so that its re-read comes from L2. No program waits on another.
+# Taken for the layouts listed, for groups of at least GN_SPLIT2_MIN_TILES slices and
+# GN_SPLIT2_MIN_S positions, with GN_SPLIT2_MIN_GROUPS_PER_SM <= groups per SM < GN_SPLIT2_MAX_GROUPS_PER_SM.
+# Measured on the H100 (runs S7-1/S7-3): bf16 forward beats the looped path only below ~1 group
+# per SM (4x128x128x128: 0.52 vs 0.43 of copy; 1x320x64x64 0.17 vs 0.15) and loses from 2
+# (8x320x64x64: 0.53 vs 0.60); the bf16 backward wins at 4096+ positions (8x320x64x64: 0.50 vs
+# 0.44) and loses at 1024 or fewer (8x640x32x32: 0.38 vs 0.43). fp32 loses (4x128x128x128 fwd 0.58
+# vs 0.65, bwd 0.48 vs 0.60; 8x320x64x64 bwd 0.52 vs 0.56): off. Layouts per (direction, element bytes).
+# (direction, element bytes) -> (tile elements, num_warps)
+GN_SPLIT2_TILE = {("fwd", 2): (8192, 4), ("fwd", 4): (4096, 4), ("bwd", 2): (4096, 4), ("bwd", 4): (2048, 4)}
+GN_SPLIT2_LAYOUTS = {("fwd", 2): ("nchw", "cl"), ("bwd", 2): ("nchw", "cl"), ("fwd", 4): (), ("bwd", 4): ()}
+GN_SPLIT2_MIN_TILES = {"fwd": 2, "bwd": 2}
+GN_SPLIT2_MIN_S = {"fwd": 0, "bwd": 4096}
+GN_SPLIT2_MIN_GROUPS_PER_SM = {"fwd": 0.0, "bwd": 0.0}
+GN_SPLIT2_MAX_GROUPS_PER_SM = {"fwd": 1.5, "bwd": float("inf")}
+# the GroupNorm backward's reduction of its weight-gradient partials: (BLOCK_P, BLOCK_N, num_warps)
+GN_COL_SUM = (32, 128, 4)
 
 
 @dataclass(frozen=True)
@@ -145,6 +165,7 @@ class GroupConfig:
     block_m: int = 1  # (shared with RowConfig by the persistent launcher and scratch sizing)
     num_stages: int = 1
     looped: bool = False  # a program per group, two passes over its tiles
+    two_kernel: bool = False  # a program per slice in two launches (split stats, split apply)
 
     @property
     def options(self):
@@ -153,9 +174,15 @@ class GroupConfig:
 
 @functools.lru_cache(maxsize=None)
 def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: bool = False,
-                 groups_per_sm: float = 0.0) -> GroupConfig:
+                 groups_per_sm: float = 0.0, channels_last: bool = False) -> GroupConfig:
     r_pad, s_pad = triton.next_power_of_2(max(cg, 1)), triton.next_power_of_2(max(s, 1))
     elem_bytes = 2 if elem_bytes <= 2 else 4
+    two = _split2_tile(direction, cg, s, elem_bytes)
+    if ("cl" if channels_last else "nchw") in GN_SPLIT2_LAYOUTS[(direction, elem_bytes)] \
+            and GN_SPLIT2_MIN_GROUPS_PER_SM[direction] <= groups_per_sm < GN_SPLIT2_MAX_GROUPS_PER_SM[direction] \
+            and s >= GN_SPLIT2_MIN_S[direction] \
+            and -(-cg // two[0]) * -(-s // two[1]) >= GN_SPLIT2_MIN_TILES[direction]:
+        return GroupConfig(two[0], two[1], -(-s // two[1]), 1, two[2], 0, two_kernel=True)
     looped_tile, looped_warps = GN_LOOPED_TILE[(direction, elem_bytes)]
     if groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM[direction] and r_pad * s_pad > looped_tile:
         block_s = min(s_pad, looped_tile)
@@ -168,6 +195,19 @@ def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: 
     kr, ks = r_pad // block_r, s_pad // block_s  # powers of two, so the split is one as well
     num_warps = min(16, max(1, block_r * block_s // (32 * GN_ELEMS_PER_THREAD)))
     return GroupConfig(block_r, block_s, ks, kr * ks, num_warps, max(1, min(8, GN_WARPS_PER_SM // num_warps)))
+
+
+def _split2_tile(direction: str, cg: int, s: int, elem_bytes: int) -> tuple:
+    """(block_r, block_s, num_warps) of the two-kernel split: the whole spatial extent (up to the
+    tile), then the channel block, of at least a quarter of the tile, that pads the group's
+    channels least (40 channels: 5 blocks of 8 rather than 2 of 32)."""
+    tile, warps = GN_SPLIT2_TILE[(direction, elem_bytes)]
+    block_s = min(triton.next_power_of_2(max(s, 1)), tile)
+    hi = min(triton.next_power_of_2(max(cg, 1)), max(1, tile // block_s))
+    lo = min(hi, max(1, (tile // 4) // block_s))
+    candidates = [1 << k for k in range(lo.bit_length() - 1, hi.bit_length())]
+    block_r = min(candidates, key=lambda br: (-(-cg // br) * br, -br))
+    return block_r, block_s, warps
 
 
 # staged path (group_norm.py: stats, finalize, apply launches) for inputs of at least

@@ -3,12 +3,14 @@
 A group (b, g) is viewed as a [Cg, S] tile: Cg channels of the group by S spatial positions. The
 two memory formats differ only in the tile's strides: NCHW has (stride_c, stride_s) = (S, 1),
 channels_last has (1, C); so one kernel serves both, reads in place, and the per-channel affine
-is a [BLOCK_R] vector broadcast along the spatial axis. Three paths (configs.py picks):
+is a [BLOCK_R] vector broadcast along the spatial axis. Four paths (configs.py picks):
 * split: a group larger than one tile is cut into KR x KS slices (channels x spatial) held by
   K = KR * KS programs, which exchange their partial statistics through the same publish-and-wait
   step as split rows (kernels.py);
 * looped (at least one group per SM): a program walks its group's tiles twice, statistics (or the
   backward's two sums) then normalize (or dx), the second pass mostly from L2: no waits;
+* two-kernel split (groups of several tiles): a program per slice in two launches, partials then
+  merge-and-apply (see its section): no waits, and every slice's loads in flight at once;
 * staged (channels_last with small groups): three launches over [channel block, spatial block]
   tiles that read whole rows of channels (see the section at the end of this file).
 
@@ -295,6 +297,109 @@ def _gn_bwd_split(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, SYNC, SCRATCH, 
             tl.store(DB_PART + part, tl.sum(gr, axis=1), mask=r_mask)
     if SPLIT > 1:
         _group_exit(SYNC, unit, num_units, SPLIT)
+
+
+# ----------------------------------------------------------------------------- two-kernel split
+# A group larger than one tile, as n_tiles = n_kr * n_ks [BLOCK_R, BLOCK_S] slices, one program
+# each, in two launches and no waiting: `split stats` reduces each slice (forward: the slice's mean
+# and M2 of x minus the group's first element, P1/P2 [groups * n_tiles]; backward: per-channel sums
+# of g*xhat and g, P1/P2 [B * n_ks, C], which are also the weight-gradient partials), `split apply`
+# merges its group's partials in a fixed order and writes its slice of y (or dx), last slice
+# first (the stats launch read those most recently: likeliest in L2).
+
+@triton.jit
+def _split2_slice(pid, n_tiles, n_ks, S, Cg, G, stride_b, stride_c, stride_s,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program pid = group * n_tiles + (kr * n_ks + ks): (group, b, g, kr, ks, offsets, mask,
+    channels, channel mask)."""
+    grp = pid // n_tiles
+    t = pid % n_tiles
+    kr = t // n_ks
+    ks = t % n_ks
+    b_idx = grp // G
+    g = grp % G
+    offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
+    return grp, t, b_idx, g, kr, ks, offs, mask, ch, r_mask
+
+
+@triton.jit
+def group_norm_split_stats_kernel(
+    X, DY, W, B, MEAN, RSTD, P1, P2, C, S, Cg, G, n_tiles, n_ks, stride_b, stride_c, stride_s,
+    BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One slice per program. Forward: its exact (two-pass) mean and M2 of x minus the group's
+    first element -> P1[pid], P2[pid]. Backward: per channel, sum of g*xhat and of g over the
+    slice's positions -> row b * n_ks + ks of P1, P2 ([B * n_ks, C])."""
+    pid = tl.program_id(0)
+    grp, t, b_idx, g, kr, ks, offs, mask, ch, r_mask = _split2_slice(pid, n_tiles, n_ks, S, Cg, G, stride_b,
+                                                                      stride_c, stride_s, BLOCK_R, BLOCK_S)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if BWD:
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        xhat, gr, _ = _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, tl.load(MEAN + grp), tl.load(RSTD + grp),
+                                    HAS_W, HAS_B, ACT)
+        part = (b_idx * n_ks + ks).to(tl.int64) * C + ch
+        tl.store(P1 + part, tl.sum(gr * xhat, axis=1), mask=r_mask)
+        tl.store(P2 + part, tl.sum(gr, axis=1), mask=r_mask)
+    else:
+        shift = _group_shift(X, b_idx, g, Cg, stride_b, stride_c)
+        n_t = (tl.minimum(Cg - kr * BLOCK_R, BLOCK_R) * tl.minimum(S - ks * BLOCK_S, BLOCK_S)) * 1.0
+        xs = tl.where(mask, x - shift, 0.0)
+        t_mean = tl.sum(tl.sum(xs, axis=1), axis=0) / n_t
+        d = tl.where(mask, xs - t_mean, 0.0)
+        _store_group_stat(P1, pid, t_mean, 0)
+        _store_group_stat(P2, pid, tl.sum(tl.sum(d * d, axis=1), axis=0), 0)
+
+
+@triton.jit
+def group_norm_split_apply_kernel(
+    X, DY, Y, W, B, MEAN, RSTD, P1, P2, C, S, Cg, G, n_tiles, n_ks, stride_b, stride_c, stride_s, eps,
+    BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
+    BLOCK_RG: tl.constexpr,
+):
+    """One slice per program, last first. Forward: mean = sum n_j mean_j / L and
+    M2 = sum M2_j + sum n_j (mean_j - mean)^2 over the group's slices (exact), y = act(xhat * w + b);
+    the group's first slice writes MEAN, RSTD. Backward: c1 = sum_c w_c sum g*xhat / L and
+    c2 = sum_c w_c sum g / L from the group's [n_ks, Cg] partials, dx = rstd * (w*g - xhat*c1 - c2)."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    grp, t, b_idx, g, kr, ks, offs, mask, ch, r_mask = _split2_slice(pid, n_tiles, n_ks, S, Cg, G, stride_b,
+                                                                      stride_c, stride_s, BLOCK_R, BLOCK_S)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    L = Cg * S
+    if BWD:
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + grp)
+        rstd = tl.load(RSTD + grp)
+        j = tl.arange(0, BLOCK_KS)
+        r = tl.arange(0, BLOCK_RG)
+        pmask = (j < n_ks)[:, None] & (r < Cg)[None, :]
+        poffs = (b_idx * n_ks + j).to(tl.int64)[:, None] * C + (g * Cg + r)[None, :]
+        a1 = tl.load(P1 + poffs, mask=pmask, other=0.0)
+        a2 = tl.load(P2 + poffs, mask=pmask, other=0.0)
+        if HAS_W:
+            wv = tl.load(W + g * Cg + r, mask=r < Cg, other=0.0).to(tl.float32)[None, :]
+            a1 = a1 * wv
+            a2 = a2 * wv
+        c1 = tl.sum(tl.sum(a1, axis=1), axis=0) / L
+        c2 = tl.sum(tl.sum(a2, axis=1), axis=0) / L
+        xhat, _, wg = _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+        tl.store(Y + offs, ((wg - (xhat * c1 + c2)) * rstd).to(Y.dtype.element_ty), mask=mask)
+    else:
+        jv = tl.arange(0, BLOCK_T)
+        jm = jv < n_tiles
+        n_j = tl.where(jm, (tl.minimum(Cg - (jv // n_ks) * BLOCK_R, BLOCK_R)
+                            * tl.minimum(S - (jv % n_ks) * BLOCK_S, BLOCK_S)) * 1.0, 0.0)
+        m_j = tl.load(P1 + grp.to(tl.int64) * n_tiles + jv, mask=jm, other=0.0)
+        q_j = tl.load(P2 + grp.to(tl.int64) * n_tiles + jv, mask=jm, other=0.0)
+        mean_s = tl.sum(n_j * m_j, axis=0) / L
+        dd = m_j - mean_s
+        rstd = tl.rsqrt(tl.sum(tl.where(jm, q_j + n_j * dd * dd, 0.0), axis=0) / L + eps)
+        shift = _group_shift(X, b_idx, g, Cg, stride_b, stride_c)
+        _store_y(Y, W, B, offs, mask, ch, r_mask, ((x - shift) - mean_s) * rstd, HAS_W, HAS_B, ACT)
+        _store_group_stat(MEAN, grp, shift + mean_s, t)
+        _store_group_stat(RSTD, grp, rstd, t)
 
 
 # ----------------------------------------------------------------------------- staged path
