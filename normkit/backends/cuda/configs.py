@@ -30,7 +30,7 @@ COLS_PER_THREAD_STEP = 4  # a lane's columns are rounded up to a multiple of thi
 # impl kept one batch of packs per thread in flight, ~20 KB per SM at N = 2K-4K bf16). The widest
 # rows are bounded by registers: 1024 threads leave 64 registers each.
 REG_ROW_MAX = {("fwd", 2): 32768, ("fwd", 4): 16384, ("bwd", 2): 8192, ("bwd", 4): 8192}
-REG_COLS = {("fwd", 2): 32, ("fwd", 4): 16, ("bwd", 2): 16, ("bwd", 4): 8}
+REG_COLS = {("fwd", 2): 32, ("fwd", 4): 16, ("bwd", 2): 8, ("bwd", 4): 8}  # run S7-1 at N = 2048
 REG_SHAPES: dict = {}  # (direction, element bytes, padded width) -> threads per row: measured exceptions
 REG_MIN_THREADS, REG_MAX_THREADS = 64, 1024  # a row of 32 threads or fewer is the warp impl's
 BLOCK_SIZES = (128, 256, 512)  # block-impl candidates, smallest first (row_norm.cu kMaxBlockThreads)

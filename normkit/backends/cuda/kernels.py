@@ -164,17 +164,20 @@ def row_specs(n: int, dtype, wdtype, activation=None, rms: bool = False) -> list
         return specs
     for direction in ("fwd", "bwd"):
         layout = configs.reg_layout(direction, n, pack, dtype.itemsize)
-        if layout is not None:
+        if layout is not None:  # the regs impl
             plan = configs.RowPlan("regs", pack, max(layout[0], configs.WARP_BLOCK_THREADS), *layout)
             if direction == "fwd":
                 specs.append(row_fwd(dtype, wdtype, activation, rms, plan))
             else:
                 specs += [row_bwd(dtype, wdtype, activation, rms, plan, params) for params in (False, True)]
-    acc = max(1, configs.BWD_ACC_ELEMS // pack)  # the block impl: wider rows, and the ladder's forced runs
-    for cached in (True, False):
-        plan = configs.RowPlan("block", pack, configs.BLOCK_SIZES[-1], cached=cached, acc_packs=acc)
-        specs.append(row_fwd(dtype, wdtype, activation, rms, plan))
-        specs += [row_bwd(dtype, wdtype, activation, rms, plan, params) for params in (False, True)]
+            continue
+        acc = max(1, configs.BWD_ACC_ELEMS // pack)  # the block impl (the ladder's forced runs load their own)
+        for cached in (True, False):
+            plan = configs.RowPlan("block", pack, configs.BLOCK_SIZES[-1], cached=cached, acc_packs=acc)
+            if direction == "fwd":
+                specs.append(row_fwd(dtype, wdtype, activation, rms, plan))
+            else:
+                specs += [row_bwd(dtype, wdtype, activation, rms, plan, params) for params in (False, True)]
     specs.append(row_param_grad(dtype, wdtype, activation, rms))
     return specs
 
