@@ -39,8 +39,9 @@ from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WIDTHS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
 # the widths the change is about first, so a run cut short by its budget has them
-ORDER = [2048, 4096, 8192, 16384, 32768, 1024, 256, 512, 65536, 131072, 262144]
+ORDER = [2048, 4096, 8192, 16384, 32768, 1024, 256, 512, 262144, 65536, 131072]
 WARM_MS, REP_MS = 3, 15
+VARIANTS: set = set()  # "regs-variants": also the other regs shapes (cuda-regs, regs-cK)
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 
 
@@ -62,7 +63,7 @@ def env_text(argv) -> str:
 class Tables:
     """Context: the CUDA backend's configuration tables changed as a variant says, restored after."""
 
-    NAMES = ("REG_ROW_MAX", "REG_COLS", "REG_SHAPES", "CLUSTER_WIDTHS")
+    NAMES = ("REG_ROW_MAX", "REG_COLS", "REG_SHAPES", "CLUSTER_WIDTHS", "CLUSTER_SHAPES")
 
     def __init__(self, **changes):
         self.changes = changes
@@ -87,6 +88,23 @@ def _clear():
     cluster.prepare.cache_clear()
 
 
+# the dispatch before issue 24 (no regs impl; these cluster widths and shapes): "cuda-old"
+OLD_CLUSTER_WIDTHS = {("fwd", 2): (16384, 262144), ("fwd", 4): (16384, 131072), ("bwd", 2): (16384, 262144),
+                      ("bwd", 4): (8192, 131072)}
+
+
+def old_tables():
+    return Tables(REG_ROW_MAX={}, CLUSTER_WIDTHS=OLD_CLUSTER_WIDTHS,
+                  CLUSTER_SHAPES={k: v for k, v in cc.CLUSTER_SHAPES.items() if k != ("bwd", 4, 262144)})
+
+
+def _route(direction, eb, n, reg_max, widths):
+    lo, hi = widths.get((direction, eb), (1, 0))
+    if lo <= n <= hi:
+        return "cluster"
+    return "regs" if cc.WARP_MAX_COLS < n <= reg_max else "other"
+
+
 def variants(direction, eb, n):
     """(name, Tables) of the CUDA backend's variants worth timing at this point."""
     key = (direction, eb)
@@ -94,8 +112,10 @@ def variants(direction, eb, n):
     reg_max = cc.REG_ROW_MAX.get(key, 0)
     lo, hi = cc.CLUSTER_WIDTHS.get(key, (1, 0))
     on_clusters = lo <= n <= hi
-    if cc.WARP_MAX_COLS < n <= reg_max:
-        out.append(("cuda-old", Tables(REG_ROW_MAX={})))
+    if _route(direction, eb, n, reg_max, cc.CLUSTER_WIDTHS) != _route(direction, eb, n, 0, OLD_CLUSTER_WIDTHS) \
+            or (direction, eb, n) == ("bwd", 4, 262144):
+        out.append(("cuda-old", old_tables()))
+    if cc.WARP_MAX_COLS < n <= reg_max and "regs-variants" in VARIANTS:
         if on_clusters:
             out.append(("cuda-regs", Tables(CLUSTER_WIDTHS={k: v for k, v in cc.CLUSTER_WIDTHS.items() if k != key})))
         if n <= 16384:
@@ -291,10 +311,11 @@ def summary(rows):
                 for n in WIDTHS:
                     tt = t.get((op, dname, n, d, "torch"))
                     tc = t.get((op, dname, n, d, "cuda"))
-                    if tt is None or tc is None:
-                        continue
                     tr = t.get((op, dname, n, d, "triton"))
-                    cell = f"{n}:{tt / tc:.2f}" + ("*" if tc > tt else "") + (f"[{tt / tr:.2f}]" if tr else "")
+                    if tt is None or (tc is None and tr is None):
+                        continue
+                    cell = f"{n}:" + (f"{tt / tc:.2f}" + ("*" if tc > tt else "") if tc else "-") \
+                        + (f"[{tt / tr:.2f}]" if tr else "")
                     cells.append(cell)
                 if cells:
                     log(f"{dname} {op:3} {d}: " + " ".join(cells))
@@ -309,6 +330,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=1e9, help="start no new (width, dtype) after this many s")
     args = ap.parse_args(argv)
     args.impls = tuple(args.impls.split(","))
+    VARIANTS.update(i for i in args.impls if i.endswith("-variants"))
     args.dtypes = args.dtypes.split(",")
     args.widths = [int(w) for w in args.widths.split(",")]
     import os

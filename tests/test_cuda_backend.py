@@ -222,7 +222,8 @@ DISPATCH = [
     ("fwd", 65536, torch.float32, False, ("block-uncached", 4, 512, 0, 0, 0, False)),  # 256 KB > 227 KB
     ("bwd", 1000, torch.float32, True, ("warp", 4, 128, 32, 32, 0, False)),
     ("bwd", 4099, torch.float32, True, ("regs", 1, 1024, 1024, 8, 0, False)),
-    ("bwd", 8192, torch.float16, True, ("regs", 8, 1024, 1024, 8, 0, False)),
+    ("bwd", 4096, torch.float16, True, ("regs", 8, 512, 512, 8, 0, False)),
+    ("bwd", 8192, torch.float16, True, ("block-smem", 8, 512, 0, 0, 2, False)),  # 512 threads x 2 packs own the row
     ("bwd", 8192, torch.float32, True, ("regs", 4, 1024, 1024, 8, 0, False)),
     ("bwd", 16384, torch.float16, True, ("block-smem", 8, 512, 0, 0, 0, True)),  # too wide to accumulate
     ("bwd", 16384, torch.float16, False, ("block-smem", 8, 512, 0, 0, 0, False)),
@@ -363,10 +364,9 @@ def test_row_forward_launches(recorded):
 
 
 @pytest.mark.parametrize("n,name,block,smem", [
-    (8192, "nk::row_bwd_warp<__nv_bfloat16, float, nk::Identity, 8, 8, 1024, false, true>", 1024, 0),
-    (16384, "nk::row_bwd_block<__nv_bfloat16, float, nk::Identity, 8, false, true, 4>", 512, 2 * 16384 * 2)])
-def test_row_backward_launches(recorded, monkeypatch, n, name, block, smem):
-    monkeypatch.setattr(configs, "BWD_ACC_ELEMS", 32)  # 16384: the block impl's register accumulators
+    (4096, "nk::row_bwd_warp<__nv_bfloat16, float, nk::Identity, 8, 8, 512, false, true>", 512, 0),
+    (8192, "nk::row_bwd_block<__nv_bfloat16, float, nk::Identity, 8, false, true, 2>", 512, 2 * 8192 * 2)])
+def test_row_backward_launches(recorded, n, name, block, smem):
     x = torch.empty(300, n, dtype=torch.bfloat16)
     w = torch.empty(n, dtype=torch.float32)
     dx, dw, db = cb.row_norm_bwd(x, x, w, torch.empty(300), torch.empty(300), False, torch.float32, torch.float32)

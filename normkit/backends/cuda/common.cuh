@@ -284,6 +284,13 @@ struct SumSq {
   }
 };
 
+// one plain sum (the forward's row sums when the row is held in registers)
+struct Sum1 {
+  float v;
+  __device__ static Sum1 zero() { Sum1 r; r.v = 0.f; return r; }
+  __device__ static Sum1 merge(const Sum1& x, const Sum1& y) { Sum1 r; r.v = x.v + y.v; return r; }
+};
+
 // two plain sums (the backward's row sums, the GroupNorm gradient sums)
 struct Sum2 {
   float a, b;

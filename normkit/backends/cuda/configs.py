@@ -29,7 +29,9 @@ COLS_PER_THREAD_STEP = 4  # a lane's columns are rounded up to a multiple of thi
 # thread; ~64 B per thread at 1000+ resident threads is 64 KB per SM, what HBM3 needs (the block
 # impl kept one batch of packs per thread in flight, ~20 KB per SM at N = 2K-4K bf16). The widest
 # rows are bounded by registers: 1024 threads leave 64 registers each.
-REG_ROW_MAX = {("fwd", 2): 32768, ("fwd", 4): 16384, ("bwd", 2): 8192, ("bwd", 4): 8192}
+# Run S7-2 (H100): the 16-bit backward at 8192 is faster on the block impl (0.78-0.85 of copy vs
+# 0.75-0.77: 1024 threads of 64 registers hold one row per SM), so the regs backward stops at 4096.
+REG_ROW_MAX = {("fwd", 2): 32768, ("fwd", 4): 16384, ("bwd", 2): 4096, ("bwd", 4): 8192}
 REG_COLS = {("fwd", 2): 32, ("fwd", 4): 16, ("bwd", 2): 8, ("bwd", 4): 8}  # run S7-1 at N = 2048
 REG_SHAPES: dict = {}  # (direction, element bytes, padded width) -> threads per row: measured exceptions
 REG_MIN_THREADS, REG_MAX_THREADS = 64, 1024  # a row of 32 threads or fewer is the warp impl's
@@ -59,14 +61,20 @@ CLUSTER_SHAPES = {
     ("bwd", 2, 131072): (256, 4, 3, True), ("bwd", 2, 262144): (256, 4, 3, True),
     ("fwd", 4, 131072): (512, 8, 3),
     ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
+    # fp32 backward at 256K: 16 CTAs of 512 x 8 packs (16K columns), one stage of 128 KB, dx from the
+    # stage again (121 registers, no spills). Not measured before run S7-3; it replaces the block
+    # impl there (0.23-0.27 of copy: each row's x and dy read twice plus the row_param_grad pass).
+    ("bwd", 4, 262144): (512, 8, 1, True),
 }
 CLUSTER_SMEM_MAX = 220 * 1024
 CLUSTER_MIN_THREADS = 128
 CLUSTER_MAX_THREADS = 512  # block kernels: 128 registers per thread at most (see row_norm.cu)  # dynamic shared memory of the stages (the kernel has ~7 KB static)
 # the widths (padded to a power of two) the CUDA backend runs on clusters rather than on the
 # OneFlow-style kernels, per (direction, bytes): where the clusters measured faster (S4-1/S4-2)
-CLUSTER_WIDTHS = {("fwd", 2): (16384, 262144), ("fwd", 4): (16384, 131072), ("bwd", 2): (16384, 262144),
-                  ("bwd", 4): (8192, 131072)}
+# Run S7-2 (H100): the regs impl beats the cluster forward at 16K-32K (RMSNorm 0.91-0.97 vs 0.75-0.83);
+# the forward clusters start where the regs impl stops.
+CLUSTER_WIDTHS = {("fwd", 2): (65536, 262144), ("fwd", 4): (32768, 131072), ("bwd", 2): (16384, 262144),
+                  ("bwd", 4): (8192, 262144)}
 
 # ---- GroupNorm
 GN_REDUCE_BLOCK = (32, 8)  # gn_reduce: 32 lanes along the unit-stride axis

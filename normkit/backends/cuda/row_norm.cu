@@ -1,6 +1,6 @@
 // row_norm.cu: LayerNorm and RMSNorm over the rows of an [M, N] matrix, forward and backward.
 //
-// OneFlow's design (seed 003): Welford statistics everywhere, vectorized packs, and three
+// OneFlow's design (seed 003): Welford statistics (two exact passes where a row sits in registers), vectorized packs, and three
 // implementations chosen by the host from the row width N (configs.py):
 //
 //   warp     N <= 1024: a group of WIDTH lanes (a warp, or a fraction of one for narrow rows, so
@@ -38,8 +38,8 @@ constexpr int kMaxBlockThreads = 512;
 
 // ================================================================== forward
 
-// Statistics of shifted data: the row's first element is subtracted before Welford (exact in
-// fp32 for values near it), and y is formed from the shifted values, so a row offset by 1e4 keeps
+// Statistics of shifted data: the row's first element is subtracted before Welford or the two
+// passes (exact in fp32 for values near it), and y is formed from the shifted values, so a row offset by 1e4 keeps
 // the digits that (x - mean) with a rounded fp32 mean would lose. RMSNorm does not shift.
 
 // warp/regs impl: COLS columns per thread (PACKS packs of P), thread l of a group of WIDTH owns
@@ -50,11 +50,16 @@ constexpr int kMaxBlockThreads = 512;
 template <int P, int COLS, int WIDTH, bool RMS, typename LOAD, typename STORE>
 __device__ void layer_norm_warp(LOAD load, STORE store, float* mean_out, float* rstd_out, i64 rows, int cols,
                                 float eps) {
-  typedef typename Select<RMS, SumSq, Welford>::type Stat;
   static_assert(COLS % P == 0, "COLS must be a multiple of the pack");
   constexpr int PACKS = COLS / P;
   constexpr int GROUPS = row_block_threads<WIDTH>() / WIDTH;
-  __shared__ Stat scratch[2][row_block_threads<WIDTH>() / kWarpSize];
+  // The row is in registers, so LayerNorm takes two exact passes over them (the sum, then the
+  // squared deviations from the mean) instead of Welford: two all-reduces of plain sums. Welford's
+  // merges (a division each, in sequence over the warps of a row) made the LayerNorm forward
+  // latency-bound: 0.46 of copy at N = 32768 where the same kernel's RMSNorm reached 0.91 (run
+  // S7-2). Scratch: LayerNorm's two all-reduces use arrays 0 and 1 in turn, RMSNorm's one
+  // alternates them by row (see row_allreduce).
+  __shared__ Sum1 scratch[2][row_block_threads<WIDTH>() / kWarpSize];
   const int lane = threadIdx.x % WIDTH;
   const int group = threadIdx.x / WIDTH;
   int parity = 0;
@@ -63,21 +68,40 @@ __device__ void layer_norm_warp(LOAD load, STORE store, float* mean_out, float* 
     const bool live = row < rows;
     const float shift = (RMS || !live) ? 0.f : load.first(row);
     float buf[COLS];  // the row's shifted values, then its normalized values
-    Stat st = Stat::zero();
+    Sum1 s1 = Sum1::zero();
 #pragma unroll
     for (int p = 0; p < PACKS; ++p) {
       const int col = (p * WIDTH + lane) * P;
       if (live && col < cols) {
         load.template load<P>(buf + p * P, row, col);
 #pragma unroll
-        for (int i = 0; i < P; ++i) buf[p * P + i] -= shift;
-        st.template push_pack<P>(buf + p * P);
+        for (int i = 0; i < P; ++i) {
+          buf[p * P + i] -= shift;
+          s1.v = RMS ? fmaf(buf[p * P + i], buf[p * P + i], s1.v) : s1.v + buf[p * P + i];
+        }
       }
     }
-    st = row_allreduce<WIDTH>(st, scratch[parity]);
-    const float rstd = rsqrtf(st.m2 / float(cols) + eps);
+    s1 = row_allreduce<WIDTH>(s1, scratch[RMS ? parity : 0]);
+    float mean = 0.f, m2 = s1.v;  // mean of the shifted values
+    if constexpr (!RMS) {
+      mean = s1.v / float(cols);
+      Sum1 s2 = Sum1::zero();
+#pragma unroll
+      for (int p = 0; p < PACKS; ++p) {
+        const int col = (p * WIDTH + lane) * P;
+        if (live && col < cols) {
+#pragma unroll
+          for (int i = 0; i < P; ++i) {
+            const float d = buf[p * P + i] - mean;
+            s2.v = fmaf(d, d, s2.v);
+          }
+        }
+      }
+      m2 = row_allreduce<WIDTH>(s2, scratch[1]).v;
+    }
+    const float rstd = rsqrtf(m2 / float(cols) + eps);
     if (live && lane == 0) {
-      if (!RMS) mean_out[row] = shift + st.mean;
+      if (!RMS) mean_out[row] = shift + mean;
       rstd_out[row] = rstd;
     }
 #pragma unroll
@@ -85,7 +109,7 @@ __device__ void layer_norm_warp(LOAD load, STORE store, float* mean_out, float* 
       const int col = (p * WIDTH + lane) * P;
       if (live && col < cols) {
 #pragma unroll
-        for (int i = 0; i < P; ++i) buf[p * P + i] = (buf[p * P + i] - st.mean) * rstd;
+        for (int i = 0; i < P; ++i) buf[p * P + i] = (buf[p * P + i] - mean) * rstd;
         store.template store<P>(buf + p * P, row, col);
       }
     }
