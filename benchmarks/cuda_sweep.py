@@ -338,7 +338,8 @@ def main(argv=None):
     with open(os.path.join(args.out, "env.txt"), "w") as f:
         f.write(env_text(sys.argv) + "\n")
     log(env_text(sys.argv))
-    prebuild(args.dtypes, args.widths)
+    if {"cuda", "variants"} & set(args.impls):
+        prebuild(args.dtypes, args.widths)
     run(args)
 
 
