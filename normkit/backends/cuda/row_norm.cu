@@ -1,15 +1,17 @@
 // row_norm.cu: LayerNorm and RMSNorm over the rows of an [M, N] matrix, forward and backward.
 //
-// OneFlow's design (seed 003): Welford statistics (two exact passes where a row sits in registers), vectorized packs, and three
-// implementations chosen by the host from the row width N (configs.py):
+// OneFlow's design (seed 003): Welford statistics (two exact passes where a row sits in
+// registers), vectorized packs, and implementations chosen by the host from the row width N
+// (configs.py):
 //
 //   warp     N <= 1024: a group of WIDTH lanes (a warp, or a fraction of one for narrow rows, so
 //            several rows share a warp) holds a row in registers: read once, written once.
 //   regs     the same kernels with WIDTH = 64..1024 threads per row (the host's "regs" plan, for
 //            rows up to configs.REG_ROW_MAX): a block of max(WIDTH, 128) threads holds one or two
 //            rows in registers, and the row's statistics cross warps through shared memory (one
-//            barrier per row). Each thread keeps COLS columns in flight, the block kernels only
-//            one batch of packs between barriers: this is what the block impl lacked at N = 2K-8K.
+//            barrier per all-reduce: one per row in RMSNorm and the backward, two in the
+//            LayerNorm forward). Each thread keeps COLS columns in flight, the block kernels
+//            only one batch of packs between barriers: what the block impl lacked at N = 2K-8K.
 //   block    a block per row. CACHED: the row is kept in dynamic shared memory between the
 //            statistics pass and the normalize pass. Not CACHED ("uncached"): the second pass
 //            reads global memory again (mostly L2 hits), for rows too wide for shared memory.
