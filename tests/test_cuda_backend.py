@@ -210,13 +210,21 @@ DISPATCH = [
     ("fwd", 768, torch.float16, False, ("warp", 8, 128, 32, 24, 0, False)),
     ("fwd", 1000, torch.float32, False, ("warp", 4, 128, 32, 32, 0, False)),
     ("fwd", 1024, torch.bfloat16, False, ("warp", 8, 128, 32, 32, 0, False)),
-    ("fwd", 4099, torch.float32, False, ("block-smem", 1, 128, 0, 0, 0, False)),  # 13 blocks of 128 beat 2 of 1024
-    ("fwd", 32768, torch.float16, False, ("block-smem", 8, 512, 0, 0, 0, False)),  # 3 blocks fit at 128 and 512
+    # the regs impl: about REG_COLS columns per thread, at least 64 threads per row, 128 per block
+    ("fwd", 1032, torch.bfloat16, False, ("regs", 8, 128, 64, 24, 0, False)),  # 129 packs: 3 per thread
+    ("fwd", 2048, torch.bfloat16, False, ("regs", 8, 128, 64, 32, 0, False)),  # 2 rows per block
+    ("fwd", 4099, torch.float32, False, ("regs", 1, 512, 512, 12, 0, False)),  # prime: scalar packs
+    ("fwd", 8192, torch.bfloat16, False, ("regs", 8, 256, 256, 32, 0, False)),
+    ("fwd", 16384, torch.float32, False, ("regs", 4, 1024, 1024, 16, 0, False)),
+    ("fwd", 32768, torch.float16, False, ("regs", 8, 1024, 1024, 32, 0, False)),
     ("fwd", 32768, torch.float32, False, ("block-smem", 4, 512, 0, 0, 0, False)),  # 128 KB: one block per SM
     ("fwd", 65536, torch.float16, False, ("block-smem", 8, 512, 0, 0, 0, False)),
     ("fwd", 65536, torch.float32, False, ("block-uncached", 4, 512, 0, 0, 0, False)),  # 256 KB > 227 KB
     ("bwd", 1000, torch.float32, True, ("warp", 4, 128, 32, 32, 0, False)),
+    ("bwd", 4099, torch.float32, True, ("regs", 1, 1024, 1024, 8, 0, False)),
+    ("bwd", 4096, torch.float16, True, ("regs", 8, 512, 512, 8, 0, False)),
     ("bwd", 8192, torch.float16, True, ("block-smem", 8, 512, 0, 0, 2, False)),  # 512 threads x 2 packs own the row
+    ("bwd", 8192, torch.float32, True, ("regs", 4, 1024, 1024, 8, 0, False)),
     ("bwd", 16384, torch.float16, True, ("block-smem", 8, 512, 0, 0, 0, True)),  # too wide to accumulate
     ("bwd", 16384, torch.float16, False, ("block-smem", 8, 512, 0, 0, 0, False)),
     ("bwd", 32768, torch.float16, True, ("block-smem", 8, 512, 0, 0, 0, True)),
@@ -230,6 +238,9 @@ def test_dispatch_table(direction, n, dtype, want, expected):
     p = _plan(direction, n, dtype, want)
     got = (p.name, p.pack, p.block, p.width, p.cols_per_thread, p.acc_packs, p.param_kernel)
     assert got == expected
+    if p.impl == "regs":
+        assert p.width * p.cols_per_thread >= n and p.block == max(p.width, 128)
+        assert p.cols_per_thread <= 2 * configs.REG_COLS[(direction, dtype.itemsize)]
     if p.impl == "block" and p.acc_packs:
         assert p.block * p.acc_packs * p.pack >= n  # the register accumulators cover the row
     if p.cached:
@@ -271,11 +282,15 @@ def test_choose_block_size_is_oneflows_rule():
 def test_plan_rows_force_and_limits():
     assert _plan("fwd", 512, torch.float16, force="block-uncached").name == "block-uncached"
     assert _plan("fwd", 512, torch.float16, force="block-smem").name == "block-smem"
-    assert _plan("fwd", 4096, torch.float16, optin=1024).name == "block-uncached"  # no shared memory to spare
+    assert _plan("fwd", 65536, torch.float16, optin=1024).name == "block-uncached"  # no shared memory to spare
     with pytest.raises(ValueError, match="block-smem cannot hold"):
         _plan("fwd", 65536, torch.float32, force="block-smem")
     with pytest.raises(ValueError, match="warp impl holds rows of at most 1024"):
         _plan("fwd", 4096, torch.float32, force="warp")
+    assert _plan("fwd", 64, torch.float16, force="regs").name == "regs"
+    assert _plan("fwd", 4096, torch.float16, force="block-smem").name == "block-smem"
+    with pytest.raises(ValueError, match="regs impl holds rows of at most 8192"):
+        _plan("bwd", 16384, torch.float32, force="regs")
     with pytest.raises(ValueError, match="force"):
         _plan("fwd", 64, torch.float32, force="thread")
 
@@ -348,17 +363,20 @@ def test_row_forward_launches(recorded):
     assert args[-3:] == [1000, 64, 1e-5] and args[1] == 64
 
 
-def test_row_backward_launches(recorded):
-    x = torch.empty(300, 8192, dtype=torch.bfloat16)
-    w = torch.empty(8192, dtype=torch.float32)
+@pytest.mark.parametrize("n,name,block,smem", [
+    (4096, "nk::row_bwd_warp<__nv_bfloat16, float, nk::Identity, 8, 8, 512, false, true>", 512, 0),
+    (8192, "nk::row_bwd_block<__nv_bfloat16, float, nk::Identity, 8, false, true, 2>", 512, 2 * 8192 * 2)])
+def test_row_backward_launches(recorded, n, name, block, smem):
+    x = torch.empty(300, n, dtype=torch.bfloat16)
+    w = torch.empty(n, dtype=torch.float32)
     dx, dw, db = cb.row_norm_bwd(x, x, w, torch.empty(300), torch.empty(300), False, torch.float32, torch.float32)
     assert dx.shape == x.shape and dw.dtype == db.dtype == torch.float32
     (n1, g1, b1, s1, a1), (n2, g2, b2, s2, a2) = recorded
-    assert n1 == "nk::row_bwd_block<__nv_bfloat16, float, nk::Identity, 8, false, true, 2>"
-    assert b1 == (512, 1, 1) and s1 == 2 * 8192 * 2
-    assert g1 == (min(300, 132 * min(model_occupancy(512, s1), configs.BWD_MAX_BLOCKS_PER_SM)), 1, 1)
-    assert a1[10].shape == (g1[0], 8192)  # one partial row per block
-    assert n2 == "nk::col_sum<float, float>" and g2 == (8192 // 32, 1, 1) and a2[4] == g1[0]
+    assert n1 == name
+    assert b1 == (block, 1, 1) and s1 == smem
+    assert g1 == (min(300, 132 * min(model_occupancy(block, s1), configs.BWD_MAX_BLOCKS_PER_SM)), 1, 1)
+    assert a1[10].shape == (g1[0], n)  # one partial row per block
+    assert n2 == "nk::col_sum<float, float>" and g2 == (n // 32, 1, 1) and a2[4] == g1[0]
 
 
 def test_wide_row_backward_uses_the_param_kernel(recorded):
@@ -505,7 +523,7 @@ def test_ladder_without_a_gpu_says_so(capsys, tmp_path):
 # ============================================================================ GPU
 
 DEVICE = "cuda"
-WIDTHS = [1, 7, 64, 100, 1000, 4099, 8192, 32768, 65536]
+WIDTHS = [1, 7, 64, 100, 1000, 1032, 2048, 4099, 8192, 16384, 32768, 65536]
 OPS = ["layer_norm", "rms_norm"]
 
 
@@ -634,7 +652,7 @@ def test_nan_stays_in_its_row(op, n, prebuilt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["warp", "block-smem", "block-uncached", None])
+@pytest.mark.parametrize("impl", ["warp", "regs", "block-smem", "block-uncached", None])
 @pytest.mark.parametrize("n", [768, 4096, 65536])
 def test_offset_rows_keep_their_precision(n, impl, prebuilt):
     if impl == "warp" and n > configs.WARP_MAX_COLS:
@@ -644,7 +662,7 @@ def test_offset_rows_keep_their_precision(n, impl, prebuilt):
     try:
         y, mean, rstd, _ = cb._row_fwd(x, w, b, 1e-5, False, force=impl)
     except ValueError:
-        pytest.skip(f"{impl} cannot hold {n} fp32 columns on this GPU")
+        pytest.skip(f"{impl} cannot hold {n} fp32 columns")
     expected, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b)
     err = assert_close(y, expected, 1e-5, f"offset rows {impl}")
     assert err < 1e-5, f"{impl}: {err:.3g} (shifted Welford should keep ~1e-7)"
@@ -690,7 +708,7 @@ def test_uncached_and_param_kernel_paths(op, n, dtype, small_gpu, cuda_poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["warp", "block-smem", "block-uncached"])
+@pytest.mark.parametrize("impl", ["warp", "regs", "block-smem", "block-uncached"])
 @pytest.mark.parametrize("pack", [None, 1])
 def test_every_forward_impl_and_pack(impl, pack, prebuilt, cuda_poison):
     for n in (64, 768, 1000):

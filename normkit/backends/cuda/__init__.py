@@ -114,7 +114,7 @@ def _row_setup(direction, n, pack, dtype, wdtype, activation, rms, want_params, 
         if direction == "fwd":
             return kernels.row_fwd(dtype, wdtype, activation, rms, plan)
         return kernels.row_bwd(dtype, wdtype, activation, rms, plan, want_params and not plan.param_kernel
-                               and (plan.impl == "warp" or plan.acc_packs > 0))
+                               and (plan.impl in ("warp", "regs") or plan.acc_packs > 0))
 
     def occupancy(cached, block, smem, acc_packs):
         plan = configs.RowPlan("block", pack, block, cached=cached, smem=smem, acc_packs=acc_packs)

@@ -284,6 +284,13 @@ struct SumSq {
   }
 };
 
+// one plain sum (the forward's row sums when the row is held in registers)
+struct Sum1 {
+  float v;
+  __device__ static Sum1 zero() { Sum1 r; r.v = 0.f; return r; }
+  __device__ static Sum1 merge(const Sum1& x, const Sum1& y) { Sum1 r; r.v = x.v + y.v; return r; }
+};
+
 // two plain sums (the backward's row sums, the GroupNorm gradient sums)
 struct Sum2 {
   float a, b;
@@ -314,6 +321,31 @@ __device__ __forceinline__ V group_allreduce(V v) {
 #pragma unroll
   for (int d = WIDTH / 2; d > 0; d /= 2) v = V::merge(v, shfl_down_v(v, d, WIDTH));
   return shfl_v(v, 0, WIDTH);
+}
+
+// All-reduce over aligned groups of WIDTH threads of a block, WIDTH a power of two <= 1024 (a row
+// held in the registers of one warp, of a fraction of one, or of several). Above a warp: each
+// warp's total goes to scratch[warp], one barrier, and every thread merges its group's warp totals
+// in the same order (every thread gets the same bits). scratch holds blockDim / 32 values and is
+// used by one call per barrier: callers alternate two scratch arrays, so the barrier of the next
+// call also orders this call's reads before the array is written again. Every thread of the block
+// must call (above a warp).
+template <int WIDTH, typename V>
+__device__ __forceinline__ V row_allreduce(V v, V* scratch) {
+  if constexpr (WIDTH <= kWarpSize) {
+    return group_allreduce<WIDTH>(v);
+  } else {
+    constexpr int WARPS = WIDTH / kWarpSize;
+    const int warp = threadIdx.x / kWarpSize;
+    v = group_allreduce<kWarpSize>(v);
+    if (threadIdx.x % kWarpSize == 0) scratch[warp] = v;
+    __syncthreads();
+    const V* mine = scratch + (warp / WARPS) * WARPS;
+    V t = mine[0];
+#pragma unroll
+    for (int i = 1; i < WARPS; ++i) t = V::merge(t, mine[i]);
+    return t;
+  }
 }
 
 // All-reduce over the block: warps first, then the first warp over the per-warp results.

@@ -6,6 +6,9 @@ dispatch (which implementation, pack and block size each row width gets) with a 
 Row norms (OneFlow's dispatch, seed 003):
   N <= WARP_MAX_COLS    warp impl: a group of `width` lanes holds a row in registers, `cols_per_thread`
                         columns per lane; narrow rows get narrow groups, so a warp holds several rows
+  N <= REG_ROW_MAX      regs impl (the warp kernels with 64..1024 threads per row): the row in
+                        registers, about REG_COLS columns per thread (reg_layout; REG_SHAPES holds
+                        measured exceptions)
   row fits shared mem.  block impl, CACHED: the row parked in shared memory between the two passes;
                         block size by occupancy (choose_block_size)
   otherwise             block impl, uncached: the second pass re-reads global memory
@@ -20,6 +23,18 @@ WARP_MAX_COLS = 1024  # widest row a warp keeps in registers (OneFlow's bound)
 WARP_BLOCK_THREADS = 128  # warp-impl blocks: 4 warps
 COLS_PER_THREAD_STEP = 4  # a lane's columns are rounded up to a multiple of this (or of the pack), so
 #                          few template instantiations cover every width; padded columns are masked
+# regs impl, per (direction, element bytes): the widest row (columns) held in registers, and the
+# columns per thread aimed at. Sized by bytes in flight: a thread issues all its loads before the
+# row's one barrier, so REG_COLS * element bytes (x and dy in the backward) are in flight per
+# thread; ~64 B per thread at 1000+ resident threads is 64 KB per SM, what HBM3 needs (the block
+# impl kept one batch of packs per thread in flight, ~20 KB per SM at N = 2K-4K bf16). The widest
+# rows are bounded by registers: 1024 threads leave 64 registers each.
+# Run S7-2 (H100): the 16-bit backward at 8192 is faster on the block impl (0.78-0.85 of copy vs
+# 0.75-0.77: 1024 threads of 64 registers hold one row per SM), so the regs backward stops at 4096.
+REG_ROW_MAX = {("fwd", 2): 32768, ("fwd", 4): 16384, ("bwd", 2): 4096, ("bwd", 4): 8192}
+REG_COLS = {("fwd", 2): 32, ("fwd", 4): 16, ("bwd", 2): 8, ("bwd", 4): 8}  # run S7-1 at N = 2048
+REG_SHAPES: dict = {}  # (direction, element bytes, padded width) -> threads per row: measured exceptions
+REG_MIN_THREADS, REG_MAX_THREADS = 64, 1024  # a row of 32 threads or fewer is the warp impl's
 BLOCK_SIZES = (128, 256, 512)  # block-impl candidates, smallest first (row_norm.cu kMaxBlockThreads)
 UNCACHED_BLOCK = 512  # OneFlow: the biggest block, so fewer rows compete for L2 at a time
 FWD_WAVES = 32  # forward grids stop at this many waves of resident blocks; kernels loop over the rest
@@ -46,14 +61,20 @@ CLUSTER_SHAPES = {
     ("bwd", 2, 131072): (256, 4, 3, True), ("bwd", 2, 262144): (256, 4, 3, True),
     ("fwd", 4, 131072): (512, 8, 3),
     ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
+    # fp32 backward at 256K: 16 CTAs of 512 x 8 packs (16K columns), one stage of 128 KB, dx from the
+    # stage again (121 registers, no spills). Run S7-3 (H100): LN 0.59 / RMS 0.61 of copy, where the
+    # block impl made 0.27 / 0.23 (each row's x and dy read twice plus the row_param_grad pass).
+    ("bwd", 4, 262144): (512, 8, 1, True),
 }
 CLUSTER_SMEM_MAX = 220 * 1024
 CLUSTER_MIN_THREADS = 128
 CLUSTER_MAX_THREADS = 512  # block kernels: 128 registers per thread at most (see row_norm.cu)  # dynamic shared memory of the stages (the kernel has ~7 KB static)
 # the widths (padded to a power of two) the CUDA backend runs on clusters rather than on the
 # OneFlow-style kernels, per (direction, bytes): where the clusters measured faster (S4-1/S4-2)
-CLUSTER_WIDTHS = {("fwd", 2): (16384, 262144), ("fwd", 4): (16384, 131072), ("bwd", 2): (16384, 262144),
-                  ("bwd", 4): (8192, 131072)}
+# Run S7-2 (H100): the regs impl beats the cluster forward at 16K-32K (RMSNorm 0.91-0.97 vs 0.75-0.83);
+# the forward clusters start where the regs impl stops.
+CLUSTER_WIDTHS = {("fwd", 2): (65536, 262144), ("fwd", 4): (32768, 131072), ("bwd", 2): (16384, 262144),
+                  ("bwd", 4): (8192, 262144)}
 
 # ---- GroupNorm
 GN_REDUCE_BLOCK = (32, 8)  # gn_reduce: 32 lanes along the unit-stride axis
@@ -97,6 +118,22 @@ def warp_layout(n: int, pack: int) -> tuple[int, int]:
     return 32, packs_per_lane * pack
 
 
+def reg_layout(direction: str, n: int, pack: int, elem_bytes: int) -> tuple[int, int] | None:
+    """(threads per row, columns per thread) of the regs impl for rows of n columns, or None when
+    the row is wider than REG_ROW_MAX for this direction and element size."""
+    key = (direction, elem_bytes)
+    if n > REG_ROW_MAX.get(key, 0):
+        return None
+    packs = max(1, cdiv(n, pack))
+    threads = REG_SHAPES.get((direction, elem_bytes, next_pow2(n)))
+    if threads is None:
+        target = max(1, REG_COLS[key] // pack)  # packs per thread aimed at
+        threads = next_pow2(cdiv(packs, target))
+    threads = max(REG_MIN_THREADS, min(REG_MAX_THREADS, threads))
+    step = max(1, COLS_PER_THREAD_STEP // pack)
+    return threads, cdiv(cdiv(packs, threads), step) * step * pack
+
+
 def choose_block_size(occupancy: Callable[[int], int], candidates: Iterable[int] = BLOCK_SIZES) -> int | None:
     """OneFlow's rule: the largest block size that keeps as many blocks resident per SM as the
     smallest candidate does (a block-per-row kernel limited by shared memory gets more threads for
@@ -115,7 +152,7 @@ def choose_block_size(occupancy: Callable[[int], int], candidates: Iterable[int]
 
 @dataclass(frozen=True)
 class RowPlan:
-    impl: str  # "warp" or "block"
+    impl: str  # "warp", "regs" (the warp kernels, 64..1024 threads per row) or "block"
     pack: int
     block: int  # threads per block
     width: int = 0  # warp impl: lanes per row
@@ -127,31 +164,40 @@ class RowPlan:
 
     @property
     def name(self) -> str:
-        if self.impl == "warp":
-            return "warp"
+        if self.impl in ("warp", "regs"):
+            return self.impl
         return "block-smem" if self.cached else "block-uncached"
 
     @property
     def rows_per_block(self) -> int:
-        return self.block // self.width if self.impl == "warp" else 1
+        return self.block // self.width if self.impl in ("warp", "regs") else 1
 
 
 def plan_rows(direction: str, n: int, pack: int, elem_bytes: int, smem_optin: int,
               occupancy: Callable[[bool, int, int, int], int], want_params: bool = False,
               force: str | None = None) -> RowPlan:
     """The implementation for rows of n columns. occupancy(cached, block, smem, acc_packs) gives
-    the resident blocks per SM of the block kernel so configured. force: "warp", "block-smem" or
-    "block-uncached" (the ladder runs each); None picks by width as OneFlow does."""
+    the resident blocks per SM of the block kernel so configured. force: "warp", "regs",
+    "block-smem" or "block-uncached" (the ladder runs each); None picks by width: OneFlow's
+    dispatch with the regs impl between the warp and block impls."""
     if direction not in ("fwd", "bwd"):
         raise ValueError(f"direction: expected 'fwd' or 'bwd', got {direction!r}")
-    if force not in (None, "warp", "block-smem", "block-uncached"):
-        raise ValueError(f"force: expected None, 'warp', 'block-smem' or 'block-uncached', got {force!r}")
+    if force not in (None, "warp", "regs", "block-smem", "block-uncached"):
+        raise ValueError(f"force: expected None, 'warp', 'regs', 'block-smem' or 'block-uncached', got {force!r}")
     want_params = want_params and direction == "bwd"
     if force == "warp" and n > WARP_MAX_COLS:
         raise ValueError(f"the warp impl holds rows of at most {WARP_MAX_COLS} columns, not {n}")
     if force == "warp" or (force is None and n <= WARP_MAX_COLS):
         width, cols = warp_layout(n, pack)
         return RowPlan("warp", pack, WARP_BLOCK_THREADS, width, cols)
+    if force in (None, "regs"):
+        layout = reg_layout(direction, n, pack, elem_bytes)
+        if layout is None and force == "regs":
+            raise ValueError(f"the regs impl holds rows of at most {REG_ROW_MAX.get((direction, elem_bytes))} "
+                             f"columns ({direction}, {elem_bytes}-byte elements), not {n}")
+        if layout is not None:
+            width, cols = layout
+            return RowPlan("regs", pack, max(width, WARP_BLOCK_THREADS), width, cols)
     packs = cdiv(n, pack)
     acc_packs = max(1, BWD_ACC_ELEMS // pack) if want_params else 0
     candidates = BLOCK_SIZES

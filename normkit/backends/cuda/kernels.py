@@ -63,7 +63,7 @@ def _act(activation) -> str:
 
 def row_fwd(dtype, wdtype, activation, rms: bool, plan: configs.RowPlan) -> KernelSpec:
     t, w, a = _ctype(dtype), _ctype(wdtype), _act(activation)
-    if plan.impl == "warp":
+    if plan.impl in ("warp", "regs"):
         name = f"nk::row_fwd_warp<{t}, {w}, {a}, {plan.pack}, {plan.cols_per_thread}, {plan.width}, {_b(rms)}>"
     else:
         name = f"nk::row_fwd_block<{t}, {w}, {a}, {plan.pack}, {_b(rms)}, {_b(plan.cached)}>"
@@ -72,7 +72,7 @@ def row_fwd(dtype, wdtype, activation, rms: bool, plan: configs.RowPlan) -> Kern
 
 def row_bwd(dtype, wdtype, activation, rms: bool, plan: configs.RowPlan, want_params: bool) -> KernelSpec:
     t, w, a = _ctype(dtype), _ctype(wdtype), _act(activation)
-    if plan.impl == "warp":
+    if plan.impl in ("warp", "regs"):
         name = (f"nk::row_bwd_warp<{t}, {w}, {a}, {plan.pack}, {plan.cols_per_thread}, {plan.width}, "
                 f"{_b(rms)}, {_b(want_params)}>")
     else:
@@ -161,13 +161,24 @@ def row_specs(n: int, dtype, wdtype, activation=None, rms: bool = False) -> list
         plan = configs.RowPlan("warp", pack, configs.WARP_BLOCK_THREADS, width, cols)
         specs.append(row_fwd(dtype, wdtype, activation, rms, plan))
         specs += [row_bwd(dtype, wdtype, activation, rms, plan, params) for params in (False, True)]
-    else:
-        acc = max(1, configs.BWD_ACC_ELEMS // pack)
+        return specs
+    for direction in ("fwd", "bwd"):
+        layout = configs.reg_layout(direction, n, pack, dtype.itemsize)
+        if layout is not None:  # the regs impl
+            plan = configs.RowPlan("regs", pack, max(layout[0], configs.WARP_BLOCK_THREADS), *layout)
+            if direction == "fwd":
+                specs.append(row_fwd(dtype, wdtype, activation, rms, plan))
+            else:
+                specs += [row_bwd(dtype, wdtype, activation, rms, plan, params) for params in (False, True)]
+            continue
+        acc = max(1, configs.BWD_ACC_ELEMS // pack)  # the block impl (the ladder's forced runs load their own)
         for cached in (True, False):
             plan = configs.RowPlan("block", pack, configs.BLOCK_SIZES[-1], cached=cached, acc_packs=acc)
-            specs.append(row_fwd(dtype, wdtype, activation, rms, plan))
-            specs += [row_bwd(dtype, wdtype, activation, rms, plan, params) for params in (False, True)]
-        specs.append(row_param_grad(dtype, wdtype, activation, rms))
+            if direction == "fwd":
+                specs.append(row_fwd(dtype, wdtype, activation, rms, plan))
+            else:
+                specs += [row_bwd(dtype, wdtype, activation, rms, plan, params) for params in (False, True)]
+    specs.append(row_param_grad(dtype, wdtype, activation, rms))
     return specs
 
 
@@ -218,6 +229,10 @@ def catalog() -> list[KernelSpec]:
         plan = configs.RowPlan("warp", pack, configs.WARP_BLOCK_THREADS, width, cols)
         specs.append(row_fwd(torch.float16, torch.float16, None, False, plan))
         specs.append(row_bwd(torch.float16, torch.float16, None, False, plan, True))
+    for width in (64, 256, 1024):  # the regs impl: rows across warps (one shape per thread count)
+        plan = configs.RowPlan("regs", 8, max(width, configs.WARP_BLOCK_THREADS), width, 16)
+        specs.append(row_fwd(torch.bfloat16, torch.float32, None, width == 256, plan))
+        specs.append(row_bwd(torch.bfloat16, torch.float32, None, width == 64, plan, True))
     for pack in (1, 2, 4, 8):
         for acc in sorted({max(1, configs.BWD_ACC_ELEMS // pack)}):
             plan = configs.RowPlan("block", pack, configs.BLOCK_SIZES[-1], cached=True, acc_packs=acc)

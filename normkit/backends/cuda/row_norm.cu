@@ -1,10 +1,17 @@
 // row_norm.cu: LayerNorm and RMSNorm over the rows of an [M, N] matrix, forward and backward.
 //
-// OneFlow's design (seed 003): Welford statistics everywhere, vectorized packs, and three
-// implementations chosen by the host from the row width N (configs.py):
+// OneFlow's design (seed 003): Welford statistics (two exact passes where a row sits in
+// registers), vectorized packs, and implementations chosen by the host from the row width N
+// (configs.py):
 //
 //   warp     N <= 1024: a group of WIDTH lanes (a warp, or a fraction of one for narrow rows, so
 //            several rows share a warp) holds a row in registers: read once, written once.
+//   regs     the same kernels with WIDTH = 64..1024 threads per row (the host's "regs" plan, for
+//            rows up to configs.REG_ROW_MAX): a block of max(WIDTH, 128) threads holds one or two
+//            rows in registers, and the row's statistics cross warps through shared memory (one
+//            barrier per all-reduce: one per row in RMSNorm and the backward, two in the
+//            LayerNorm forward). Each thread keeps COLS columns in flight, the block kernels
+//            only one batch of packs between barriers: what the block impl lacked at N = 2K-8K.
 //   block    a block per row. CACHED: the row is kept in dynamic shared memory between the
 //            statistics pass and the normalize pass. Not CACHED ("uncached"): the second pass
 //            reads global memory again (mostly L2 hits), for rows too wide for shared memory.
@@ -24,6 +31,8 @@
 namespace nk {
 
 constexpr int kWarpImplThreads = 128;  // warp-impl blocks (configs.WARP_BLOCK_THREADS)
+// threads of a warp/regs-impl block: WIDTH threads hold a row; a block holds at least 128 threads
+template <int WIDTH> constexpr int row_block_threads() { return WIDTH > kWarpImplThreads ? WIDTH : kWarpImplThreads; }
 // block-impl blocks have at most 512 threads (configs.BLOCK_SIZES): the register file then allows
 // 128 registers per thread, room for the batched loads and the fused activations without spills
 // (a 1024-thread bound caps a thread at 64 registers and the bf16/fp16 kernels spilled)
@@ -31,46 +40,70 @@ constexpr int kMaxBlockThreads = 512;
 
 // ================================================================== forward
 
-// Statistics of shifted data: the row's first element is subtracted before Welford (exact in
-// fp32 for values near it), and y is formed from the shifted values, so a row offset by 1e4 keeps
+// Statistics of shifted data: the row's first element is subtracted before Welford or the two
+// passes (exact in fp32 for values near it), and y is formed from the shifted values, so a row offset by 1e4 keeps
 // the digits that (x - mean) with a rounded fp32 mean would lose. RMSNorm does not shift.
 
-// warp impl: COLS columns per lane (PACKS packs of P), lane l of a group owns packs
-// l, l + WIDTH, l + 2 WIDTH, ... so that neighbouring lanes read neighbouring packs.
+// warp/regs impl: COLS columns per thread (PACKS packs of P), thread l of a group of WIDTH owns
+// packs l, l + WIDTH, l + 2 WIDTH, ... so that neighbouring threads read neighbouring packs.
+// Group g of block b holds rows b * GROUPS + g, then + gridDim * GROUPS, ...: the loop bound is
+// the same for every thread of the block (the shuffles and barriers need them all); a group whose
+// row is past the end only skips its loads and stores.
 template <int P, int COLS, int WIDTH, bool RMS, typename LOAD, typename STORE>
 __device__ void layer_norm_warp(LOAD load, STORE store, float* mean_out, float* rstd_out, i64 rows, int cols,
                                 float eps) {
-  typedef typename Select<RMS, SumSq, Welford>::type Stat;
   static_assert(COLS % P == 0, "COLS must be a multiple of the pack");
   constexpr int PACKS = COLS / P;
-  constexpr int GROUPS_PER_WARP = kWarpSize / WIDTH;
+  constexpr int GROUPS = row_block_threads<WIDTH>() / WIDTH;
+  // The row is in registers, so LayerNorm takes two exact passes over them (the sum, then the
+  // squared deviations from the mean) instead of Welford: two all-reduces of plain sums. Welford's
+  // merges (a division each, in sequence over the warps of a row) made the LayerNorm forward
+  // latency-bound: 0.46 of copy at N = 32768 where the same kernel's RMSNorm reached 0.91 (run
+  // S7-2). Scratch: LayerNorm's two all-reduces use arrays 0 and 1 in turn, RMSNorm's one
+  // alternates them by row (see row_allreduce).
+  __shared__ Sum1 scratch[2][row_block_threads<WIDTH>() / kWarpSize];
   const int lane = threadIdx.x % WIDTH;
-  const int group_in_warp = (threadIdx.x % kWarpSize) / WIDTH;
-  const i64 warps_per_block = blockDim.x / kWarpSize;
-  const i64 warp_id = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize;
-  const i64 step = gridDim.x * warps_per_block * GROUPS_PER_WARP;
-  // The loop bound is the same for every lane of a warp (the shuffles need all 32 lanes);
-  // a group whose row is past the end only skips its loads and stores.
-  for (i64 first = warp_id * GROUPS_PER_WARP; first < rows; first += step) {
-    const i64 row = first + group_in_warp;
+  const int group = threadIdx.x / WIDTH;
+  int parity = 0;
+  for (i64 first = i64(blockIdx.x) * GROUPS; first < rows; first += i64(gridDim.x) * GROUPS, parity ^= 1) {
+    const i64 row = first + group;
     const bool live = row < rows;
     const float shift = (RMS || !live) ? 0.f : load.first(row);
     float buf[COLS];  // the row's shifted values, then its normalized values
-    Stat st = Stat::zero();
+    Sum1 s1 = Sum1::zero();
 #pragma unroll
     for (int p = 0; p < PACKS; ++p) {
       const int col = (p * WIDTH + lane) * P;
       if (live && col < cols) {
         load.template load<P>(buf + p * P, row, col);
 #pragma unroll
-        for (int i = 0; i < P; ++i) buf[p * P + i] -= shift;
-        st.template push_pack<P>(buf + p * P);
+        for (int i = 0; i < P; ++i) {
+          buf[p * P + i] -= shift;
+          s1.v = RMS ? fmaf(buf[p * P + i], buf[p * P + i], s1.v) : s1.v + buf[p * P + i];
+        }
       }
     }
-    st = group_allreduce<WIDTH>(st);
-    const float rstd = rsqrtf(st.m2 / float(cols) + eps);
+    s1 = row_allreduce<WIDTH>(s1, scratch[RMS ? parity : 0]);
+    float mean = 0.f, m2 = s1.v;  // mean of the shifted values
+    if constexpr (!RMS) {
+      mean = s1.v / float(cols);
+      Sum1 s2 = Sum1::zero();
+#pragma unroll
+      for (int p = 0; p < PACKS; ++p) {
+        const int col = (p * WIDTH + lane) * P;
+        if (live && col < cols) {
+#pragma unroll
+          for (int i = 0; i < P; ++i) {
+            const float d = buf[p * P + i] - mean;
+            s2.v = fmaf(d, d, s2.v);
+          }
+        }
+      }
+      m2 = row_allreduce<WIDTH>(s2, scratch[1]).v;
+    }
+    const float rstd = rsqrtf(m2 / float(cols) + eps);
     if (live && lane == 0) {
-      if (!RMS) mean_out[row] = shift + st.mean;
+      if (!RMS) mean_out[row] = shift + mean;
       rstd_out[row] = rstd;
     }
 #pragma unroll
@@ -78,7 +111,7 @@ __device__ void layer_norm_warp(LOAD load, STORE store, float* mean_out, float* 
       const int col = (p * WIDTH + lane) * P;
       if (live && col < cols) {
 #pragma unroll
-        for (int i = 0; i < P; ++i) buf[p * P + i] = (buf[p * P + i] - st.mean) * rstd;
+        for (int i = 0; i < P; ++i) buf[p * P + i] = (buf[p * P + i] - mean) * rstd;
         store.template store<P>(buf + p * P, row, col);
       }
     }
@@ -152,7 +185,7 @@ __device__ void layer_norm_block(RowLoad<T> load, STORE store, float* mean_out, 
       const W *__restrict__ b, float *__restrict__ mean, float *__restrict__ rstd, i64 rows, int cols, float eps
 
 template <typename T, typename W, typename ACT, int P, int COLS, int WIDTH, bool RMS>
-__global__ void __launch_bounds__(kWarpImplThreads) row_fwd_warp(NK_ROW_FWD_PARAMS) {
+__global__ void __launch_bounds__(row_block_threads<WIDTH>()) row_fwd_warp(NK_ROW_FWD_PARAMS) {
   layer_norm_warp<P, COLS, WIDTH, RMS>(RowLoad<T>{x, x_stride}, AffineActStore<T, W, ACT>{y, y_stride, w, b}, mean,
                                        rstd, rows, cols, eps);
 }
@@ -170,26 +203,26 @@ __global__ void __launch_bounds__(kMaxBlockThreads) row_fwd_block(NK_ROW_FWD_PAR
       const W *__restrict__ b, const float *__restrict__ mean, const float *__restrict__ rstd,             \
       T *__restrict__ dx, i64 dx_stride, float *__restrict__ dw_part, float *__restrict__ db_part, i64 rows, int cols
 
-// warp impl backward: the row's xhat and g stay in registers between the sums and dx.
-// PARAMS: each lane accumulates dz * xhat and dz for its columns over all its rows; block b
-// writes partial row b of dw_part / db_part ([gridDim, cols]).
+// warp/regs impl backward: the row's xhat and g stay in registers between the sums and dx (rows
+// mapped to groups as in layer_norm_warp). PARAMS: each thread accumulates dz * xhat and dz for
+// its columns over all its rows; block b writes partial row b of dw_part / db_part ([gridDim, cols]).
 template <typename T, typename W, typename ACT, int P, int COLS, int WIDTH, bool RMS, bool PARAMS>
-__global__ void __launch_bounds__(kWarpImplThreads) row_bwd_warp(NK_ROW_BWD_PARAMS) {
+__global__ void __launch_bounds__(row_block_threads<WIDTH>()) row_bwd_warp(NK_ROW_BWD_PARAMS) {
   constexpr int PACKS = COLS / P;
-  constexpr int GROUPS_PER_WARP = kWarpSize / WIDTH;
+  constexpr int BLOCK = row_block_threads<WIDTH>();
+  constexpr int GROUPS = BLOCK / WIDTH;
   constexpr int ACC = PARAMS ? COLS : 1;
+  __shared__ Sum2 scratch[2][BLOCK / kWarpSize];
   const int lane = threadIdx.x % WIDTH;
-  const int group_in_warp = (threadIdx.x % kWarpSize) / WIDTH;
-  const i64 warps_per_block = blockDim.x / kWarpSize;
-  const i64 warp_id = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize;
-  const i64 step = gridDim.x * warps_per_block * GROUPS_PER_WARP;
+  const int group = threadIdx.x / WIDTH;
   const float inv_cols = 1.f / float(cols);
   float dw_acc[ACC], db_acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) dw_acc[i] = db_acc[i] = 0.f;
 
-  for (i64 first = warp_id * GROUPS_PER_WARP; first < rows; first += step) {
-    const i64 row = first + group_in_warp;
+  int parity = 0;
+  for (i64 first = i64(blockIdx.x) * GROUPS; first < rows; first += i64(gridDim.x) * GROUPS, parity ^= 1) {
+    const i64 row = first + group;
     const bool live = row < rows;
     const float mu = (live && !RMS) ? mean[row] : 0.f;
     const float rs = live ? rstd[row] : 0.f;
@@ -214,7 +247,7 @@ __global__ void __launch_bounds__(kWarpImplThreads) row_bwd_warp(NK_ROW_BWD_PARA
         }
       }
     }
-    s = group_allreduce<WIDTH>(s);
+    s = row_allreduce<WIDTH>(s, scratch[parity]);
 #pragma unroll
     for (int p = 0; p < PACKS; ++p) {
       const int col = (p * WIDTH + lane) * P;
@@ -225,10 +258,19 @@ __global__ void __launch_bounds__(kWarpImplThreads) row_bwd_warp(NK_ROW_BWD_PARA
       }
     }
   }
-  if constexpr (PARAMS) {
+  if constexpr (PARAMS && GROUPS == 1) {
+    // one group per block: its threads own disjoint columns, so they write the partial row directly
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      const int col = (p * WIDTH + lane) * P;
+      if (col < cols) {
+        if (dw_part != nullptr) store_floats<P>(dw_part + i64(blockIdx.x) * cols + col, dw_acc + p * P);
+        if (db_part != nullptr) store_floats<P>(db_part + i64(blockIdx.x) * cols + col, db_acc + p * P);
+      }
+    }
+  } else if constexpr (PARAMS) {
     // one partial row per block: the block's groups are added in a fixed order through shared
     // memory (red[group][col]), first dweight, then dbias
-    constexpr int GROUPS = kWarpImplThreads / WIDTH;
     __shared__ float red[GROUPS][WIDTH * COLS];
     const int group = threadIdx.x / WIDTH;
     for (int which = 0; which < 2; ++which) {
