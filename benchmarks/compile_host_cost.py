@@ -70,7 +70,7 @@ def main(out_dir):
     rows = []
     for name, make in CASES.items():
         args, fn_of, w = make("cuda")
-        for way in ("cpp", "python", "inductor"):
+        for way in os.environ.get("NK_WAYS", "cpp,python,inductor").split(","):
             torch._dynamo.reset()
             with cf.policy("torch" if way == "inductor" else "normkit"), torch.no_grad():
                 f = torch.compile(fn_of(w), fullgraph=True)
