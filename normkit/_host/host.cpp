@@ -876,14 +876,31 @@ Key row_fwd_key(const RowCall& c, bool store_stats, bool store_h) {
   return key;
 }
 
+// A statistics output (mean, rstd) of a replay in the shape the Python host function hands it out
+// (x's leading dims; [B, G] for GroupNorm), which the recorded buffer may have flat ([M]): the ops
+// return it as their fake implementations say. Any other recorded buffer: as recorded.
+Tensor alloc_stats(const AllocSpec& a, c10::IntArrayRef shape) {
+  int64_t n = 1, m = 1, expect = 1;
+  for (int64_t v : shape) n *= v;
+  bool dense = true;
+  for (int64_t i = static_cast<int64_t>(a.sizes.size()) - 1; i >= 0; i--) {
+    m *= a.sizes[i];
+    if (a.sizes[i] != 1 && a.strides[i] != expect) dense = false;
+    expect *= a.sizes[i];
+  }
+  return dense && n == m ? alloc(shape, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+}
+
 // One forward through its plan, or the Python host function (recording it when due): the core of
 // both entry points, the eager one (py_row_norm) and the dispatcher's (row_fwd_op). store_stats:
 // mean/rstd are kept; store_h: h is written. outs[1..5] = y, mean, rstd, h, amax (undefined: absent).
 void row_forward(const RowCall& c, bool store_stats, bool store_h, Tensor (&outs)[kMaxOuts]) {
   const Tensor inputs[5] = {c.x, c.w, c.b, c.r, c.scale};
+  const c10::IntArrayRef lead = c.x.sizes().slice(0, c.x.dim() - c.ndim);
   auto make = [&](int role, const AllocSpec& a) {
     if (role == 1 || role == 4) return alloc(c.x.sizes(), a.dtype);
     if (role == 5) return alloc({}, at::kFloat);  // the amax: 4 bytes, handed out as a 0-dim float32
+    if (role == 2 || role == 3) return alloc_stats(a, lead);
     return alloc_strided(a.sizes, a.strides, a.dtype);
   };
   run(row_fwd_key(c, store_stats, store_h), inputs, 5, c.x.device(), make, [&](bool record) {  // GIL held
@@ -1091,8 +1108,9 @@ Key gn_fwd_key(const GnCall& c) {
 // (py_group_norm, gn_fwd_op): outs[1..3] = y (in x's layout), mean, rstd.
 void gn_forward(const GnCall& c, Tensor (&outs)[kMaxOuts]) {
   const Tensor inputs[3] = {c.x, c.w, c.b};
+  const int64_t stat_shape[2] = {c.B, c.groups};
   auto make = [&](int role, const AllocSpec& a) {
-    return role == 1 ? alloc_like(c.x, c.layout, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+    return role == 1 ? alloc_like(c.x, c.layout, a.dtype) : alloc_stats(a, stat_shape);
   };
   run(gn_fwd_key(c), inputs, 3, c.x.device(), make, [&](bool record) {
     return callbacks->gn_fwd(wrap(c.x), wrap(c.w), wrap(c.b), c.groups, c.eps, act_name(c.act), bool(c.layout),
