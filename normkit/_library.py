@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _autograd, backends
+from . import _autograd, _host, backends
 from ._layout import bcs, fresh, from_bcs, is_channels_last
 
 __all__ = ["needed", "row_norm", "row_norm_fused", "row_norm_with_stats", "row_norm_grads", "group_norm"]
@@ -103,6 +103,7 @@ def _fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residu
 
 
 def _fwd_fake(x, normalized_ndim, weight, bias, eps, rms, residual=None, opts=_autograd.PLAIN):
+    _host.prepare_for_compile(x)  # the compiled call's C++ kernel (normkit._host)
     lead = x.shape[: x.dim() - normalized_ndim]
     rstd = x.new_empty(lead, dtype=_stat_dtype(x))
     mean = _absent(rstd) if rms else x.new_empty(lead, dtype=_stat_dtype(x))
@@ -345,6 +346,7 @@ def _group_norm_fwd(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: 
 
 @_group_norm_fwd.register_fake
 def _(x, num_groups, weight, bias, eps, activation, backend):
+    _host.prepare_for_compile(x)
     stats = (x.shape[0], num_groups)
     return _like_layout(x, is_channels_last(x)), x.new_empty(stats, dtype=_stat_dtype(x)), \
         x.new_empty(stats, dtype=_stat_dtype(x))

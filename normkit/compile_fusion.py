@@ -136,9 +136,12 @@ def _read(path: Path) -> dict:
 
 
 # The table's own key for its size floor: below it Inductor's code is kept whatever the entry says.
-# The entries compare GPU time with the host hidden; a custom op's call costs tens of microseconds of
-# Python on the host, which a small tensor's few microseconds of GPU time cannot pay back when the
-# step is host-bound (decoding, small batches).
+# The entries compare GPU time with the host hidden, measured at 2^24 elements only. A kept op's call
+# used to cost 100-160 us more host time than Inductor's own kernel (its Python implementation); the
+# ops' C++ dispatcher kernels (normkit._host) bring that to within ~4 us (H100: benchmarks/results/
+# 2026-11-24-h100-session7-dispatch; GroupNorm+SiLU 80 us less). Kept for now: the GPU-time wins of
+# the entries are unmeasured below 2^24 elements, and with ~20% GPU wins a ~4 us host difference
+# breaks even near 2^23 elements, the current floor. Lowering it needs the table measured at small sizes.
 MIN_ELEMENTS = "min_elements"
 
 

@@ -570,3 +570,130 @@ def test_info_says_which_host_path():
 
     line = host_path_line()
     assert ("C++ host path: active" in line) if HAS_CUDA else ("no CUDA device" in line)
+
+
+# ----------------------------------------------------------------------------- the ops' dispatcher kernels
+
+def test_op_kernels_are_registered_when_the_extension_loads(ext):
+    for name in _host.OPS:
+        for key in ("CUDA", "AutogradCUDA"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"normkit::{name}", key), (name, key)
+    # the schemas stay those of normkit._library (one definition)
+    assert "Tensor? residual" in str(torch.ops.normkit.row_norm_fused_fwd.default._schema)
+
+
+def _op_row(x, ndim=1, w=None, b=None, eps=1e-5, rms=False, act=None, backend=None):
+    return [x, ndim, w, b, eps, rms, act, backend]
+
+
+def test_op_kernel_reads_calls_as_the_eager_path_does(ext):
+    x, w, b = torch.randn(4, 6, 8), torch.randn(8), torch.randn(8)
+    key = ext._parse_op("row_norm_fwd", *_op_row(x, 1, w, b, 1e-5))
+    eager = ext._parse_row(x, 8, w, b, 1e-5, False, None, None)[-1]
+    # the same key but for store_stats (position 11): the op always returns mean and rstd
+    assert key[:11] == eager[:11] and key[12:] == eager[12:] and (key[11], eager[11]) == (1, 0)
+    assert ext._parse_op("row_norm_fwd", *_op_row(x, 2, None, None, 0.0, True, "silu", "triton")) is not None
+    assert ext._parse_op("row_norm_fwd", *_op_row(x[:, ::2, :], 1, w)) is not None  # strided rows: no copy
+    r = torch.randn(4, 6, 8)
+    fused = _op_row(x, 1, w, None, 1e-6, True) + [r, torch.float32, 1.0, None, None, None, True]
+    assert ext._parse_op("row_norm_fused_fwd", *fused) is not None
+    gn = [torch.randn(2, 8, 3, 3), 4, torch.randn(8), torch.randn(8), 1e-5, "mish", None]
+    assert ext._parse_op("group_norm_fwd", *gn) == ext._parse_gn(*gn)[-1]
+    cl = torch.randn(2, 8, 3, 3).to(memory_format=torch.channels_last)
+    assert ext._parse_op("group_norm_fwd", cl, 4, None, None, 1e-5, None, None) is not None
+
+
+@pytest.mark.parametrize("case", ["float64", "backend torch", "backend cuda", "bad activation", "ndim 0",
+                                  "rows need three strides", "weight shape", "residual dtype without residual",
+                                  "fp8 without scale", "both scales", "gn groups", "gn layout", "gn float64"])
+def test_op_kernel_leaves_calls_to_python(ext, case):
+    x, w = torch.randn(4, 6, 8), torch.randn(8)
+    name, args = "row_norm_fwd", _op_row(x, 1, w)
+    fused_tail = [None, None, 0.0, None, None, None, False]
+    if case == "float64":
+        args[0] = x.double()
+    elif case == "backend torch":
+        args[7] = "torch"
+    elif case == "backend cuda":
+        args[7] = "cuda"
+    elif case == "bad activation":
+        args[6] = "swish"
+    elif case == "ndim 0":
+        args[1] = 0
+    elif case == "rows need three strides":  # the Python path copies
+        args[0] = torch.randn(4, 6, 2, 8)[:, :5, :, :].permute(2, 0, 1, 3)
+    elif case == "weight shape":
+        args[2] = torch.randn(4)
+    elif case == "residual dtype without residual":
+        name, args = "row_norm_fused_fwd", args + fused_tail
+        args[9] = torch.float32
+    elif case == "fp8 without scale":
+        name, args = "row_norm_fused_fwd", args + fused_tail
+        args[11] = torch.float8_e4m3fn
+    elif case == "both scales":
+        name, args = "row_norm_fused_fwd", args + fused_tail
+        args[11], args[12], args[13] = torch.float8_e4m3fn, torch.ones(()), 2.0
+    elif case.startswith("gn"):
+        name = "group_norm_fwd"
+        xg = torch.randn(2, 6, 4, 4)
+        args = [xg, 4 if case == "gn groups" else 3, None, None, 1e-5, None, None]
+        if case == "gn layout":
+            args[0] = xg[:, :, ::2]
+        elif case == "gn float64":
+            args[0] = xg.double()
+    assert ext._parse_op(name, *args) is None
+
+
+@pytest.fixture
+def cpu_kernels(ext):
+    """The same kernels registered for CPU tensors, which they never serve: every call takes the
+    op's Python implementation (or its Python autograd) through them."""
+    handle = ext._register_ops(_host.op_impls(), "CPU")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("normkit::row_norm_fwd", "CPU")
+    yield ext
+    del handle
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("normkit::row_norm_fwd", "CPU")
+
+
+def _op_counts(ext):
+    s = ext._stats()
+    return {k: s[k] for k in ("op_served", "op_python", "op_autograd_python")}
+
+
+def test_declined_calls_run_the_ops_python_implementation(cpu_kernels):
+    import normkit
+
+    ext = cpu_kernels
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    ops = torch.ops.normkit
+    before = _op_counts(ext)
+    with torch.no_grad():
+        y = ops.row_norm_fwd.default(x, 1, w, b, 1e-5, False, None, "torch")
+    ref = torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5)
+    torch.testing.assert_close(y[0], ref)
+    xg = torch.randn(2, 4, 3, 3)
+    g = ops.group_norm_fwd.default(xg, 2, None, None, 1e-5, None, "torch")
+    torch.testing.assert_close(g[0], torch.nn.functional.group_norm(xg, 2, eps=1e-5))
+    after = _op_counts(ext)
+    assert after["op_python"] - before["op_python"] == 2 and after["op_served"] == before["op_served"]
+    # with grad: the op's Python autograd kernel, then the backward op (grad mode off) through the C++ kernels
+    wl = w.clone().requires_grad_()
+    y = ops.row_norm_fwd.default(x, 1, wl, None, 1e-5, True, None, "torch")[0]
+    y.sum().backward()
+    ref_w = w.clone().requires_grad_()
+    torch.nn.functional.rms_norm(x, (8,), ref_w, 1e-5).sum().backward()
+    torch.testing.assert_close(wl.grad, ref_w.grad)
+    last = _op_counts(ext)
+    assert last["op_autograd_python"] - after["op_autograd_python"] == 1
+    assert last["op_python"] - after["op_python"] == 2  # the forward below autograd, and row_norm_bwd
+    # compiled: Inductor's code calls the op through the dispatcher (the kernels, then Python here)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: normkit.rms_norm(t, (8,), w, 1e-6, backend="torch") * 2, fullgraph=True)
+    torch.testing.assert_close(f(x), torch.nn.functional.rms_norm(x, (8,), w, 1e-6) * 2)
+    assert _op_counts(ext)["op_python"] > last["op_python"]
+
+
+def test_python_path_switches_the_op_kernels_off(ext):
+    with _host.python_path():
+        assert not ext._ops_enabled()
+    assert ext._ops_enabled()

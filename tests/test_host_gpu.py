@@ -445,3 +445,110 @@ def test_fused_calls_are_served_by_cpp(fast):
         _grads(fn, inputs, wanted)
         s1 = _host.stats()
         assert s1["python_runs"] == s0["python_runs"] and s1["replays"] > s0["replays"], name
+
+
+# ----------------------------------------------------------------------------- compiled calls
+# Inductor's generated code calls normkit's ops through the dispatcher, which reaches the C++
+# kernels (host.cpp, "the dispatcher's kernels"): the same plans as eager calls, no Python per call.
+
+def _op_delta(before, after):
+    return {k: after[k] - before[k] for k in ("op_served", "op_python", "op_autograd_python", "python_runs", "replays")}
+
+
+def test_compiled_calls_replay_plans_in_cpp(fast):
+    from normkit import compile_fusion as cf
+
+    torch._dynamo.reset()
+    x = torch.randn(8, 4096, device="cuda", dtype=bf16)
+    r, w = torch.randn_like(x), torch.randn(4096, device="cuda", dtype=bf16)
+    b = torch.randn(4096, device="cuda", dtype=bf16)
+    xg = torch.randn(2, 64, 8, 8, device="cuda", dtype=fp16)
+
+    def fn(x, r, xg):
+        y = normkit.rms_norm(x, (4096,), w, 1e-6)
+        y2, h = normkit.rms_norm(x, (4096,), w, 1e-6, residual=r, prenorm=True)
+        z = normkit.layer_norm(x, (4096,), w, b, 1e-5)
+        g = normkit.group_norm(xg, 8, None, None, 1e-5, activation="silu")
+        return y, y2, h, z, g
+
+    with cf.policy("normkit"), torch.no_grad():
+        eager = fn(x, r, xg)
+        f = torch.compile(fn, fullgraph=True)
+        for _ in range(3):  # per op: the Python host function, its recording, then replays
+            f(x, r, xg)
+        before = _host.stats()
+        for _ in range(5):
+            got = f(x, r, xg)
+        d = _op_delta(before, _host.stats())
+    for i, (a, e) in enumerate(zip(got, eager)):
+        _same(a, e, f"output {i}: compiled vs eager")
+    assert d["op_python"] == 0 and d["python_runs"] == 0 and d["op_autograd_python"] == 0, d
+    assert d["op_served"] >= 5 * 4 and d["op_served"] % 5 == 0 and d["replays"] >= d["op_served"], d
+
+
+def test_compiled_training_step_matches_eager(fast):
+    from normkit import compile_fusion as cf
+
+    torch._dynamo.reset()
+    x0 = torch.randn(16, 1024, device="cuda", dtype=bf16)
+    w0 = torch.randn(1024, device="cuda", dtype=bf16)
+
+    def step(fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fn(x, w)
+        y.backward((y.detach().float() * 0.7).cos().to(y.dtype))
+        return y.detach(), x.grad, w.grad
+
+    def fn(x, w):
+        return normkit.rms_norm(x, (1024,), w, 1e-6)
+
+    with cf.policy("normkit"):
+        eager = step(fn)
+        f = torch.compile(fn, fullgraph=True)
+        for _ in range(3):
+            step(f)
+        before = _host.stats()
+        got = step(f)
+        d = _op_delta(before, _host.stats())
+    for a, e in zip(got, eager):
+        _same(a, e, "compiled training step vs eager")
+    # the compiled forward runs with grad mode off: the C++ autograd kernel goes on in C++
+    assert d["op_autograd_python"] == 0 and d["op_served"] >= 1, d
+
+
+def test_declined_compiled_calls_take_the_python_implementation(fast):
+    from normkit import compile_fusion as cf
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 6, 2, 64, device="cuda")[:, :5].permute(2, 0, 1, 3)  # rows the kernels cannot walk
+    f = torch.compile(lambda t: normkit.rms_norm(t, (64,), None, 1e-6), fullgraph=True)
+    with cf.policy("normkit"), torch.no_grad():
+        before = _host.stats()
+        y = f(x)
+        d = _op_delta(before, _host.stats())
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (64,), None, 1e-6))
+    assert d["op_python"] + d["op_served"] >= 1, d  # Inductor may hand the op a contiguous copy
+
+
+def test_a_process_that_compiles_before_any_eager_call_gets_the_kernels(fast):
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, normkit
+from normkit import _host, compile_fusion as cf
+x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+f = torch.compile(lambda x: normkit.rms_norm(x, (512,), w, 1e-6), fullgraph=True)
+with cf.policy("normkit"), torch.no_grad():
+    for _ in range(4):
+        y = f(x)
+s = _host.stats()
+assert _host.fast is not None and s["op_served"] == 4 and s["replays"] >= 2, (_host.status, s)
+print("ok")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]

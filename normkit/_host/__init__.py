@@ -15,6 +15,14 @@ plans replayed through the CUDA driver, a few microseconds per call. It is built
 ninja on the first call with a CUDA tensor (about a minute, once: then it is loaded from torch's
 extension cache). Until then `fast` is a stand-in that builds it on that first CUDA call; where it
 cannot be built, `fast` becomes None and `status` says why. NORMKIT_HOST=0 switches it off.
+
+The same extension gives normkit's custom ops (normkit._library) C++ kernels for CUDA tensors, so
+torch.compile's generated code, which calls the ops through the dispatcher, replays the same plans
+without Python (host.cpp, "the dispatcher's kernels"). They are registered when the extension loads;
+a process that compiles before any eager CUDA call loads it when tracing first meets a normkit op on
+a CUDA tensor (prepare_for_compile, called by the ops' fake implementations). A call the C++ kernels
+do not serve, and every call while the host path is inactive or python_path() is in force, runs the
+op's Python implementation.
 """
 from __future__ import annotations
 
@@ -49,6 +57,7 @@ class _Pending:
 fast = _Pending()
 _lock = threading.Lock()
 _ext = None
+_ops_handle = None  # keeps the dispatcher's C++ kernels of normkit's ops registered
 
 if os.environ.get("NORMKIT_HOST", "1").strip().lower() in ("0", "false", "off", "no"):
     fast = None
@@ -65,8 +74,39 @@ def load_extension():
 
         ext = build.load()
         ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")))
+        global _ops_handle
+        _ops_handle = ext._register_ops(op_impls(), "CUDA")
         _ext = ext
     return _ext
+
+
+OPS = ("row_norm_fwd", "row_norm_fused_fwd", "row_norm_bwd", "row_norm_fused_bwd", "group_norm_fwd", "group_norm_bwd")
+
+
+def op_impls() -> dict:
+    """{op name: (its Python implementation, its Python autograd kernel)}: what the dispatcher's C++
+    kernels call for a call they leave to Python (the custom op's own kernels, which theirs replace)."""
+    from torch._library.autograd import make_autograd_impl
+
+    from .. import _library
+
+    out = {}
+    for name in OPS:
+        opdef = getattr(_library, "_" + name)
+        out[name] = (opdef._init_fn, make_autograd_impl(opdef._opoverload, opdef))  # (keyset, *args)
+    return out
+
+
+def prepare_for_compile(x) -> None:
+    """Called when a normkit op is traced (its fake implementation): a CUDA tensor loads the host path
+    now, so the compiled code's op calls find its C++ kernels (a process may compile before any eager
+    CUDA call). Outside the tracing modes: building it makes a real CUDA tensor."""
+    if not isinstance(fast, _Pending) or getattr(x, "device", None) is None or x.device.type != "cuda":
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C._DisablePythonDispatcher():
+        activate()
 
 
 def activate():
@@ -133,7 +173,13 @@ def python_path():
     """Calls in the block take the Python host path (tests and benchmarks compare the two)."""
     global fast
     saved, fast = fast, None
+    ext = _ext
+    on = ext._ops_enabled() if ext is not None else None
+    if ext is not None:
+        ext._set_ops_enabled(False)  # the ops' dispatcher kernels too
     try:
         yield
     finally:
         fast = saved
+        if ext is not None:
+            ext._set_ops_enabled(on)

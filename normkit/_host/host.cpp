@@ -31,7 +31,10 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
@@ -48,6 +51,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 namespace py = pybind11;
 using at::Tensor;
@@ -768,6 +772,48 @@ int64_t param_rows_of(const Tensor& p, c10::Device dev, c10::IntArrayRef shape, 
   return 0;
 }
 
+// The part of reading a row call that both entry points share, the eager one (parse_row) and the
+// dispatcher's (parse_row_op): c's tensors (x, w, b, r, scale: undefined where absent), scalars and
+// options are read; checks the options together and the tensors, and resolves the rest of c.
+// dims: normalized_shape. autocast: apply torch's autocast contract (the public functions do; the
+// ops do not: under torch.compile the graph has applied it). r_dtype: the residual_dtype asked for.
+bool finish_row(RowCall& c, const int64_t* dims, bool autocast, const std::optional<at::ScalarType>& r_dtype) {
+  if ((c.prenorm || r_dtype) && !c.r.defined()) return false;  // errors: Python raises them
+  if (c.weight_offset != 0 && !c.w.defined()) return false;
+  const bool fp8 = c.out_dtype && is_fp8(*c.out_dtype);
+  if (fp8 != (c.scale.defined() || c.float_scale)) return false;  // float8 needs a scale, a scale needs float8
+  if (!modes_ok() || functorch_active()) return false;
+  const c10::Device dev = c.x.device();
+  const int64_t d = c.x.dim();
+  if (c.ndim < 1 || c.ndim > d || !tensor_ok(c.x, dev)) return false;
+  const c10::IntArrayRef shape(dims, c.ndim);
+  if (c.x.sizes().slice(d - c.ndim) != shape) return false;
+  if (c.r.defined()) {
+    if (!tensor_ok(c.r, dev) || c.r.sizes() != c.x.sizes()) return false;
+    c.h_dtype = r_dtype ? *r_dtype : c.r.scalar_type();
+  }
+  if (c.scale.defined()) {
+    if (!tensor_ok(c.scale, dev) || c.scale.numel() != 1 || (c.scale.requires_grad() && c10::GradMode::is_enabled()))
+      return false;
+    c.scale_value = 0;
+  }
+  const int64_t heads = d > c.ndim + 1 ? c.x.size(d - c.ndim - 1) : 0;
+  const int64_t wr = param_rows_of(c.w, dev, shape, heads), br = param_rows_of(c.b, dev, shape, heads);
+  if (wr == 0 || br == 0 || (wr > 0 && br > 0 && (wr == 1) != (br == 1))) return false;  // mixed: Python expands
+  c.w_rows = std::max<int64_t>({wr, br, int64_t(1)});
+  if (c.out_dtype == c.x.scalar_type()) c.out_dtype.reset();
+  if (autocast && at::autocast::is_autocast_enabled(at::kCUDA) && upcasts[c.rms] &&
+      c.x.scalar_type() != at::kFloat && !c.out_dtype)
+    c.out_dtype = at::kFloat;  // torch's contract: float32 out, computed in one pass from x (_autocast_rows)
+  if (!add_layout(c.layout, c.x, c.ndim, c.lead_n, c.inner)) return false;
+  if (c.r.defined()) {
+    int n_r = 0;
+    int64_t inner_r = 0;
+    if (!add_layout(c.layout, c.r, c.ndim, n_r, inner_r, c.lead_n, c.inner)) return false;
+  }
+  return true;
+}
+
 // Recognises a call this path serves: (x, normalized_shape, weight, bias, eps, rms, activation,
 // backend[, residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax,
 // autocast]) as normkit.functional passes them (autocast: apply torch's autocast contract, as the
@@ -802,47 +848,15 @@ bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCa
         !read_dtype(args[12], {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2},
                     c.out_dtype))
       return false;
-    if ((c.prenorm || r_dtype) && pr == Py_None) return false;  // errors: Python raises them
-    if (c.weight_offset != 0 && pw == Py_None) return false;
-    const bool fp8 = c.out_dtype && is_fp8(*c.out_dtype);
-    if (fp8 != (pscale != Py_None)) return false;  // float8 needs a scale, a scale needs float8
   }
   int64_t dims[16];
-  if (!read_shape(args[1], dims, c.ndim) || !modes_ok() || functorch_active()) return false;
+  if (!read_shape(args[1], dims, c.ndim)) return false;
   c.x = THPVariable_Unpack(args[0]);
-  const c10::Device dev = c.x.device();
-  const int64_t d = c.x.dim();
-  if (c.ndim > d || !tensor_ok(c.x, dev)) return false;
-  const c10::IntArrayRef shape(dims, c.ndim);
-  if (c.x.sizes().slice(d - c.ndim) != shape) return false;
   if (pw != Py_None) c.w = THPVariable_Unpack(pw);
   if (pb != Py_None) c.b = THPVariable_Unpack(pb);
-  if (pr != Py_None) {
-    c.r = THPVariable_Unpack(pr);
-    if (!tensor_ok(c.r, dev) || c.r.sizes() != c.x.sizes()) return false;
-    c.h_dtype = r_dtype ? *r_dtype : c.r.scalar_type();
-  }
-  if (pscale != Py_None && plain_tensor(pscale)) {
-    c.scale = THPVariable_Unpack(pscale);
-    if (!tensor_ok(c.scale, dev) || c.scale.numel() != 1 || (c.scale.requires_grad() && c10::GradMode::is_enabled()))
-      return false;
-    c.scale_value = 0;
-  }
-  const int64_t heads = d > c.ndim + 1 ? c.x.size(d - c.ndim - 1) : 0;
-  const int64_t wr = param_rows_of(c.w, dev, shape, heads), br = param_rows_of(c.b, dev, shape, heads);
-  if (wr == 0 || br == 0 || (wr > 0 && br > 0 && (wr == 1) != (br == 1))) return false;  // mixed: Python expands
-  c.w_rows = std::max<int64_t>({wr, br, int64_t(1)});
-  if (c.out_dtype == c.x.scalar_type()) c.out_dtype.reset();
-  if (autocast && at::autocast::is_autocast_enabled(at::kCUDA) && upcasts[c.rms] &&
-      c.x.scalar_type() != at::kFloat && !c.out_dtype)
-    c.out_dtype = at::kFloat;  // torch's contract: float32 out, computed in one pass from x (_autocast_rows)
-  if (!add_layout(c.layout, c.x, c.ndim, c.lead_n, c.inner)) return false;
-  if (c.r.defined()) {
-    int n_r = 0;
-    int64_t inner_r = 0;
-    if (!add_layout(c.layout, c.r, c.ndim, n_r, inner_r, c.lead_n, c.inner)) return false;
-  }
-  return true;
+  if (pr != Py_None) c.r = THPVariable_Unpack(pr);
+  if (pscale != Py_None && plain_tensor(pscale)) c.scale = THPVariable_Unpack(pscale);
+  return finish_row(c, dims, autocast, r_dtype);
 }
 
 Key row_fwd_key(const RowCall& c, bool store_stats, bool store_h) {
@@ -862,6 +876,44 @@ Key row_fwd_key(const RowCall& c, bool store_stats, bool store_h) {
   return key;
 }
 
+// A statistics output (mean, rstd) of a replay in the shape the Python host function hands it out
+// (x's leading dims; [B, G] for GroupNorm), which the recorded buffer may have flat ([M]): the ops
+// return it as their fake implementations say. Any other recorded buffer: as recorded.
+Tensor alloc_stats(const AllocSpec& a, c10::IntArrayRef shape) {
+  int64_t n = 1, m = 1, expect = 1;
+  for (int64_t v : shape) n *= v;
+  bool dense = true;
+  for (int64_t i = static_cast<int64_t>(a.sizes.size()) - 1; i >= 0; i--) {
+    m *= a.sizes[i];
+    if (a.sizes[i] != 1 && a.strides[i] != expect) dense = false;
+    expect *= a.sizes[i];
+  }
+  return dense && n == m ? alloc(shape, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+}
+
+// One forward through its plan, or the Python host function (recording it when due): the core of
+// both entry points, the eager one (py_row_norm) and the dispatcher's (row_fwd_op). store_stats:
+// mean/rstd are kept; store_h: h is written. outs[1..5] = y, mean, rstd, h, amax (undefined: absent).
+void row_forward(const RowCall& c, bool store_stats, bool store_h, Tensor (&outs)[kMaxOuts]) {
+  const Tensor inputs[5] = {c.x, c.w, c.b, c.r, c.scale};
+  const c10::IntArrayRef lead = c.x.sizes().slice(0, c.x.dim() - c.ndim);
+  auto make = [&](int role, const AllocSpec& a) {
+    if (role == 1 || role == 4) return alloc(c.x.sizes(), a.dtype);
+    if (role == 5) return alloc({}, at::kFloat);  // the amax: 4 bytes, handed out as a 0-dim float32
+    if (role == 2 || role == 3) return alloc_stats(a, lead);
+    return alloc_strided(a.sizes, a.strides, a.dtype);
+  };
+  run(row_fwd_key(c, store_stats, store_h), inputs, 5, c.x.device(), make, [&](bool record) {  // GIL held
+    py::object out_dtype = c.out_dtype ? py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(*c.out_dtype))) : py::none();
+    py::object h_dtype = c.h_dtype ? py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(*c.h_dtype))) : py::none();
+    return callbacks->row_fwd(wrap(c.x), wrap(c.w), wrap(c.b), wrap(c.r), wrap(c.scale), c.ndim, c.eps, c.rms,
+                              act_name(c.act), store_stats, store_h, h_dtype, c.weight_offset, out_dtype,
+                              c.float_scale ? py::object(py::float_(c.scale_value)) : py::none(), c.amax, record);
+  }, outs, 5);
+}
+
 PyObject* py_row_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
   RowCall c;
@@ -871,23 +923,8 @@ PyObject* py_row_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObje
                                                     (c.r.defined() && c.r.requires_grad()));
   if (grad && c.out_dtype && is_fp8(*c.out_dtype)) Py_RETURN_NONE;  // a float8 y's gradient: the Python path
   const bool store_h = c.r.defined() && (grad || c.prenorm);  // with grad the backward normalizes h again
-  const Tensor inputs[5] = {c.x, c.w, c.b, c.r, c.scale};
   Tensor outs[kMaxOuts];  // y, mean, rstd, h, amax
-  auto make = [&](int role, const AllocSpec& a) {
-    if (role == 1 || role == 4) return alloc(c.x.sizes(), a.dtype);
-    if (role == 5) return alloc({}, at::kFloat);  // the amax: 4 bytes, handed out as a 0-dim float32
-    return alloc_strided(a.sizes, a.strides, a.dtype);
-  };
-  py::object out_dtype = c.out_dtype ? py::reinterpret_borrow<py::object>(
-      reinterpret_cast<PyObject*>(torch::getTHPDtype(*c.out_dtype))) : py::none();
-  py::object h_dtype = c.h_dtype ? py::reinterpret_borrow<py::object>(
-      reinterpret_cast<PyObject*>(torch::getTHPDtype(*c.h_dtype))) : py::none();
-  run(row_fwd_key(c, grad, store_h), inputs, 5, c.x.device(), make, [&](bool record) {
-    return callbacks->row_fwd(py::handle(args[0]), py::handle(args[2]), py::handle(args[3]), wrap(c.r),
-                              wrap(c.scale), c.ndim, c.eps, c.rms, act_name(c.act), grad, store_h, h_dtype,
-                              c.weight_offset, out_dtype, c.float_scale ? py::object(py::float_(c.scale_value))
-                              : py::none(), c.amax, record);
-  }, outs, 5);
+  row_forward(c, grad, store_h, outs);
   if (grad) {
     auto node = make_node<RowNormBackward>();
     auto* n = static_cast<RowNormBackward*>(node.get());
@@ -1021,6 +1058,22 @@ struct GnCall {
   int act, layout;
 };
 
+// The part of reading a GroupNorm call both entry points share (c.x, w, b, groups, eps, act read).
+// autocast: apply torch's autocast contract (the public function; the op does not).
+bool finish_gn(GnCall& c, bool autocast) {
+  if (!modes_ok() || functorch_active()) return false;
+  const c10::Device dev = c.x.device();
+  if (c.x.dim() < 2 || !tensor_ok(c.x, dev)) return false;
+  c.B = c.x.size(0);
+  c.C = c.x.size(1);
+  c.S = spatial(c.x);
+  if (c.groups <= 0 || c.C % c.groups) return false;
+  const int64_t C = c.C;
+  c.layout = gn_layout(c.x);
+  return param_ok(c.w, dev, C) && param_ok(c.b, dev, C) && c.layout >= 0 &&
+         (!autocast || autocast_ok(c.x, c.w, c.b));
+}
+
 // (x, num_groups, weight, bias, eps, activation, backend) as normkit.functional passes them.
 bool parse_gn(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, GnCall& c) {
   if (nargs != 7 || (kwnames && PyTuple_GET_SIZE(kwnames))) return false;
@@ -1032,19 +1085,11 @@ bool parse_gn(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, GnCall
     return false;
   }
   c.act = activation_code(args[5]);
-  if (c.act < 0 || !read_eps(args[4], c.eps) || !modes_ok() || functorch_active()) return false;
+  if (c.act < 0 || !read_eps(args[4], c.eps)) return false;
   c.x = THPVariable_Unpack(args[0]);
-  const c10::Device dev = c.x.device();
-  if (c.x.dim() < 2 || !tensor_ok(c.x, dev)) return false;
-  c.B = c.x.size(0);
-  c.C = c.x.size(1);
-  c.S = spatial(c.x);
-  if (c.groups <= 0 || c.C % c.groups) return false;
   if (pw != Py_None) c.w = THPVariable_Unpack(pw);
   if (pb != Py_None) c.b = THPVariable_Unpack(pb);
-  const int64_t C = c.C;
-  c.layout = gn_layout(c.x);
-  return param_ok(c.w, dev, C) && param_ok(c.b, dev, C) && c.layout >= 0 && autocast_ok(c.x, c.w, c.b);
+  return finish_gn(c, true);
 }
 
 Key gn_fwd_key(const GnCall& c) {
@@ -1059,19 +1104,26 @@ Key gn_fwd_key(const GnCall& c) {
   return key;
 }
 
+// One GroupNorm forward through its plan or the Python host function, the core of both entry points
+// (py_group_norm, gn_fwd_op): outs[1..3] = y (in x's layout), mean, rstd.
+void gn_forward(const GnCall& c, Tensor (&outs)[kMaxOuts]) {
+  const Tensor inputs[3] = {c.x, c.w, c.b};
+  const int64_t stat_shape[2] = {c.B, c.groups};
+  auto make = [&](int role, const AllocSpec& a) {
+    return role == 1 ? alloc_like(c.x, c.layout, a.dtype) : alloc_stats(a, stat_shape);
+  };
+  run(gn_fwd_key(c), inputs, 3, c.x.device(), make, [&](bool record) {
+    return callbacks->gn_fwd(wrap(c.x), wrap(c.w), wrap(c.b), c.groups, c.eps, act_name(c.act), bool(c.layout),
+                             record);
+  }, outs);
+}
+
 PyObject* py_group_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
   GnCall c;
   if (!callbacks || !parse_gn(args, nargs, kwnames, c) || !c.x.is_cuda()) Py_RETURN_NONE;
-  const Tensor inputs[3] = {c.x, c.w, c.b};
   Tensor outs[kMaxOuts];
-  auto make = [&](int role, const AllocSpec& a) {
-    return role == 1 ? alloc_like(c.x, c.layout, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
-  };
-  run(gn_fwd_key(c), inputs, 3, c.x.device(), make, [&](bool record) {
-    return callbacks->gn_fwd(py::handle(args[0]), py::handle(args[2]), py::handle(args[3]), c.groups, c.eps,
-                             act_name(c.act), bool(c.layout), record);
-  }, outs);
+  gn_forward(c, outs);
   if (needs_grad(c.x, c.w, c.b)) {
     auto* n = attach<GroupNormBackward>(outs[1], c.x, c.w, c.b, outs[2], outs[3], c.eps, c.act);
     n->groups_ = c.groups;
@@ -1127,6 +1179,260 @@ variable_list GroupNormBackward::apply(variable_list&& grads) {
   return {need[0] ? outs[1] : Tensor(), need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor()};
 }
 
+// ----------------------------------------------------------------------------- the dispatcher's kernels
+// normkit's custom ops (normkit::row_norm_fwd, ..., defined once, in normkit/_library.py) get these
+// kernels for CUDA tensors, so torch.compile's generated code, which calls the ops through the
+// dispatcher, reaches the plans above without Python:
+//   - an Autograd<device> kernel: with grad mode off or no input requiring grad it goes on below
+//     autograd, in C++ (the custom op's own Autograd kernel is Python); otherwise it calls that Python
+//     autograd kernel (the registered autograd formula), given to _register_ops;
+//   - a <device> kernel: reads the op's arguments (finish_row / finish_gn, as the eager entry points)
+//     and runs the op's plan (row_forward / gn_forward, as they do); a call it does not serve (CPU
+//     tensors, float64, a layout that needs a copy, a backend other than Triton, the backward ops,
+//     the host path inactive or switched off by python_path()) calls the op's Python implementation.
+// Registered by _register_ops at extension load (normkit._host.load_extension); the returned handle
+// unregisters them when it is released.
+
+enum OpId { kRowFwd, kRowFusedFwd, kRowBwd, kRowFusedBwd, kGnFwd, kGnBwd, kNumOps };
+const char* const op_names[kNumOps] = {"row_norm_fwd", "row_norm_fused_fwd", "row_norm_bwd", "row_norm_fused_bwd",
+                                       "group_norm_fwd", "group_norm_bwd"};
+std::array<PyObject*, kNumOps> op_python{}, op_autograd{};  // owned references, set by _register_ops
+std::atomic<bool> ops_enabled{true};
+std::atomic<uint64_t> n_op_served{0}, n_op_python{0}, n_op_autograd_python{0};
+std::vector<std::string> act_strings;  // activation code - 1 -> name (no GIL needed to compare)
+
+int iv_activation(const c10::IValue& v) {
+  if (v.isNone()) return 0;
+  if (!v.isString()) return -1;
+  const auto& s = v.toStringRef();
+  for (size_t i = 0; i < act_strings.size(); i++)
+    if (act_strings[i] == s) return static_cast<int>(i) + 1;
+  return -1;
+}
+
+bool iv_backend(const c10::IValue& v) { return v.isNone() || (v.isString() && v.toStringRef() == "triton"); }
+
+Tensor iv_tensor(const c10::IValue& v) { return v.isTensor() ? v.toTensor() : Tensor(); }
+
+bool iv_dtype(const c10::IValue& v, std::initializer_list<at::ScalarType> allowed, std::optional<at::ScalarType>& d) {
+  d.reset();
+  if (v.isNone()) return true;
+  if (!v.isInt()) return false;
+  const auto s = static_cast<at::ScalarType>(v.toInt());
+  for (auto a : allowed)
+    if (a == s) {
+      d = s;
+      return true;
+    }
+  return false;
+}
+
+// row_norm_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?) and
+// row_norm_fused_fwd(..., residual?, residual_dtype?, weight_offset, out_dtype?, out_scale?,
+// out_scale_value?, want_amax): a as the op's arguments; false where this path leaves the call to Python.
+bool parse_row_op(const c10::IValue* a, bool fused, RowCall& c) {
+  if (!a[0].isTensor() || !iv_backend(a[7])) return false;
+  c.x = a[0].toTensor();
+  c.w = iv_tensor(a[2]);
+  c.b = iv_tensor(a[3]);
+  c.rms = a[5].toBool();
+  c.act = iv_activation(a[6]);
+  c.eps = a[4].toDouble();
+  c.ndim = a[1].toInt();
+  if (c.act < 0 || (c.rms && c.b.defined()) || !std::isfinite(c.eps) || c.eps < 0) return false;
+  if (c.ndim < 1 || c.ndim > 16 || c.ndim > c.x.dim()) return false;
+  std::optional<at::ScalarType> r_dtype;
+  if (fused) {
+    c.r = iv_tensor(a[8]);
+    c.scale = iv_tensor(a[12]);
+    c.weight_offset = a[10].toDouble();
+    c.amax = a[14].toBool();
+    if (!iv_dtype(a[9], {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
+        !iv_dtype(a[11], {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2}, c.out_dtype) ||
+        !std::isfinite(c.weight_offset))
+      return false;
+    if (!a[13].isNone()) {
+      if (c.scale.defined()) return false;  // both a tensor and a float scale: Python says what it makes of it
+      c.scale_value = a[13].toDouble();
+      c.float_scale = true;
+      if (!std::isfinite(c.scale_value)) return false;
+    }
+  }
+  int64_t dims[16];
+  for (int64_t i = 0; i < c.ndim; i++) dims[i] = c.x.size(c.x.dim() - c.ndim + i);
+  return finish_row(c, dims, /*autocast=*/false, r_dtype);
+}
+
+// group_norm_fwd(x, num_groups, weight?, bias?, eps, activation?, backend?)
+bool parse_gn_op(const c10::IValue* a, GnCall& c) {
+  if (!a[0].isTensor() || !iv_backend(a[6])) return false;
+  c.x = a[0].toTensor();
+  c.groups = a[1].toInt();
+  c.w = iv_tensor(a[2]);
+  c.b = iv_tensor(a[3]);
+  c.eps = a[4].toDouble();
+  c.act = iv_activation(a[5]);
+  if (c.act < 0 || !std::isfinite(c.eps) || c.eps < 0) return false;
+  return finish_gn(c, /*autocast=*/false);
+}
+
+// An absent output as the ops return it: an empty 1-D tensor (a custom op cannot return None).
+Tensor absent(at::ScalarType dtype) { return alloc({0}, dtype); }
+
+// Serves one call of op K from the stack's arguments a[0..n), or returns false (nothing done).
+template <int K>
+bool serve_op(const c10::IValue* a, torch::jit::Stack* stack, size_t n) {
+  if constexpr (K == kRowFwd || K == kRowFusedFwd) {
+    RowCall c;
+    if (!parse_row_op(a, K == kRowFusedFwd, c) || !c.x.is_cuda()) return false;
+    Tensor outs[kMaxOuts];  // y, mean, rstd, h, amax
+    row_forward(c, /*store_stats=*/true, /*store_h=*/c.r.defined(), outs);
+    const at::ScalarType stat = outs[3].scalar_type();
+    Tensor mean = outs[2].defined() ? outs[2] : absent(stat);
+    torch::jit::drop(*stack, n);
+    stack->emplace_back(std::move(outs[1]));
+    if (K == kRowFusedFwd) stack->emplace_back(outs[4].defined() ? outs[4] : absent(c.x.scalar_type()));
+    stack->emplace_back(std::move(mean));
+    stack->emplace_back(std::move(outs[3]));
+    if (K == kRowFusedFwd) stack->emplace_back(outs[5].defined() ? outs[5] : absent(stat));
+    return true;
+  } else if constexpr (K == kGnFwd) {
+    GnCall c;
+    if (!parse_gn_op(a, c) || !c.x.is_cuda()) return false;
+    Tensor outs[kMaxOuts];
+    gn_forward(c, outs);
+    torch::jit::drop(*stack, n);
+    for (int i = 1; i <= 3; i++) stack->emplace_back(std::move(outs[i]));
+    return true;
+  } else {
+    return false;  // the backward ops: their Python implementation (see the module notes)
+  }
+}
+
+// A boxed argument as the op's Python implementation takes it (dtypes arrive as integers).
+py::object to_python(const c10::IValue& v, const c10::Argument& arg) {
+  if (v.isNone()) return py::none();
+  if (v.isTensor()) return wrap(v.toTensor());
+  if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isDouble()) return py::float_(v.toDouble());
+  if (v.isString()) return py::str(v.toStringRef());
+  if (v.isInt()) {
+    c10::TypePtr t = arg.real_type();
+    if (auto o = t->cast<c10::OptionalType>()) t = o->getElementType();
+    if (t->kind() == c10::TypeKind::ScalarTypeType)
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<at::ScalarType>(v.toInt()))));
+    return py::int_(v.toInt());
+  }
+  TORCH_CHECK(false, "normkit host path: argument ", arg.name(), " of type ", v.tagKind());
+}
+
+// Calls fn(*args) (the op's Python implementation or its Python autograd kernel) for the call on the
+// stack and puts its outputs there.
+// keys: passed first (the autograd kernel's signature) where given.
+void call_python(PyObject* fn, const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                 const c10::DispatchKeySet* keys = nullptr) {
+  TORCH_CHECK(fn, "normkit host path: no Python kernel for ", op.schema().name());
+  py::gil_scoped_acquire gil;
+  const auto& args = op.schema().arguments();
+  const size_t n = args.size();
+  const size_t base = stack->size() - n;
+  const size_t k = keys ? 1 : 0;
+  py::tuple pa(n + k);
+  if (keys) pa[0] = py::cast(*keys);  // torch._C.DispatchKeySet (pybind11 types are shared with torch)
+  for (size_t i = 0; i < n; i++) pa[i + k] = to_python((*stack)[base + i], args[i]);
+  py::object r = py::reinterpret_borrow<py::object>(fn)(*pa);
+  torch::jit::drop(*stack, n);
+  for (auto o : py::tuple(r)) stack->emplace_back(THPVariable_Unpack(o.ptr()));
+}
+
+template <int K>
+void op_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  if (ops_enabled.load(std::memory_order_relaxed) && callbacks &&
+      serve_op<K>(stack->data() + (stack->size() - n), stack, n)) {
+    n_op_served++;
+    return;
+  }
+  n_op_python++;
+  call_python(op_python[K], op, stack);
+}
+
+template <int K>
+void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  bool grad = false;
+  if (c10::GradMode::is_enabled())
+    for (size_t i = stack->size() - n; i < stack->size() && !grad; i++)
+      grad = (*stack)[i].isTensor() && (*stack)[i].toTensor().requires_grad();
+  if (!grad) {  // as the custom op's autograd kernel does: on below autograd
+    at::AutoDispatchBelowAutograd below;
+    op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+    return;
+  }
+  n_op_autograd_python++;
+  call_python(op_autograd[K], op, stack, &ks);
+}
+
+template <int K>
+void register_op(torch::Library& lib, c10::DispatchKey backend, c10::DispatchKey autograd) {
+  lib.impl(op_names[K], torch::dispatch(backend, torch::CppFunction::makeFromBoxedFunction<&op_kernel<K>>()));
+  lib.impl(op_names[K], torch::dispatch(autograd, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<K>>()));
+}
+
+// impls: {op name: (its Python implementation, its Python autograd kernel)}. Registers the kernels
+// for `device` ("CUDA"; the CPU tests use "CPU", where every call goes to the Python
+// implementation) and returns the handle that keeps them registered.
+py::capsule register_ops(py::dict impls, const std::string& device) {
+  for (int k = 0; k < kNumOps; k++) {
+    py::tuple t = impls[py::str(op_names[k])];
+    PyObject* fns[2] = {py::object(t[0]).release().ptr(), py::object(t[1]).release().ptr()};
+    std::swap(op_python[k], fns[0]);  // the previous ones (a second registration) are kept: a kernel may run
+    std::swap(op_autograd[k], fns[1]);
+  }
+  const c10::DispatchKey backend = c10::parseDispatchKey(device);
+  const c10::DispatchKey autograd = c10::parseDispatchKey("Autograd" + device);
+  auto* lib = new torch::Library(torch::Library::IMPL, "normkit", std::nullopt, __FILE__, __LINE__);
+  register_op<kRowFwd>(*lib, backend, autograd);
+  register_op<kRowFusedFwd>(*lib, backend, autograd);
+  register_op<kRowBwd>(*lib, backend, autograd);
+  register_op<kRowFusedBwd>(*lib, backend, autograd);
+  register_op<kGnFwd>(*lib, backend, autograd);
+  register_op<kGnBwd>(*lib, backend, autograd);
+  return py::capsule(lib, [](void* p) { delete static_cast<torch::Library*>(p); });
+}
+
+// Test hook: what op `name`'s kernel makes of a call (the Python arguments as the op takes them):
+// the forward's plan key, or None where it leaves the call to Python. Any device.
+py::object parse_op(const std::string& name, py::args args) {
+  std::vector<c10::IValue> a;
+  for (auto o : args) {
+    PyObject* p = o.ptr();
+    if (p == Py_None) a.emplace_back();
+    else if (THPVariable_Check(p)) a.emplace_back(THPVariable_Unpack(p));
+    else if (THPDtype_Check(p)) a.emplace_back(static_cast<int64_t>(reinterpret_cast<THPDtype*>(p)->scalar_type));
+    else if (PyBool_Check(p)) a.emplace_back(p == Py_True);
+    else if (PyLong_Check(p)) a.emplace_back(py::cast<int64_t>(o));
+    else if (PyFloat_Check(p)) a.emplace_back(PyFloat_AS_DOUBLE(p));
+    else if (PyUnicode_Check(p)) a.emplace_back(py::cast<std::string>(o));
+    else TORCH_CHECK(false, "parse_op: argument of type ", Py_TYPE(p)->tp_name);
+  }
+  if (name == "row_norm_fwd" || name == "row_norm_fused_fwd") {
+    const bool fused = name == "row_norm_fused_fwd";
+    TORCH_CHECK(a.size() == (fused ? 15u : 8u), "parse_op: arguments");
+    RowCall c;
+    if (!parse_row_op(a.data(), fused, c)) return py::none();
+    return py::cast(row_fwd_key(c, true, c.r.defined()).list());
+  }
+  if (name == "group_norm_fwd") {
+    TORCH_CHECK(a.size() == 7u, "parse_op: arguments");
+    GnCall c;
+    if (!parse_gn_op(a.data(), c)) return py::none();
+    return py::cast(gn_fwd_key(c).list());
+  }
+  return py::none();
+}
+
 // ----------------------------------------------------------------------------- module
 
 #define NORMKIT_FASTCALL(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)), METH_FASTCALL | METH_KEYWORDS
@@ -1149,7 +1455,11 @@ void setup(py::tuple activations, py::tuple autocast_upcasts) {
   parameter_type = reinterpret_cast<PyTypeObject*>(parameter.release().ptr());
   TORCH_CHECK(activations.size() < 8, "normkit host path: too many activations");
   n_acts = static_cast<int>(activations.size());
-  for (int i = 0; i < n_acts; i++) act_names[i + 1] = py::object(activations[i]).release().ptr();
+  act_strings.clear();
+  for (int i = 0; i < n_acts; i++) {
+    act_names[i + 1] = py::object(activations[i]).release().ptr();
+    act_strings.push_back(py::cast<std::string>(activations[i]));
+  }
   triton_name = PyUnicode_InternFromString("triton");
   using K = c10::DispatchKey;
   bad_tensor_keys = c10::DispatchKeySet({K::Python, K::PythonTLSSnapshot, K::FuncTorchBatched,
@@ -1192,6 +1502,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_init", &init);
   m.def("_rows_view", &rows_view_py);
   m.def("_gn_layout", [](const Tensor& t) { return gn_layout(t); });
+  m.def("_register_ops", &register_ops);
+  m.def("_parse_op", &parse_op);
+  m.def("_set_ops_enabled", [](bool on) { ops_enabled = on; });
+  m.def("_ops_enabled", []() { return ops_enabled.load(); });
   m.def("_stats", []() {
     std::lock_guard<std::mutex> g(cache_mu);
     py::dict d;
@@ -1202,6 +1516,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["record_failures"] = n_failures.load();
     d["differentiable_backwards"] = n_vjp.load();
     d["misaligned"] = n_misaligned.load();
+    d["op_served"] = n_op_served.load();  // op calls through the dispatcher served by the C++ kernels
+    d["op_python"] = n_op_python.load();  // ... left to the op's Python implementation
+    d["op_autograd_python"] = n_op_autograd_python.load();  // ... with grad: the op's Python autograd
     d["last_failure"] = last_failure;
     return d;
   });
