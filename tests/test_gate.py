@@ -17,7 +17,7 @@ import normkit
 from normkit import reference as ref
 
 from conftest import DEVICE
-from helpers import TOL, randn
+from helpers import TOL, dx_scale_err, randn
 from test_row_norm import looped  # noqa: F401  (the fixture: rows wider than 64 walked in chunks of 128)
 
 BACKENDS = ["torch", "triton"]
@@ -74,9 +74,7 @@ def _check(op, backend, x, n, g, w, b, act=None, seed=1, **kw):
             g64 = g.double()
             s = torch.sigmoid(g64)
             chain = g64 * s if name == "dx" else x.double() * s * (1 + g64 * (1 - s))
-            rstd = ref.rms_norm(x, (1,), None, EPS, gate=g)[1]
-            terms = dy.double() * rstd[..., None] * w.double() * chain
-            err = (got.double() - want).norm().item() / terms.norm().item()
+            err = dx_scale_err(got, want, dy, w.double() * chain, ref.rms_norm(x, (1,), None, EPS, gate=g)[1])
             assert err <= bound, (name, err, bound)
             continue
         assert ref.rel_err(got, want) <= bound, (name, ref.rel_err(got, want), bound)
