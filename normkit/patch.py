@@ -46,8 +46,8 @@ Recognising a forward by its computation
 ----------------------------------------
 A leaf module with an eps attribute (eps / variance_epsilon / epsilon) whose forward takes one
 input (named *args/**kwargs aside: calls using them run the module's own forward), or one input and
-one more argument defaulting to None (a gate: probed without it and with a gate of x's shape and
-dtype, and matched against the gated styles on both), is run once per
+one more argument defaulting to None (a gate: probed without it and with a gate of x's shape in
+each probe dtype, and matched against the gated styles on all of them), is run once per
 (class, attributes) on small CPU probe inputs under a dispatch mode that records every aten op
 (`_Recorder`). The record is normalized into a term: names dropped; op names without overload or
 in-place suffix; scalar arguments (eps, as the fp32 value the op computes with), shapes, reduction
@@ -120,7 +120,7 @@ def _layer_norm_2d_forward(self, x):
 def _recognised_forward(self, x, *args, **kwargs):
     """The forward of a module recognised by its computation: the style proven for this call's
     (x dtype, train mode, parameter dtypes) and x's shape, else the module's own forward. A gated
-    plan also serves calls passing the gate (None, or a tensor of x's shape, dtype and device)."""
+    plan also serves calls passing the gate (None, or a float tensor of x's shape and device, of a dtype probed)."""
     plan = type(self)._normkit_plan
     gate, served = None, not args and not kwargs
     if plan.gate_name is not None and not served:
@@ -129,7 +129,7 @@ def _recognised_forward(self, x, *args, **kwargs):
         elif not args and len(kwargs) == 1 and plan.gate_name in kwargs:
             gate, served = kwargs[plan.gate_name], True
     if served and isinstance(x, torch.Tensor) and (gate is None or (
-            isinstance(gate, torch.Tensor) and gate.shape == x.shape and gate.dtype == x.dtype and
+            isinstance(gate, torch.Tensor) and gate.shape == x.shape and gate.dtype in _PROBE_DTYPES and
             gate.device == x.device)):
         ps = self._parameters
         key = (x.dtype, self.training, *[None if ps.get(n) is None else ps[n].dtype for n in plan.param_names])
@@ -619,7 +619,7 @@ class _Plan:
             combos = [c + ("" if len(m) == 2 else " in train mode" if True in m else " in eval mode")
                       for c, m in sorted(modes.items())]
             parts.append(f"{what} [for {'; '.join(combos)}]")
-        others = "a gate of another shape or dtype, " if self.gate_name else ""
+        others = "a gate of another shape or float64, " if self.gate_name else ""
         return "; ".join(parts) + f"; other calls (float64, other dtypes, {others}more arguments) run its own forward"
 
     def finish(self, any_rank: bool) -> "_Plan":
@@ -729,8 +729,8 @@ def _probe_shapes(layout: str, S: tuple) -> tuple:
 
 def _reference_term(style: _Style, x_shape, x_dtype, params: dict, eps: float, shape: tuple, group=None,
                     gate_name: Optional[str] = None):
-    """The style's term on these probes; for a gated style with gate_name, the pair (without the gate,
-    with a gate of x's shape and dtype named gate_name), as a gated module's probe gives it."""
+    """The style's term on these probes; for a gated style with gate_name, the tuple (without the gate,
+    then with a gate of x's shape named gate_name in each probe dtype), as a gated module's probe gives it."""
     key = (style.name, x_shape, x_dtype, tuple((n, None if p is None else (p.dtype, tuple(p.shape)))
                                                for n, p in params.items()), eps, shape, group, gate_name)
     term = _REFERENCES.get(key)
@@ -738,10 +738,13 @@ def _reference_term(style: _Style, x_shape, x_dtype, params: dict, eps: float, s
         x = _probe_x(x_shape, x_dtype)
         p = _Params(params.get("weight"), params.get("bias"), eps, shape, group)
         term = _trace(lambda: style.reference(x, p), {"x": x, **params})
-        if gate_name is not None and not isinstance(term, _Failed):
-            x, g = _probe_x(x_shape, x_dtype), _probe_x(x_shape, x_dtype)
-            gated = _trace(lambda: style.reference(x, p, g), {"x": x, gate_name: g, **params})
-            term = gated if isinstance(gated, _Failed) else (term, gated)
+        terms = [term]
+        for gd in (_PROBE_DTYPES if gate_name is not None else ()):
+            if isinstance(terms[-1], _Failed):
+                break
+            x, g = _probe_x(x_shape, x_dtype), _probe_x(x_shape, gd)
+            terms.append(_trace(lambda: style.reference(x, p, g), {"x": x, gate_name: g, **params}))
+        term = terms[-1] if isinstance(terms[-1], _Failed) else tuple(terms) if len(terms) > 1 else term
         _REFERENCES[key] = term
     return term
 
@@ -808,9 +811,13 @@ def _find_plan(module: nn.Module):
         term = _trace(lambda: cls.forward(probe, x), {"x": x, **params})
         if gate_name is None or isinstance(term, _Failed):
             return term
-        probe, x, g = _probe_module(module, params, training), _probe_x(xs, xd), _probe_x(xs, xd)
-        gated = _trace(lambda: cls.forward(probe, x, **{gate_name: g}), {"x": x, gate_name: g, **params})
-        return gated if isinstance(gated, _Failed) else (term, gated)
+        terms = [term]
+        for gd in _PROBE_DTYPES:  # a gate of each dtype: Mamba-2 passes a bf16 gate with an fp32 x
+            probe, x, g = _probe_module(module, params, training), _probe_x(xs, xd), _probe_x(xs, gd)
+            terms.append(_trace(lambda: cls.forward(probe, x, **{gate_name: g}), {"x": x, gate_name: g, **params}))
+            if isinstance(terms[-1], _Failed):
+                return terms[-1]
+        return tuple(terms)
 
     groups_found: dict = {}  # gated style -> the group width its reference matched with
     n_cols = math.prod(S)
@@ -901,10 +908,10 @@ def _closest(module, module_terms: dict, xs, names, present, eps: dict, shape, s
     if best is None:
         return f"its computation matches none of normkit's styles (probed with {combo}: {_show(term)})"
     _, style, ref = best
-    if gate_name is not None and not _is_term(term) and not _is_term(ref):  # (without, with the gate): the first that differs
-        which = 0 if term[0] != ref[0] else 1
+    if gate_name is not None and not _is_term(term) and not _is_term(ref):  # without, then with a gate of each dtype
+        which = next((i for i, (a, b) in enumerate(zip(term, ref)) if a != b), 0)
         term, ref = term[which], ref[which]
-        combo += "" if which == 0 else f", with {gate_name}"
+        combo += "" if which == 0 else f", with {gate_name} {_SHORT[_PROBE_DTYPES[which - 1]]}"
     a, b = _difference(term, ref) or (term, ref)
     return (f"its computation matches none of normkit's styles; probed with {combo}, it computes {_show(a)} "
             f"where the closest style, {style.name}, computes {_show(b)}")
