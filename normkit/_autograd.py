@@ -55,6 +55,7 @@ class RowOptions:
     return_amax: bool = False
     mod_scale: bool = False  # adaLN modulation: set exactly when a scale= / shift= tensor travels with the call
     mod_shift: bool = False
+    gate: bool = False  # a gated norm: set exactly when a gate= tensor travels with the call
 
     @property
     def modulated(self) -> bool:
@@ -64,7 +65,7 @@ class RowOptions:
         """The options that are set, by their argument names (for errors)."""
         names = [n for n, on in (("residual", residual is not None), ("weight_offset", self.weight_offset != 0.0),
                                  ("out_dtype", self.out_dtype is not None), ("return_amax", self.return_amax),
-                                 ("scale", self.mod_scale), ("shift", self.mod_shift)) if on]
+                                 ("scale", self.mod_scale), ("shift", self.mod_shift), ("gate", self.gate)) if on]
         return ", ".join(f"{n}=" for n in names)
 
 
@@ -327,6 +328,10 @@ def check_backend(backend, opts: RowOptions, residual) -> None:
             names = ", ".join(n for n, on in (("scale=", opts.mod_scale), ("shift=", opts.mod_shift)) if on)
             raise BackendUnavailableError(f"{names} (adaLN modulation) not supported by backend={backend.NAME!r}; "
                                           "use backend='triton' or 'torch'")
+        if opts.gate and not getattr(backend, "GATE", False):
+            from .backends import BackendUnavailableError
+            raise BackendUnavailableError(f"gate= (the gated norm of x * silu(gate)) not supported by "
+                                          f"backend={backend.NAME!r}; use backend='triton' or 'torch'")
 
 
 def param_rows(p, shape):
@@ -355,11 +360,11 @@ def _mod_kwargs(mod_scale, mod_shift, n: int) -> dict:
 
 def row_norm_forward_fused(backend, x, weight, bias, normalized_ndim: int, eps: float, rms: bool, activation, *,
                            residual=None, scale=None, opts: RowOptions = PLAIN, store_stats: bool = True,
-                           store_h: bool = True, mod_scale=None, mod_shift=None):
+                           store_h: bool = True, mod_scale=None, mod_shift=None, gate=None):
     """The kernels' forward on user-shaped tensors: (y, h, mean, rstd, amax), None where absent
     (h without a residual or store_h, mean for RMSNorm, amax unless asked), none of them a view.
     scale: the float8 output's scale tensor; mod_scale / mod_shift: the adaLN modulation tensors
-    (lead + normalized dims, per sample of x)."""
+    (lead + normalized dims, per sample of x); gate: x's shape, normalizes x * silu(gate)."""
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     lead = tuple(x.shape[: x.dim() - normalized_ndim])
     rows = _rows(backend, x, shape)
@@ -375,7 +380,8 @@ def row_norm_forward_fused(backend, x, weight, bias, normalized_ndim: int, eps: 
             residual=None if residual is None else _rows(backend, residual, shape, rows),
             h_dtype=opts.residual_dtype, store_h=store_h, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype,
             out_scale=scale if scale is not None else opts.out_scale, want_amax=opts.return_amax,
-            **_mod_kwargs(mod_scale, mod_shift, rows.shape[-1]))
+            **_mod_kwargs(mod_scale, mod_shift, rows.shape[-1]),
+            **({} if gate is None else {"gate": _rows(backend, gate, shape, rows)}))
     view = lambda t, s: None if t is None else fresh(t.view(s))  # noqa: E731
     return view(y, x.shape), view(h, x.shape), view(mean, lead), view(rstd, lead), fresh(amax)
 
@@ -388,12 +394,14 @@ def row_norm_forward(backend, x, weight, bias, normalized_ndim: int, eps: float,
 
 def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim: int, rms: bool, activation,
                             needs, *, weight_offset: float = 0.0, dh=None, x_dtype=None, residual_dtype=None,
-                            param_dtypes=None, mod_scale=None, mod_shift=None, mod_dtypes=(None, None)):
-    """The kernels' first-order backward: (dx, dresidual, dweight, dbias, dscale, dshift), each
+                            param_dtypes=None, mod_scale=None, mod_shift=None, mod_dtypes=(None, None), gate=None,
+                            need_dgate=False):
+    """The kernels' first-order backward: (dx, dresidual, dweight, dbias, dscale, dshift, dgate), each
     None where not needed (needs: x, weight, bias, residual; mod_dtypes: the dtypes of dscale and
     dshift, None where not needed). x is what was normalized (h with a residual); dh, the gradient
     of h, joins dx; dx comes in x_dtype (default x's) and dresidual in residual_dtype.
-    param_dtypes: (dweight, dbias) dtypes, default the parameters' own."""
+    param_dtypes: (dweight, dbias) dtypes, default the parameters' own. gate: x is the ungated input
+    (what was normalized is x * silu(gate)); dgate in the gate's dtype, None unless need_dgate."""
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
     need_dx, need_dw, need_db, need_dr = needs
     modulated = mod_scale is not None or mod_shift is not None
@@ -405,7 +413,9 @@ def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized
     mean_rows = None if mean is None else mean.reshape(-1)
     dw_dtype, db_dtype = param_dtypes or (weight.dtype if need_dw else None, bias.dtype if need_db else None)
     dmod = (None, None)
+    dgate = None
     if dh is None and second is None and weight_offset == 0.0 and first == x.dtype and not modulated and \
+            gate is None and \
             not _per_head(weight, bias, shape):
         extra = {} if activation is None else {"bias": flat_param(bias), "activation": activation}
         dx, dw, db = backend.row_norm_bwd(_rows(backend, dy, shape, rows), rows, flat_param(weight), mean_rows,
@@ -415,31 +425,59 @@ def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized
         mod = _mod_kwargs(mod_scale, mod_shift, rows.shape[-1])
         if mod:
             mod["dmod_dtypes"] = mod_dtypes
+        if gate is not None:
+            mod["gate"] = _rows(backend, gate, shape, rows)
         dx, dres, dw, db, *dmod = _fused_entry(backend, "row_norm_bwd_fused", RowOptions(
-            weight_offset=weight_offset, mod_scale=mod_scale is not None, mod_shift=mod_shift is not None), dh)(
+            weight_offset=weight_offset, mod_scale=mod_scale is not None, mod_shift=mod_shift is not None,
+            gate=gate is not None), dh)(
             _rows(backend, dy, shape, rows), rows, param_rows(weight, shape), mean_rows, rstd.reshape(-1), rms,
             dw_dtype, db_dtype, bias=param_rows(bias, shape), activation=activation, weight_offset=weight_offset,
             dh=None if dh is None else _rows(backend, dh, shape, rows), dx_dtype=first, dres_dtype=second, **mod)
+        if gate is not None:
+            dgate = fresh(dmod.pop().view(x.shape)) if need_dgate else None
         dmod = tuple(dmod) or (None, None)
         dmod = tuple(None if d is None else fresh(d.view(t.shape)) for d, t in zip(dmod, (mod_scale, mod_shift)))
     dx = fresh(dx.view(x.shape))
     dres = fresh(dres.view(x.shape)) if dres is not None else (dx if need_dr else None)
     pshape = next((tuple(p.shape) for p in (weight, bias) if p is not None), shape)
     return (dx if need_dx else None), dres, (None if dw is None else dw.view(pshape)), \
-        (None if db is None else db.view(pshape)), dmod[0], dmod[1]
+        (None if db is None else db.view(pshape)), dmod[0], dmod[1], dgate
 
 
 def row_norm_backward(backend, dy, x, weight, bias, mean, rstd, normalized_ndim: int, rms: bool, activation, needs):
     """The kernels' first-order backward: (dx, dweight, dbias), each None where not needed."""
-    dx, _, dw, db, _, _ = row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim, rms, activation,
-                                            tuple(needs) + (False,))
+    dx, _, dw, db, _, _, _ = row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim, rms,
+                                                     activation, tuple(needs) + (False,))
     return dx, dw, db
 
 
+def gated_input(x, gate):
+    """x * silu(gate) in the compute dtype, in differentiable torch ops: what a gated norm normalizes."""
+    acc = acc_dtype(x)
+    with _no_autocast(x):
+        return x.to(acc) * F.silu(gate.to(acc))
+
+
 def row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activation, opts: RowOptions, needs,
-                       x_dtype, residual_dtype, mod_scale=None, mod_shift=None, mod_needs=(False, False)):
-    """The differentiable backward with the fused options: (dx, dresidual, dweight, dbias, dscale, dshift)."""
+                       x_dtype, residual_dtype, mod_scale=None, mod_shift=None, mod_needs=(False, False), gate=None,
+                       need_dgate=False):
+    """The differentiable backward with the fused options: (dx, dresidual, dweight, dbias, dscale,
+    dshift, dgate). With a gate, z is the ungated input x."""
     need_dx, need_dw, need_db, need_dr = needs
+    if gate is not None:  # the norm's input gradient, chained through x * silu(gate)
+        xz = z
+        z = gated_input(xz, gate)
+        dz, _, dw, db, _, _, _ = row_norm_vjp_fused(dy, None, z, weight, bias, normalized_ndim, eps, rms, activation,
+                                                    opts, (need_dx or need_dgate, need_dw, need_db, False), z.dtype,
+                                                    None)
+        dx = dgate = None
+        if dz is not None:
+            with _no_autocast(xz):
+                g = gate.to(z.dtype)
+                sg = torch.sigmoid(g)
+                dx = (dz * (g * sg)).to(x_dtype) if need_dx else None
+                dgate = (dz * xz.to(z.dtype) * (sg * (1 + g * (1 - sg)))).to(gate.dtype) if need_dgate else None
+        return dx, None, dw, db, None, None, dgate
     dscale = dshift = None
     if dy is None:
         dz = dw = db = None
@@ -453,7 +491,7 @@ def row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activ
     if dh is not None:
         dz = dh if dz is None else dz + dh
     return (dz.to(x_dtype) if need_dx and dz is not None else None,
-            dz.to(residual_dtype) if need_dr and dz is not None else None, dw, db, dscale, dshift)
+            dz.to(residual_dtype) if need_dr and dz is not None else None, dw, db, dscale, dshift, None)
 
 
 class _Function(torch.autograd.Function):
@@ -474,23 +512,26 @@ class RowNormFn(_Function):
     """LayerNorm (rms=False) / RMSNorm over the trailing normalized_ndim dims, with the fused
     options; outputs (y, h, mean, rstd, amax), None where absent. h (with a residual) is
     differentiable, its gradient joins dx and dresidual; the statistics and amax are not.
-    mod_scale / mod_shift (last): the adaLN modulation tensors, differentiable."""
+    mod_scale / mod_shift: the adaLN modulation tensors, differentiable; gate (last): a gated norm's
+    gate (x * silu(gate) is normalized), differentiable."""
 
     @staticmethod
     def forward(x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend,
-                mod_scale=None, mod_shift=None):
+                mod_scale=None, mod_shift=None, gate=None):
         return row_norm_forward_fused(backend, x, weight, bias, normalized_ndim, eps, rms, activation,
                                       residual=residual, scale=scale, opts=opts, mod_scale=mod_scale,
-                                      mod_shift=mod_shift)
+                                      mod_shift=mod_shift, gate=gate)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend = inputs[:11]
-        mod_scale, mod_shift = (tuple(inputs[11:13]) + (None, None))[:2]
+        mod_scale, mod_shift, gate = (tuple(inputs[11:14]) + (None, None, None))[:3]
         _, h, mean, rstd, amax = output
-        z = x if h is None else h  # what was normalized: the backward needs only it and the statistics
-        ctx.save_for_backward(z, weight, bias, mean, rstd, mod_scale, mod_shift)
-        ctx.save_for_forward(z, weight, bias, mean, rstd, mod_scale, mod_shift)
+        # what was normalized (x, or h; with a gate x * silu(gate), recomputed): the backward needs
+        # only it and the statistics
+        z = x if h is None else h
+        ctx.save_for_backward(z, weight, bias, mean, rstd, mod_scale, mod_shift, gate)
+        ctx.save_for_forward(z, weight, bias, mean, rstd, mod_scale, mod_shift, gate)
         ctx.mark_non_differentiable(*(t for t in (mean, rstd, amax) if t is not None))
         ctx.set_materialize_grads(False)
         ctx.args = (normalized_ndim, eps, rms, activation, opts, backend, x.dtype,
@@ -498,34 +539,42 @@ class RowNormFn(_Function):
 
     @staticmethod
     def backward(ctx, dy, dh, _dmean, _drstd, _damax):
-        z, weight, bias, mean, rstd, mod_scale, mod_shift = ctx.saved_tensors
+        z, weight, bias, mean, rstd, mod_scale, mod_shift, gate = ctx.saved_tensors
         normalized_ndim, eps, rms, activation, opts, backend, x_dtype, r_dtype = ctx.args
-        n = ctx.needs_input_grad
+        n = tuple(ctx.needs_input_grad) + (False,) * (14 - len(ctx.needs_input_grad))
         needs = n[:3] + (n[3],)
-        mod_needs = tuple(n[11:13]) + (False,) * (2 - len(n[11:13]))
+        mod_needs = n[11:13]
         if dy is None and dh is None:
-            dx, dres, dw, db, ds, dt = (None,) * 6
+            dx, dres, dw, db, ds, dt, dg = (None,) * 7
         elif dy is None or _differentiable_backward_wanted():
-            dx, dres, dw, db, ds, dt = row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms,
-                                                          activation, opts, needs, x_dtype, r_dtype, mod_scale,
-                                                          mod_shift, mod_needs)
+            dx, dres, dw, db, ds, dt, dg = row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms,
+                                                              activation, opts, needs, x_dtype, r_dtype, mod_scale,
+                                                              mod_shift, mod_needs, gate, n[13])
         else:
             mod_dtypes = tuple(t.dtype if t is not None and need else None
                                for t, need in zip((mod_scale, mod_shift), mod_needs))
-            dx, dres, dw, db, ds, dt = row_norm_backward_fused(
+            dx, dres, dw, db, ds, dt, dg = row_norm_backward_fused(
                 backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs,
                 weight_offset=opts.weight_offset, dh=dh, x_dtype=x_dtype, residual_dtype=r_dtype,
-                mod_scale=mod_scale, mod_shift=mod_shift, mod_dtypes=mod_dtypes)
-        return (dx, dw, db, dres) + (None,) * 7 + (ds, dt)
+                mod_scale=mod_scale, mod_shift=mod_shift, mod_dtypes=mod_dtypes, gate=gate, need_dgate=n[13])
+        return ((dx, dw, db, dres) + (None,) * 7 + (ds, dt, dg))[: len(ctx.needs_input_grad)]
 
     @staticmethod
     def jvp(ctx, tx, tw, tb, tr, *rest):
-        z, weight, bias, mean, rstd, mod_scale, mod_shift = ctx.saved_tensors
+        z, weight, bias, mean, rstd, mod_scale, mod_shift, gate = ctx.saved_tensors
         normalized_ndim, eps, rms, activation, opts, backend, x_dtype, r_dtype = ctx.args
         if mean is None and not rms:
             raise RuntimeError("normkit: forward-mode AD needs the forward's statistics")
-        ts, tt = (tuple(rest[7:9]) + (None, None))[:2]
+        ts, tt, tg = (tuple(rest[7:10]) + (None, None, None))[:3]
         tz = tx
+        if gate is not None:  # the tangent of x * silu(gate), in the compute dtype
+            acc = acc_dtype(z)
+            g = gate.to(acc)
+            sg = torch.sigmoid(g)
+            parts = ([tx.to(acc) * (g * sg)] if tx is not None else []) + \
+                ([z.to(acc) * (sg * (1 + g * (1 - sg))) * tg.to(acc)] if tg is not None else [])
+            tz = None if not parts else (parts[0] if len(parts) == 1 else parts[0] + parts[1])
+            z = gated_input(z, gate)
         if r_dtype is not None:  # the tangent of h = x + residual
             parts = [t.to(acc_dtype(z)) for t in (tx, tr) if t is not None]
             tz = None if not parts else (parts[0] if len(parts) == 1 else parts[0] + parts[1]).to(z.dtype)
@@ -536,22 +585,22 @@ class RowNormFn(_Function):
 
     @staticmethod
     def vmap(info, in_dims, x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts, backend,
-             mod_scale=None, mod_shift=None):
+             mod_scale=None, mod_shift=None, gate=None):
         xd, wd, bd, rd, sd = in_dims[:5]
-        msd, mtd = (tuple(in_dims[11:13]) + (None, None))[:2]
+        msd, mtd, gd = (tuple(in_dims[11:14]) + (None, None, None))[:3]
         V = info.batch_size
         move = lambda t, d: None if t is None else (t.movedim(d, 0) if d is not None  # noqa: E731
                                                      else t.expand((V,) + tuple(t.shape)))
-        x, residual = move(x, xd), move(residual, rd)
+        x, residual, gate = move(x, xd), move(residual, rd), move(gate, gd)
         # the batch dim is one more leading dim of x, and so one more sample dim of the modulation
         mod_scale, mod_shift = move(mod_scale, msd), move(mod_shift, mtd)
         if wd is None and bd is None and sd is None and not opts.return_amax:
             # the batch dim is one more leading dim: the kernels take it
             out = RowNormFn.apply(x, weight, bias, residual, scale, normalized_ndim, eps, rms, activation, opts,
-                                  backend, mod_scale, mod_shift)
+                                  backend, mod_scale, mod_shift, gate)
             return out, tuple(None if t is None else 0 for t in out)
         return _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, normalized_ndim, eps, rms,
-                                        activation, opts, mod_scale, mod_shift)
+                                        activation, opts, mod_scale, mod_shift, gate)
 
 
 def _batched_param(p, bdim, like_ndim, inner_shape, batch):
@@ -565,7 +614,7 @@ def _batched_param(p, bdim, like_ndim, inner_shape, batch):
 
 
 def _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, normalized_ndim, eps, rms, activation,
-                             opts: RowOptions, mod_scale=None, mod_shift=None):
+                             opts: RowOptions, mod_scale=None, mod_shift=None, gate=None):
     """vmap over weight, bias or a tensor scale, or with the amax (one per sample): everything in
     torch ops, batch dim 0 everywhere."""
     acc = acc_dtype(x)
@@ -574,7 +623,7 @@ def _row_norm_batched_params(x, weight, wd, bias, bd, residual, scale, sd, norma
     h = None
     if residual is not None:
         h = (x.to(acc) + residual.to(acc)).to(opts.residual_dtype)
-    xa = (x if h is None else h).to(acc)
+    xa = (x if h is None else h).to(acc) if gate is None else gated_input(x, gate)
     z, rstd = _normalize(xa, dims, eps, rms)
     w = _batched_param(weight, wd, x.dim(), None, V)
     b = _batched_param(bias, bd, x.dim(), None, V)

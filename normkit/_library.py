@@ -17,18 +17,20 @@ Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims
                dweight_dtype?, dbias_dtype?, backend?) -> (dx, dweight, dbias)
   row_norm_fused_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?, residual?,
                      residual_dtype?, weight_offset, out_dtype?, out_scale?, out_scale_value?, want_amax,
-                     mod_scale?, mod_shift?)
+                     mod_scale?, mod_shift?, gate?)
       -> (y, h, mean, rstd, amax)     the fused epilogues (residual add, weight offset, output
                                       dtype / float8 with a scale, amax, adaLN modulation by
-                                      per-sample mod_scale / mod_shift); the plain ops are the
-                                      same code with every option off
+                                      per-sample mod_scale / mod_shift, the gated norm of
+                                      x * silu(gate)); the plain ops are the same code with every
+                                      option off
   row_norm_fused_bwd(dy, x, normalized_ndim, weight?, bias?, mean, rstd, rms, activation?,
                      dweight_dtype?, dbias_dtype?, backend?, weight_offset, dh?, dx_dtype, dres_dtype?,
-                     mod_scale?, mod_shift?, dscale_dtype?, dshift_dtype?)
-      -> (dx, dres, dweight, dbias, dscale, dshift)
-                                      x is what was normalized (h); dh joins dx; dres is dx in
-                                      another dtype (absent when not asked or the same dtype);
-                                      dscale/dshift absent unless their dtype is given
+                     mod_scale?, mod_shift?, dscale_dtype?, dshift_dtype?, gate?)
+      -> (dx, dres, dweight, dbias, dscale, dshift, dgate)
+                                      x is what was normalized (h), or with a gate the ungated x;
+                                      dh joins dx; dres is dx in another dtype (absent when not
+                                      asked or the same dtype); dscale/dshift absent unless their
+                                      dtype is given; dgate (the gate's dtype) absent without a gate
   group_norm_fwd(x, num_groups, weight?, bias?, eps, activation?, backend?) -> (y, mean, rstd)
   group_norm_bwd(dy, x, num_groups, weight?, bias?, mean, rstd, activation?,
                  dweight_dtype?, dbias_dtype?, backend?) -> (dx, dweight, dbias)
@@ -91,13 +93,13 @@ def _present(t: Tensor):
 # ----------------------------------------------------------------------------- row norm (LN / RMS)
 
 def _fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual=None, scale=None,
-         opts=_autograd.PLAIN, mod_scale=None, mod_shift=None):
+         opts=_autograd.PLAIN, mod_scale=None, mod_shift=None, gate=None):
     """Both forward ops: the eager code (_autograd.row_norm_forward_fused) on the op's tensors."""
     be = _resolve(backend, x, "rms_norm" if rms else "layer_norm")
     _autograd.check_backend(be, opts, residual)
     y, h, mean, rstd, amax = _autograd.row_norm_forward_fused(be, x, weight, bias, normalized_ndim, eps, rms,
                                                               activation, residual=residual, scale=scale, opts=opts,
-                                                              mod_scale=mod_scale, mod_shift=mod_shift)
+                                                              mod_scale=mod_scale, mod_shift=mod_shift, gate=gate)
     return y, (_absent(x) if h is None else h), (_absent(rstd) if mean is None else mean), rstd, \
         (_absent(rstd) if amax is None else amax)
 
@@ -131,45 +133,48 @@ def _row_norm_fused_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor
                         residual_dtype: Optional[torch.dtype], weight_offset: float, out_dtype: Optional[torch.dtype],
                         out_scale: Optional[Tensor], out_scale_value: Optional[float],
                         want_amax: bool, mod_scale: Optional[Tensor] = None,
-                        mod_shift: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        mod_shift: Optional[Tensor] = None,
+                        gate: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _autograd.RowOptions(residual_dtype, weight_offset, out_dtype, out_scale_value, want_amax,
-                                mod_scale is not None, mod_shift is not None)
+                                mod_scale is not None, mod_shift is not None, gate is not None)
     return _fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, out_scale, opts,
-                mod_scale, mod_shift)
+                mod_scale, mod_shift, gate)
 
 
 @_row_norm_fused_fwd.register_fake
 def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset,
-      out_dtype, out_scale, out_scale_value, want_amax, mod_scale=None, mod_shift=None):
+      out_dtype, out_scale, out_scale_value, want_amax, mod_scale=None, mod_shift=None, gate=None):
     opts = _autograd.RowOptions(residual_dtype, weight_offset, out_dtype, out_scale_value, want_amax)
     return _fwd_fake(x, normalized_ndim, weight, bias, eps, rms, residual, opts)
 
 
 def _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend,
          weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
-         dmod_dtypes=(None, None)):
+         dmod_dtypes=(None, None), gate=None):
     """Both backward ops: (dx, dres or absent, dweight or absent, dbias or absent, dscale or absent,
-    dshift or absent)."""
+    dshift or absent, dgate or absent)."""
     be = _resolve(backend, x, "rms_norm backward" if rms else "layer_norm backward", backward=True)
     dx_dtype = dx_dtype or x.dtype
     dres_dtype = None if dres_dtype == dx_dtype else dres_dtype  # then dres is dx: the caller uses dx
-    if mod_scale is not None or mod_shift is not None:
+    if mod_scale is not None or mod_shift is not None or gate is not None:
         _autograd.check_backend(be, _autograd.RowOptions(mod_scale=mod_scale is not None,
-                                                         mod_shift=mod_shift is not None), None)
-    dx, dres, dw, db, ds, dt = _autograd.row_norm_backward_fused(
+                                                         mod_shift=mod_shift is not None, gate=gate is not None), None)
+    dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_backward_fused(
         be, dy, x, weight, bias, None if rms else mean, rstd, normalized_ndim,
         rms, activation, (True, dweight_dtype is not None, dbias_dtype is not None, dres_dtype is not None),
         weight_offset=weight_offset, dh=dh, x_dtype=dx_dtype, residual_dtype=dres_dtype,
-        param_dtypes=(dweight_dtype, dbias_dtype), mod_scale=mod_scale, mod_shift=mod_shift, mod_dtypes=dmod_dtypes)
+        param_dtypes=(dweight_dtype, dbias_dtype), mod_scale=mod_scale, mod_shift=mod_shift, mod_dtypes=dmod_dtypes,
+        gate=gate, need_dgate=gate is not None)
     dw = _absent(x, dweight_dtype) if dw is None else fresh(dw)
     db = _absent(x, dbias_dtype) if db is None else fresh(db)
     ds = _absent(x, dmod_dtypes[0]) if ds is None else ds
     dt = _absent(x, dmod_dtypes[1]) if dt is None else dt
-    return dx, (_absent(x) if dres is None else dres), dw, db, ds, dt
+    dg = _absent(x) if dg is None else dg
+    return dx, (_absent(x) if dres is None else dres), dw, db, ds, dt, dg
 
 
 def _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_dtype=None, dres_dtype=None,
-              mod_scale=None, mod_shift=None, dmod_dtypes=(None, None)):
+              mod_scale=None, mod_shift=None, dmod_dtypes=(None, None), gate=None):
     shape = next((p.shape for p in (weight, bias) if p is not None), x.shape[x.dim() - normalized_ndim:])
     dw = _absent(x, dweight_dtype) if dweight_dtype is None else x.new_empty(shape, dtype=dweight_dtype)
     db = _absent(x, dbias_dtype) if dbias_dtype is None else x.new_empty(shape, dtype=dbias_dtype)
@@ -177,7 +182,8 @@ def _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_d
     dres = _absent(x) if dres_dtype in (None, dx_dtype) else x.new_empty(x.shape, dtype=dres_dtype)
     dmod = tuple(_absent(x, d) if d is None or t is None else t.new_empty(t.shape, dtype=d)
                  for t, d in zip((mod_scale, mod_shift), dmod_dtypes))
-    return (x.new_empty(x.shape, dtype=dx_dtype), dres, dw, db) + dmod
+    dg = _absent(x) if gate is None else gate.new_empty(x.shape)
+    return (x.new_empty(x.shape, dtype=dx_dtype), dres, dw, db) + dmod + (dg,)
 
 
 @torch.library.custom_op("normkit::row_norm_bwd", mutates_args=())
@@ -185,14 +191,14 @@ def _row_norm_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional[
                   mean: Tensor, rstd: Tensor, rms: bool, activation: Optional[str],
                   dweight_dtype: Optional[torch.dtype], dbias_dtype: Optional[torch.dtype],
                   backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
-    dx, _, dw, db, _, _ = _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype,
-                               dbias_dtype, backend)
+    dx, _, dw, db, _, _, _ = _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype,
+                                  dbias_dtype, backend)
     return dx, dw, db
 
 
 @_row_norm_bwd.register_fake
 def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend):
-    dx, _, dw, db, _, _ = _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype)
+    dx, _, dw, db, _, _, _ = _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype)
     return dx, dw, db
 
 
@@ -203,64 +209,68 @@ def _row_norm_fused_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Opt
                         backend: Optional[str], weight_offset: float, dh: Optional[Tensor], dx_dtype: torch.dtype,
                         dres_dtype: Optional[torch.dtype], mod_scale: Optional[Tensor] = None,
                         mod_shift: Optional[Tensor] = None, dscale_dtype: Optional[torch.dtype] = None,
-                        dshift_dtype: Optional[torch.dtype] = None
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        dshift_dtype: Optional[torch.dtype] = None, gate: Optional[Tensor] = None
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype,
-                backend, weight_offset, dh, dx_dtype, dres_dtype, mod_scale, mod_shift, (dscale_dtype, dshift_dtype))
+                backend, weight_offset, dh, dx_dtype, dres_dtype, mod_scale, mod_shift, (dscale_dtype, dshift_dtype),
+                gate)
 
 
 @_row_norm_fused_bwd.register_fake
 def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend,
-      weight_offset, dh, dx_dtype, dres_dtype, mod_scale=None, mod_shift=None, dscale_dtype=None, dshift_dtype=None):
+      weight_offset, dh, dx_dtype, dres_dtype, mod_scale=None, mod_shift=None, dscale_dtype=None, dshift_dtype=None,
+      gate=None):
     return _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_dtype, dres_dtype, mod_scale,
-                     mod_shift, (dscale_dtype, dshift_dtype))
+                     mod_shift, (dscale_dtype, dshift_dtype), gate)
 
 
 def _row_norm_setup(ctx, inputs, output):
     x, normalized_ndim, weight, bias, eps, rms, activation, backend = inputs[:8]
-    residual, opts, mod_scale, mod_shift = None, _autograd.PLAIN, None, None
+    residual, opts, mod_scale, mod_shift, gate = None, _autograd.PLAIN, None, None, None
     if len(inputs) > 8:  # the fused op
         residual = inputs[8]
-        mod_scale, mod_shift = (tuple(inputs[15:17]) + (None, None))[:2]
+        mod_scale, mod_shift, gate = (tuple(inputs[15:18]) + (None, None, None))[:3]
         opts = _autograd.RowOptions(*inputs[9:12], inputs[13], inputs[14], mod_scale is not None,
-                                    mod_shift is not None)
+                                    mod_shift is not None, gate is not None)
     if len(inputs) > 8:
         _, h, mean, rstd, _ = output
     else:
         (_, mean, rstd), h = output, None
-    ctx.save_for_backward(x if residual is None else h, weight, bias, mean, rstd, mod_scale, mod_shift)
+    ctx.save_for_backward(x if residual is None else h, weight, bias, mean, rstd, mod_scale, mod_shift, gate)
     ctx.args = (normalized_ndim, eps, rms, activation, backend, opts, x.dtype, None if residual is None else residual.dtype)
     ctx.fused = len(inputs) > 8
 
 
 def _row_norm_backward(ctx, dy, *grads):
     """Both forward ops' autograd: grads are (dmean, drstd) or (dh, dmean, drstd, damax)."""
-    z, weight, bias, mean, rstd, mod_scale, mod_shift = ctx.saved_tensors
+    z, weight, bias, mean, rstd, mod_scale, mod_shift, gate = ctx.saved_tensors
     normalized_ndim, eps, rms, activation, backend, opts, x_dtype, r_dtype = ctx.args
     dh = grads[0] if ctx.fused and r_dtype is not None else None  # an absent h (empty) has an empty gradient
     n = ctx.needs_input_grad
     needs = (n[0], n[2], n[3], ctx.fused and n[8])
     mod_needs = (ctx.fused and len(n) > 15 and n[15], ctx.fused and len(n) > 16 and n[16])
-    ds = dt = None
+    need_dg = ctx.fused and len(n) > 17 and n[17]
+    ds = dt = dg = None
     if dy is None and dh is None:
         dx = dres = dw = db = None
     elif dy is None or torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
-        dx, dres, dw, db, ds, dt = _autograd.row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms,
-                                                                activation, opts, needs, x_dtype, r_dtype, mod_scale,
-                                                                mod_shift, mod_needs)
+        dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps,
+                                                                    rms, activation, opts, needs, x_dtype, r_dtype,
+                                                                    mod_scale, mod_shift, mod_needs, gate, need_dg)
     else:
         w_dtype = weight.dtype if needs[1] else None
         b_dtype = bias.dtype if needs[2] else None
-        act_bias = bias if activation is not None or mod_scale is not None or \
+        act_bias = bias if activation is not None or mod_scale is not None or gate is not None or \
             (bias is not None and bias.dim() > normalized_ndim) else None
         if ctx.fused:
             first = x_dtype if needs[0] or r_dtype is None else r_dtype  # no residual: dx unused, x dtype
             mod_dtypes = tuple(t.dtype if t is not None and need else None
                                for t, need in zip((mod_scale, mod_shift), mod_needs))
-            dx, dres, dw, db, ds, dt = _row_norm_fused_bwd(dy, z, normalized_ndim, weight, act_bias, mean, rstd, rms,
-                                                           activation, w_dtype, b_dtype, backend, opts.weight_offset,
-                                                           dh, first, r_dtype if needs[0] and needs[3] else None,
-                                                           mod_scale, mod_shift, *mod_dtypes)
+            dx, dres, dw, db, ds, dt, dg = _row_norm_fused_bwd(dy, z, normalized_ndim, weight, act_bias, mean, rstd,
+                                                               rms, activation, w_dtype, b_dtype, backend,
+                                                               opts.weight_offset, dh, first,
+                                                               r_dtype if needs[0] and needs[3] else None,
+                                                               mod_scale, mod_shift, *mod_dtypes, gate)
             dres = _present(dres) if needs[0] else dx
             dres = (dres if dres is not None else dx) if needs[3] else None
         else:
@@ -270,6 +280,7 @@ def _row_norm_backward(ctx, dy, *grads):
     grads = [dx if needs[0] else None, None, dw if needs[1] else None, db if needs[2] else None] + [None] * 4
     if ctx.fused:
         grads += [dres] + [None] * 6 + [ds if mod_needs[0] else None, dt if mod_needs[1] else None]
+        grads = grads[: len(n)] + ([dg if need_dg else None] if len(n) > 17 else [])
     return tuple(grads)
 
 
@@ -287,10 +298,12 @@ def row_norm(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Op
 def row_norm_fused(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                    rms: bool, backend: Optional[str], activation: Optional[str], residual: Optional[Tensor],
                    scale: Optional[Tensor], opts, mod_scale: Optional[Tensor] = None,
-                   mod_shift: Optional[Tensor] = None) -> tuple:
+                   mod_shift: Optional[Tensor] = None, gate: Optional[Tensor] = None) -> tuple:
     """The fused forward through the op: (y, h, mean, rstd, amax), None where absent. scale: the
-    float8 output's scale tensor; mod_scale / mod_shift: the adaLN modulation."""
+    float8 output's scale tensor; mod_scale / mod_shift: the adaLN modulation; gate: the gated norm's."""
     mod = () if mod_scale is None and mod_shift is None else (mod_scale, mod_shift)
+    if gate is not None:
+        mod = (mod_scale, mod_shift, gate)
     y, h, mean, rstd, amax = _row_norm_fused_fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend,
                                                  residual, opts.residual_dtype, opts.weight_offset, opts.out_dtype,
                                                  scale, opts.out_scale, opts.return_amax, *mod)
@@ -316,7 +329,7 @@ def row_norm_grads(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional
                                    dbias_dtype, backend)
         dres = None
     else:
-        dx, dres, dw, db, _, _ = _row_norm_fused_bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms,
+        dx, dres, dw, db, _, _, _ = _row_norm_fused_bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms,
                                                      activation, dweight_dtype, dbias_dtype, backend, weight_offset,
                                                      dh, x.dtype, dres_dtype)
         dres = None if dres_dtype is None else (dx if dres_dtype == x.dtype else dres)
@@ -447,11 +460,12 @@ def _register_sharding() -> None:
 
     @register_sharding(torch.ops.normkit.row_norm_fused_fwd.default)
     def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset,
-          out_dtype, out_scale, out_scale_value, want_amax, mod_scale=None, mod_shift=None):
+          out_dtype, out_scale, out_scale_value, want_amax, mod_scale=None, mod_shift=None, gate=None):
         # outputs (y, h, mean, rstd, amax): the amax of row shards is their max (a Partial max)
         def inputs(xp):
             return [xp, None, p(weight), p(bias), None, None, None, None, None if residual is None else xp,
-                    None, None, None, p(out_scale), None, None, p(mod_scale), p(mod_shift)]
+                    None, None, None, p(out_scale), None, None, p(mod_scale), p(mod_shift),
+                    None if gate is None else xp]
 
         rules = [([Replicate()] * 5, inputs(Replicate()))]
         # modulation (per-sample tables): replicated only
@@ -462,16 +476,19 @@ def _register_sharding() -> None:
 
     @register_sharding(torch.ops.normkit.row_norm_fused_bwd.default)
     def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dw_dtype, db_dtype, backend,
-          weight_offset, dh, dx_dtype, dres_dtype, mod_scale=None, mod_shift=None, ds_dtype=None, dt_dtype=None):
+          weight_offset, dh, dx_dtype, dres_dtype, mod_scale=None, mod_shift=None, ds_dtype=None, dt_dtype=None,
+          gate=None):
         def inputs(xp):
             return [xp, xp, None, p(weight), p(bias), Replicate() if rms else xp, xp, None, None, None, None, None,
-                    None, None if dh is None else xp, None, None, p(mod_scale), p(mod_shift), None, None]
+                    None, None if dh is None else xp, None, None, p(mod_scale), p(mod_shift), None, None,
+                    None if gate is None else xp]
 
         dres = dres_dtype is not None and dres_dtype != dx_dtype
-        rules = [([Replicate()] * 6, inputs(Replicate()))]
+        rules = [([Replicate()] * 7, inputs(Replicate()))]
         for d in range(x.ndim - normalized_ndim if mod_scale is None and mod_shift is None else 0):
             rules.append(([Shard(d), rep_or(Shard(d), dres), rep_or(Partial(), dw_dtype is not None),
-                           rep_or(Partial(), db_dtype is not None), Replicate(), Replicate()], inputs(Shard(d))))
+                           rep_or(Partial(), db_dtype is not None), Replicate(), Replicate(),
+                           rep_or(Shard(d), gate is not None)], inputs(Shard(d))))
         return rules
 
     @register_sharding(torch.ops.normkit.group_norm_fwd.default)

@@ -450,8 +450,8 @@ def _site_of(node) -> Optional[_Site]:
         a = _args(node, schema)
         if a.get("backend") is not None:  # the user forced a backend: theirs to choose
             return None
-        if a.get("mod_scale") is not None or a.get("mod_shift") is not None:
-            return None  # adaLN modulation: normkit's op stays (no composite or fused rewrite carries it)
+        if a.get("mod_scale") is not None or a.get("mod_shift") is not None or a.get("gate") is not None:
+            return None  # adaLN modulation, a gate: normkit's op stays (no composite or fused rewrite carries them)
         users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         y = users.get(0)
         if y is None:

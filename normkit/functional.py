@@ -24,6 +24,13 @@ LayerNorm and RMSNorm take fused epilogues (keyword-only):
                       equal to a prefix of them ((B, N) or (B, 1, N) for x of (B, T, N); (N,) or
                       (1, N): one row for all). Any float dtype; differentiable (dscale, dshift are
                       per-sample sums, deterministic). Either may be given alone.
+  gate=g              the gated norm of Mamba-2-style layers: normalizes z = x * silu(g), formed in
+                      fp32 in the kernel and not rounded (g: x's shape and device, any float dtype,
+                      read in place like a residual). The backward returns dx = dz * silu(g) and
+                      dgate = dz * x * silu'(g) (g's dtype) from one pass. Combines with weight_offset,
+                      out_dtype (float8 too), return_amax, activation and per-head weights (groups of
+                      a grouped gated norm: x.view(..., G, group), weight.view(G, group)); not with
+                      residual/prenorm (which would come first is ambiguous) nor scale=/shift=.
 Returns y, or the tuple (y[, h][, amax]) when prenorm / return_amax ask for more.
 """
 from __future__ import annotations
@@ -298,6 +305,22 @@ def _check_modulation(x, shape, weight, bias, scale, shift, opts):
     return dataclasses.replace(opts, mod_scale=scale is not None, mod_shift=shift is not None)
 
 
+def _check_gate(x, gate, residual, scale, shift, opts):
+    """The gated norm's gate, checked; returns opts with its flag set. Errors name the argument."""
+    _check_tensor(gate, "gate")
+    if gate.shape != x.shape:
+        raise ValueError(f"gate: expected x's shape {tuple(x.shape)} (the norm of x * silu(gate)), got "
+                         f"{tuple(gate.shape)}")
+    if gate.device != x.device:
+        raise ValueError(f"gate: expected a tensor on x's device {x.device}, got one on {gate.device}")
+    if residual is not None:
+        raise ValueError("gate: a gated norm with residual= (or prenorm=) is not fused: whether the gate applies "
+                         "before or after the residual add is ambiguous; add the residual first, then call with gate=")
+    if scale is not None or shift is not None:
+        raise ValueError("gate: a gated norm with adaLN modulation (scale=/shift=) is not fused; got both")
+    return dataclasses.replace(opts, gate=True)
+
+
 def _same_param_rows(weight, bias, shape):
     """With one parameter per head and the other not, the other is expanded to per head (autograd
     sums its gradient back): the kernels take both in one layout."""
@@ -331,7 +354,7 @@ def _autocast_rows(x, weight, bias, opts, backend_name, op):
 
 
 def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, residual=None, scale=None,
-              opts=PLAIN, prenorm=False, mod_scale=None, mod_shift=None):
+              opts=PLAIN, prenorm=False, mod_scale=None, mod_shift=None, gate=None):
     """Checked arguments -> y (or the tuple of _outputs), through the custom op (compile, modes,
     subclasses), the autograd function (gradients, torch.func, forward AD) or straight to the
     kernels (inference). The host path is asked again here: the public functions ask it first, but a
@@ -339,26 +362,26 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
     plain = residual is None and scale is None and opts is PLAIN and (weight is None or weight.dim() == len(shape)) \
         and (bias is None or bias.dim() == len(shape))  # not per-head parameters
     fast = _host.fast
-    if fast is not None and mod_scale is None and mod_shift is None and not _is_compiling():
+    if fast is not None and mod_scale is None and mod_shift is None and gate is None and not _is_compiling():
         y = fast.row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, residual, prenorm,
                           opts.residual_dtype, opts.weight_offset, opts.out_dtype,
                           scale if scale is not None else opts.out_scale, opts.return_amax, False)
         if y is not None:
             return y
-    if _library.needed(x, weight, bias, residual, scale, mod_scale, mod_shift):
+    if _library.needed(x, weight, bias, residual, scale, mod_scale, mod_shift, gate):
         if _is_compiling():
             compile_fusion.traced()  # Inductor decides, op by op, whether normkit's op stays (compile_fusion.py)
         if plain:
             return _library.row_norm(x, len(shape), weight, bias, eps, rms, backend_name, activation=activation)
         y, h, _, _, amax = _library.row_norm_fused(x, len(shape), weight, bias, eps, rms, backend_name, activation,
-                                                   residual, scale, opts, mod_scale, mod_shift)
+                                                   residual, scale, opts, mod_scale, mod_shift, gate)
         return _outputs(y, h, amax, prenorm, opts.return_amax)
     backend = backends.resolve(backend_name, x, op)
-    if _needs_autograd(x, weight, bias, residual, mod_scale, mod_shift) or transforms_active():
-        _forward_only_check(backend, op, x, weight, bias, mod_scale, mod_shift)
+    if _needs_autograd(x, weight, bias, residual, mod_scale, mod_shift, gate) or transforms_active():
+        _forward_only_check(backend, op, x, weight, bias, mod_scale, mod_shift, gate)
         check_backend(backend, opts, residual)
         y, h, _, _, amax = RowNormFn.apply(x, weight, bias, residual, scale, len(shape), eps, rms, activation, opts,
-                                           backend, mod_scale, mod_shift)
+                                           backend, mod_scale, mod_shift, gate)
         return _outputs(y, h, amax, prenorm, opts.return_amax)
     if plain:  # inference: no statistics to keep, so the kernel need not write them
         rows = row_view(x, shape, getattr(backend, "STRIDED_ROWS", False))
@@ -368,16 +391,17 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
     check_backend(backend, opts, residual)
     y, h, _, _, amax = row_norm_forward_fused(backend, x, weight, bias, len(shape), eps, rms, activation,
                                               residual=residual, scale=scale, opts=opts, store_stats=False,
-                                              store_h=prenorm, mod_scale=mod_scale, mod_shift=mod_shift)
+                                              store_h=prenorm, mod_scale=mod_scale, mod_shift=mod_shift, gate=gate)
     return _outputs(y, h, amax, prenorm, opts.return_amax)
 
 
 def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax, scale=None,
-           shift=None) -> bool:
+           shift=None, gate=None) -> bool:
     """No fused option asked for (the defaults; weight_offset's is the int 0: a float default would
     be a symbolic input that torch.compile(dynamic=True) specializes by restarting its trace)."""
     return residual is None and prenorm is False and residual_dtype is None and weight_offset == 0 and \
-        out_dtype is None and out_scale is None and return_amax is False and scale is None and shift is None
+        out_dtype is None and out_scale is None and return_amax is False and scale is None and shift is None and \
+        gate is None
 
 
 def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
@@ -392,7 +416,7 @@ def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, 
 
 def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
                     residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast: bool, scale=None,
-                    shift=None):
+                    shift=None, gate=None):
     op = "rms_norm" if rms else "layer_norm"
     if rms:
         _check_tensor(x, "x")
@@ -400,34 +424,37 @@ def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, bac
     shape, eps = _check_inputs(x, normalized_shape, weight, bias, eps, per_head=True)
     weight, bias = _same_param_rows(weight, bias, shape)
     _check_activation(activation)
-    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax, scale, shift):
+    if _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax, scale, shift,
+              gate):
         opts, fp8_scale = PLAIN, None  # the common call: nothing fused, nothing more to check
     else:
         opts, fp8_scale = _check_fusion(x, shape, weight, residual, prenorm, residual_dtype, weight_offset, out_dtype,
                                         out_scale, return_amax)
+        if gate is not None:
+            opts = _check_gate(x, gate, residual, scale, shift, opts)
         if scale is not None or shift is not None:
             opts = _check_modulation(x, shape, weight, bias, scale, shift, opts)
     if autocast:
         x, weight, bias, opts = _autocast_rows(x, weight, bias, opts, backend, op)
     return _row_norm(x, shape, weight, bias, eps, rms, activation, backend, op, residual, fp8_scale, opts, prenorm,
-                     scale, shift)
+                     scale, shift, gate)
 
 
 def row_norm_as_written(x, normalized_shape, weight, bias, eps, rms: bool, *, activation=None, backend=None,
                         residual=None, prenorm=False, residual_dtype=None, weight_offset=0, out_dtype=None,
-                        out_scale=None, return_amax=False, scale=None, shift=None):
+                        out_scale=None, return_amax=False, scale=None, shift=None, gate=None):
     """LayerNorm/RMSNorm without torch's autocast contract for F.layer_norm / F.rms_norm: computes in
     float32 and rounds to x's dtype (or out_dtype) whatever autocast says. For modules that write
     their norm out in explicit float32 ops (HF's RMSNorm classes), which autocast does not upcast as
     a whole. The fused options are layer_norm's."""
-    y = None if scale is not None or shift is not None else _via_host(
+    y = None if scale is not None or shift is not None or gate is not None else _via_host(
         x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend, residual, prenorm,
         residual_dtype, weight_offset, out_dtype, out_scale, return_amax, False)
     if y is not None:
         return y
     return _fused_row_norm(x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend,
                            residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax,
-                           autocast=False, scale=scale, shift=shift)
+                           autocast=False, scale=scale, shift=shift, gate=gate)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -438,7 +465,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
                residual_dtype: Optional[torch.dtype] = None, weight_offset: float = 0,
                out_dtype: Optional[torch.dtype] = None, out_scale=None, return_amax: bool = False,
                scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
-               backend: Optional[str] = None):
+               gate: Optional[torch.Tensor] = None, backend: Optional[str] = None):
     """LayerNorm over the trailing `normalized_shape` dims, as torch.nn.functional.layer_norm.
 
     activation: None, "silu", "mish", "gelu", "gelu_tanh" or "relu", applied after the affine
@@ -447,17 +474,18 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
     epilogues (see the module docstring); returns y, or (y[, h][, amax]).
     scale, shift: adaLN modulation, y = act((xhat * w + b) * (1 + scale) + shift) in one pass, one
     scale/shift row per sample ((B, N) or (B, 1, N) for x of (B, T, N)); see the module docstring.
+    gate: the gated norm, normalizes x * silu(gate) (gate of x's shape); see the module docstring.
     backend: None picks Triton for CUDA tensors and torch otherwise; a name forces that backend.
     Under CUDA autocast it returns float32, as torch's layer_norm does (read x's dtype, write fp32).
     """
-    y = None if scale is not None or shift is not None else _via_host(
+    y = None if scale is not None or shift is not None or gate is not None else _via_host(
         x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm, residual_dtype,
         weight_offset, out_dtype, out_scale, return_amax, True)
     if y is not None:
         return y
     return _fused_row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm,
                            residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True,
-                           scale=scale, shift=shift)
+                           scale=scale, shift=shift, gate=gate)
 
 
 def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torch.Tensor] = None,
@@ -465,7 +493,7 @@ def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torc
              prenorm: bool = False, residual_dtype: Optional[torch.dtype] = None, weight_offset: float = 0,
              out_dtype: Optional[torch.dtype] = None, out_scale=None, return_amax: bool = False,
              scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
-             backend: Optional[str] = None):
+             gate: Optional[torch.Tensor] = None, backend: Optional[str] = None):
     """RMSNorm over the trailing `normalized_shape` dims, as torch.nn.functional.rms_norm.
 
     eps=None means torch's default: the machine epsilon of the compute type (float32, or float64).
@@ -473,14 +501,14 @@ def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torc
     layer_norm; under autocast the dtype torch's rms_norm returns there (float32 from torch 2.12;
     torch 2.11 keeps x's dtype).
     """
-    y = None if scale is not None or shift is not None else _via_host(
+    y = None if scale is not None or shift is not None or gate is not None else _via_host(
         x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm, residual_dtype,
         weight_offset, out_dtype, out_scale, return_amax, True)
     if y is not None:
         return y
     return _fused_row_norm(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm,
                            residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast=True,
-                           scale=scale, shift=shift)
+                           scale=scale, shift=shift, gate=gate)
 
 
 # ----------------------------------------------------------------------------- group norm

@@ -6,7 +6,8 @@ LayerNorm and RMSNorm take the fused options that belong to the layer as attribu
 forward argument: `norm(x, residual)` returns (y, h), h = x + residual being the new residual
 stream (the add-norm of a pre-norm transformer block, as flash-attention's and Liger's fused
 add-norm modules); `norm(x, residual, prenorm=False)` returns y alone. The adaLN modulation is a
-forward argument too: `norm(x, scale=scale, shift=shift)` (per sample, as normkit.layer_norm).
+forward argument too: `norm(x, scale=scale, shift=shift)` (per sample, as normkit.layer_norm), and so
+is a gated norm's gate: `norm(x, gate=g)` normalizes x * silu(g).
 """
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ class _RowNormOptions:
             with torch.no_grad():
                 self.weight.sub_(offset)
 
-    def _fused(self, residual, prenorm, scale=None, shift=None):
+    def _fused(self, residual, prenorm, scale=None, shift=None, gate=None):
         kw = {}
+        if gate is not None:
+            kw["gate"] = gate
         if scale is not None:
             kw["scale"] = scale
         if shift is not None:
@@ -68,9 +71,10 @@ class LayerNorm(_RowNormOptions, torch.nn.LayerNorm):
         self._set_options(activation, weight_offset, out_dtype, residual_dtype, backend)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, prenorm: bool = True, *,
-                scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None):
+                scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
+                gate: Optional[torch.Tensor] = None):
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, activation=self.activation,
-                          backend=self.backend, **self._fused(residual, prenorm, scale, shift))
+                          backend=self.backend, **self._fused(residual, prenorm, scale, shift, gate))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + self._extra()
@@ -89,9 +93,10 @@ class RMSNorm(_RowNormOptions, torch.nn.RMSNorm):
         self._set_options(activation, weight_offset, out_dtype, residual_dtype, backend)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, prenorm: bool = True, *,
-                scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None):
+                scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None,
+                gate: Optional[torch.Tensor] = None):
         return rms_norm(x, self.normalized_shape, self.weight, self.eps, activation=self.activation,
-                        backend=self.backend, **self._fused(residual, prenorm, scale, shift))
+                        backend=self.backend, **self._fused(residual, prenorm, scale, shift, gate))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + self._extra()

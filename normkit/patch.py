@@ -25,6 +25,9 @@ What is patched, and only when its forward is known to compute exactly what the 
     cohere  (Cohere): layer norm over the last dim in fp32, fp32 weight, no bias, one rounding
     ln_fp32 (diffusers' FP32LayerNorm): F.layer_norm of x, weight and bias in fp32, one rounding
     ln_channels (diffusers' SDCascadeLayerNorm, WuerstchenLayerNorm): LayerNorm over dim 1 of NCHW
+    gated   (Mamba-2's MambaRMSNormGated; Bamba, Zamba2, ... where they compute the same): forward(x,
+            gate=None) computing weight * normed(x in fp32 * silu(gate in fp32), per group).to(x.dtype);
+            normkit's gate= op, groups smaller than the row as per-head weights
   The HF-style ones compute in fp32 and round as the module does whatever autocast says (they are
   written in explicit fp32 ops, which autocast leaves alone); each replacement runs the module's own
   forward for a call it was not proven on (float64 input, another dtype combination, more arguments).
@@ -42,7 +45,9 @@ the model itself), so `len(report)` and `report == {}` work as before, with
 Recognising a forward by its computation
 ----------------------------------------
 A leaf module with an eps attribute (eps / variance_epsilon / epsilon) whose forward takes one
-input (named *args/**kwargs aside: calls using them run the module's own forward) is run once per
+input (named *args/**kwargs aside: calls using them run the module's own forward), or one input and
+one more argument defaulting to None (a gate: probed without it and with a gate of x's shape in
+each probe dtype, and matched against the gated styles on all of them), is run once per
 (class, attributes) on small CPU probe inputs under a dispatch mode that records every aten op
 (`_Recorder`). The record is normalized into a term: names dropped; op names without overload or
 in-place suffix; scalar arguments (eps, as the fp32 value the op computes with), shapes, reduction
@@ -114,14 +119,25 @@ def _layer_norm_2d_forward(self, x):
 
 def _recognised_forward(self, x, *args, **kwargs):
     """The forward of a module recognised by its computation: the style proven for this call's
-    (x dtype, train mode, parameter dtypes) and x's shape, else the module's own forward."""
+    (x dtype, train mode, parameter dtypes) and x's shape, else the module's own forward. A gated
+    plan also serves calls passing the gate (None, or a float tensor of x's shape and device, of a dtype probed)."""
     plan = type(self)._normkit_plan
-    if not args and not kwargs and isinstance(x, torch.Tensor):
+    gate, served = None, not args and not kwargs
+    if plan.gate_name is not None and not served:
+        if len(args) == 1 and not kwargs:
+            gate, served = args[0], True
+        elif not args and len(kwargs) == 1 and plan.gate_name in kwargs:
+            gate, served = kwargs[plan.gate_name], True
+    if served and isinstance(x, torch.Tensor) and (gate is None or (
+            isinstance(gate, torch.Tensor) and gate.shape == x.shape and gate.dtype in _PROBE_DTYPES and
+            gate.device == x.device)):
         ps = self._parameters
         key = (x.dtype, self.training, *[None if ps.get(n) is None else ps[n].dtype for n in plan.param_names])
         found = plan.table.get(key)
         if found is not None and plan.fits(x):
             style, eps_name = found
+            if style.gated:
+                return style.forward(self, x, ps.get("weight"), ps.get("bias"), getattr(self, eps_name), plan, gate)
             return style.forward(self, x, ps.get("weight"), ps.get("bias"), getattr(self, eps_name), plan)
     return type(self)._normkit_original.forward(self, x, *args, **kwargs)
 
@@ -172,6 +188,26 @@ def _nk_cohere(m, x, w, b, eps, plan):
     return _as_written(m, x, x.shape[-1:], w, None, eps, False)
 
 
+def _nk_gated(m, x, w, b, eps, plan, gate=None):
+    # Mamba-2's gated norm: x * silu(gate) in fp32 (normkit's gate=), normalized per group of
+    # plan.groups["gated"] columns (groups smaller than the row: x and the gate viewed as
+    # (..., G, group), the weight as per-head (G, group)); rounded to x's dtype, then times the
+    # weight, as _nk_llama (fused for fp32 x, where the rounding is a no-op).
+    group = plan.groups["gated"]
+    n = x.shape[-1]
+    G = n // group
+    if G > 1:
+        x = x.unflatten(-1, (G, group))
+        gate = None if gate is None else gate.unflatten(-1, (G, group))
+    wv = None if w is None else (w.view(G, group) if G > 1 else w)
+    if wv is not None and x.dtype == torch.float32:
+        y = _as_written(m, x, (group,), wv, None, eps, True, **({} if gate is None else {"gate": gate}))
+        return y.flatten(-2) if G > 1 else y
+    y = _as_written(m, x, (group,), None, None, eps, True, **({} if gate is None else {"gate": gate}))
+    y = y.flatten(-2) if G > 1 else y
+    return y if w is None else w * y
+
+
 def _nk_ln_fp32(m, x, w, b, eps, plan):
     return _as_written(m, x, plan.shape(m), w, b, eps, False)
 
@@ -196,6 +232,7 @@ class _Params(NamedTuple):
     bias: Optional[torch.Tensor]
     eps: float
     shape: tuple
+    group: Optional[int] = None  # gated styles: the columns normalized together (the row's width, or less)
 
 
 def _rms_fp32(x, p):  # HF's normalized value: x in fp32 times rsqrt(mean(x^2) + eps), in fp32
@@ -240,6 +277,20 @@ def _ref_cohere(x, p):
     return (p.weight.to(torch.float32) * h).to(x.dtype)
 
 
+def _ref_gated(x, p, gate=None):
+    # MambaRMSNormGated (transformers' Mamba-2, Bamba, ...): the gate multiplies in fp32 before the
+    # statistics, which are per group of p.group columns; HF Llama's rounding, then the weight
+    _needs(p, None)
+    h = x.to(torch.float32)
+    if gate is not None:
+        h = h * TF.silu(gate.to(torch.float32))
+    *prefix, last = h.shape
+    g = h.view(*prefix, last // p.group, p.group)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + p.eps)
+    h = g.view(*prefix, last).to(x.dtype)
+    return h if p.weight is None else p.weight * h
+
+
 def _ref_ln_fp32(x, p):
     _needs(p, None, bias=True)
     w = None if p.weight is None else p.weight.float()
@@ -259,6 +310,7 @@ class _Style(NamedTuple):
     forward: Callable       # (module, x, weight, bias, eps, plan) -> tensor: normkit
     what: str               # for the report
     layout: str = "rows"    # probe x: "rows" (..., *normalized shape) or "nchw" (N, C, H, W)
+    gated: bool = False     # reference(x, p, gate=None) and forward(..., plan, gate): a gated norm's
 
 
 _HF_NOTE = "fp32 math and the module's roundings whatever autocast says"
@@ -278,6 +330,9 @@ _STYLES = {s.name: s for s in (
            "layer_norm of x, weight and bias in fp32, one rounding to x's dtype (diffusers' FP32LayerNorm)"),
     _Style("ln_channels", "layer_norm", _ref_ln_channels, _nk_ln_channels,
            "layer_norm over dim 1 (channels) of an NCHW tensor", layout="nchw"),
+    _Style("gated", "rms_norm", _ref_gated, _nk_gated,
+           "gated rms_norm of x * silu(gate) per group, Mamba-2 style (normed value rounded to x's dtype, then "
+           f"times weight; the gate passed through to normkit's gate=); {_HF_NOTE}", gated=True),
 )}
 # what each style name (and blocks' names for torch's modules) computes, as an op family
 _STYLE_OPS = {"ln": "layer_norm", "rms": "rms_norm", "gn": "group_norm", **{s.name: s.op for s in _STYLES.values()}}
@@ -510,9 +565,12 @@ class _Plan:
     eps attribute)} for the proven calls, x's layout and normalized shape, and the report's text."""
 
     def __init__(self, table: dict, layout: str, shape: tuple, shape_attr: Optional[str], param_names: tuple,
-                 full: set):
+                 full: set, groups: Optional[dict] = None, gate_name: Optional[str] = None):
         self.table, self.layout, self.S, self.shape_attr = table, layout, shape, shape_attr
         self.param_names, self.ndim = param_names, len(shape)
+        # gated styles: {style name: columns per group}; the forward's gate parameter (None: no gate)
+        self.groups = {s.name: groups[s.name] for s, _ in table.values() if s.gated} if groups else {}
+        self.gate_name = gate_name
         self.any_rank = True  # False: proven only for x with ndim + 2 dims (the probe's)
         styles = {s.name for s, _ in table.values()}
         self.style = next(iter(styles)) if len(styles) == 1 and set(table) == full else None
@@ -522,7 +580,7 @@ class _Plan:
             else None
         self.what = self._describe(full)
         self._key = (frozenset((k, (s.name, e)) for k, (s, e) in table.items()), layout, shape, shape_attr,
-                     param_names)
+                     param_names, tuple(sorted(self.groups.items())), gate_name)
 
     def __eq__(self, other):
         return isinstance(other, _Plan) and (self._key, self.any_rank) == (other._key, other.any_rank)
@@ -545,8 +603,13 @@ class _Plan:
             by_style.setdefault(style, []).append(key)
         parts = []
         for style, keys in by_style.items():
+            what = style.what
+            if style.gated:
+                group = self.groups[style.name]
+                what += (f"; groups of {group} columns" if group != math.prod(self.S) else "; one group per row") + \
+                    (f"; the gate ({self.gate_name}=) fused" if self.gate_name else "; no gate argument")
             if len(by_style) == 1 and set(keys) == full:
-                parts.append(style.what)
+                parts.append(what)
                 continue
             modes: dict = {}  # dtype combination -> the modes it was proven in
             for k in keys:
@@ -555,8 +618,9 @@ class _Plan:
                 modes.setdefault(combo, set()).add(k[1])
             combos = [c + ("" if len(m) == 2 else " in train mode" if True in m else " in eval mode")
                       for c, m in sorted(modes.items())]
-            parts.append(f"{style.what} [for {'; '.join(combos)}]")
-        return "; ".join(parts) + "; other calls (float64, other dtypes, more arguments) run its own forward"
+            parts.append(f"{what} [for {'; '.join(combos)}]")
+        others = "a gate of another shape or float64, " if self.gate_name else ""
+        return "; ".join(parts) + f"; other calls (float64, other dtypes, {others}more arguments) run its own forward"
 
     def finish(self, any_rank: bool) -> "_Plan":
         """Records whether another rank of x computed the same (else only x of the probe's rank runs normkit)."""
@@ -593,8 +657,23 @@ def _attributes_key(module: nn.Module) -> tuple:
     return type(module), tuple(items), params, bool(module._buffers), bool(module._modules)
 
 
+def _gate_param(cls) -> Optional[str]:
+    """The name of cls.forward's second parameter where its forward is forward(x, <name>=None): a
+    possible gate, probed with the gated styles; else None."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if len(named) == 2 and named[1].default is None and named[1].kind is not named[1].POSITIONAL_ONLY and \
+            named[0].default is named[0].empty:
+        return named[1].name
+    return None
+
+
 def _forward_takes_more(cls) -> Optional[str]:
-    """Why calls of cls.forward(x) alone do not cover its uses (named parameters besides x), or None."""
+    """Why calls of cls.forward(x) alone do not cover its uses (named parameters besides x, other
+    than one gate=None that the gated styles probe), or None."""
     if cls not in _SIGNATURES:
         why = None
         try:
@@ -607,7 +686,7 @@ def _forward_takes_more(cls) -> Optional[str]:
             named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
             if not named:
                 why = "its forward takes no single input"
-            elif len(named) > 1:
+            elif len(named) > 1 and _gate_param(cls) is None:
                 others = ", ".join(p.name for p in named[1:])
                 why = (f"its forward takes more than its input ({others}): normkit's norms normalize one tensor "
                        "and have no op for what those arguments add (a gate, a conditioning, a residual)")
@@ -648,15 +727,37 @@ def _probe_shapes(layout: str, S: tuple) -> tuple:
     return (2, 3) + S, (3,) + S
 
 
-def _reference_term(style: _Style, x_shape, x_dtype, params: dict, eps: float, shape: tuple):
+def _reference_term(style: _Style, x_shape, x_dtype, params: dict, eps: float, shape: tuple, group=None,
+                    gate_name: Optional[str] = None):
+    """The style's term on these probes; for a gated style with gate_name, the tuple (without the gate,
+    then with a gate of x's shape named gate_name in each probe dtype), as a gated module's probe gives it."""
     key = (style.name, x_shape, x_dtype, tuple((n, None if p is None else (p.dtype, tuple(p.shape)))
-                                               for n, p in params.items()), eps, shape)
+                                               for n, p in params.items()), eps, shape, group, gate_name)
     term = _REFERENCES.get(key)
     if term is None:
         x = _probe_x(x_shape, x_dtype)
-        p = _Params(params.get("weight"), params.get("bias"), eps, shape)
-        term = _REFERENCES[key] = _trace(lambda: style.reference(x, p), {"x": x, **params})
+        p = _Params(params.get("weight"), params.get("bias"), eps, shape, group)
+        term = _trace(lambda: style.reference(x, p), {"x": x, **params})
+        terms = [term]
+        for gd in (_PROBE_DTYPES if gate_name is not None else ()):
+            if isinstance(terms[-1], _Failed):
+                break
+            x, g = _probe_x(x_shape, x_dtype), _probe_x(x_shape, gd)
+            terms.append(_trace(lambda: style.reference(x, p, g), {"x": x, gate_name: g, **params}))
+        term = terms[-1] if isinstance(terms[-1], _Failed) else tuple(terms) if len(terms) > 1 else term
+        _REFERENCES[key] = term
     return term
+
+
+def _group_sizes(module, n: int) -> tuple:
+    """Candidate group widths of a gated norm over rows of n: n itself, and the divisors of n that
+    the module's int attributes name (as a width, or as a count of groups). Only candidates: a width
+    is used where the traced computation equals the style's with it."""
+    found = [n]
+    for v in module.__dict__.values():
+        if isinstance(v, int) and not isinstance(v, bool) and 0 < v < n and n % v == 0:
+            found += [v, n // v]
+    return tuple(dict.fromkeys(found))
 
 
 def _recognise(module: nn.Module):
@@ -703,14 +804,28 @@ def _find_plan(module: nn.Module):
         return {n: None if n not in present else torch.ones(module._parameters[n].shape, dtype=pd, requires_grad=True)
                 for n in names}
 
+    gate_name = _gate_param(cls)
+
     def module_term(xs, xd, params, training):
         probe, x = _probe_module(module, params, training), _probe_x(xs, xd)
-        return _trace(lambda: cls.forward(probe, x), {"x": x, **params})
+        term = _trace(lambda: cls.forward(probe, x), {"x": x, **params})
+        if gate_name is None or isinstance(term, _Failed):
+            return term
+        terms = [term]
+        for gd in _PROBE_DTYPES:  # a gate of each dtype: Mamba-2 passes a bf16 gate with an fp32 x
+            probe, x, g = _probe_module(module, params, training), _probe_x(xs, xd), _probe_x(xs, gd)
+            terms.append(_trace(lambda: cls.forward(probe, x, **{gate_name: g}), {"x": x, gate_name: g, **params}))
+            if isinstance(terms[-1], _Failed):
+                return terms[-1]
+        return tuple(terms)
+
+    groups_found: dict = {}  # gated style -> the group width its reference matched with
+    n_cols = math.prod(S)
 
     first_error, why = None, None
     for layout in ("rows", "nchw"):
         xs, other_rank = _probe_shapes(layout, S)
-        styles = [s for s in _STYLES.values() if s.layout == layout]
+        styles = [s for s in _STYLES.values() if s.layout == layout and (gate_name is None or s.gated)]
         if xs is None or not styles:
             continue
         cover: dict = {}  # style name -> {signature: eps attribute}
@@ -725,20 +840,27 @@ def _find_plan(module: nn.Module):
                         first_error = first_error or (xd, pd, xs, term)
                         continue
                     for style in styles:
+                        widths = ((groups_found[style.name],) if style.name in groups_found else
+                                  _group_sizes(module, n_cols)) if style.gated else (None,)
                         for value, attr in eps.items():
-                            if _reference_term(style, xs, xd, params, value, shape) == term:
+                            width = next((w for w in widths if _reference_term(
+                                style, xs, xd, params, value, shape, w, gate_name) == term), False)
+                            if width is not False:
                                 cover.setdefault(style.name, {}).setdefault(sig, attr)
+                                if style.gated:
+                                    groups_found[style.name] = width
                                 break
         if cover:
-            plan = _choose(cover, layout, S, shape_attr, names, full)
+            plan = _choose(cover, layout, S, shape_attr, names, full, groups_found, gate_name)
             if other_rank is not None:  # one signature at another rank: is the computation rank-free?
                 sig, (style, attr) = next(iter(sorted(plan.table.items(), key=lambda kv: repr(kv[0]))))
                 params = probe_params(next((d for d in sig[2:] if d is not None), None))
                 same = module_term(other_rank, sig[0], params, sig[1]) == \
-                    _reference_term(style, other_rank, sig[0], params, getattr(module, attr), shape)
+                    _reference_term(style, other_rank, sig[0], params, getattr(module, attr), shape,
+                                    plan.groups.get(style.name), gate_name)
                 plan.finish(same)
             return plan
-        why = why or _closest(module, module_terms, xs, names, present, eps, shape, styles)
+        why = why or _closest(module, module_terms, xs, names, present, eps, shape, styles, gate_name, n_cols)
     if why is not None:
         return why
     if first_error is not None:
@@ -748,7 +870,7 @@ def _find_plan(module: nn.Module):
     return "its forward could not be probed"
 
 
-def _choose(cover: dict, layout, S, shape_attr, names, full) -> _Plan:
+def _choose(cover: dict, layout, S, shape_attr, names, full, groups=None, gate_name=None) -> _Plan:
     """The plan: for each proven signature the style that covers the most signatures (ties: the
     order of _STYLES), so a class computing one style everywhere gets that style everywhere."""
     order = list(_STYLES)
@@ -758,10 +880,11 @@ def _choose(cover: dict, layout, S, shape_attr, names, full) -> _Plan:
         for sig in left & set(cover[name]):
             table[sig] = (_STYLES[name], cover[name][sig])
         left -= set(cover[name])
-    return _Plan(table, layout, S, shape_attr, names, full)
+    return _Plan(table, layout, S, shape_attr, names, full, groups, gate_name)
 
 
-def _closest(module, module_terms: dict, xs, names, present, eps: dict, shape, styles) -> Optional[str]:
+def _closest(module, module_terms: dict, xs, names, present, eps: dict, shape, styles, gate_name=None,
+             n_cols=None) -> Optional[str]:
     """Why no style matched: where the module's computation first differs from the closest style's
     (the one sharing most sub-terms), on one probe (bf16 x and parameters where that probe ran)."""
     sigs = [s for s, t in module_terms.items() if not isinstance(t, _Failed)]
@@ -775,7 +898,8 @@ def _closest(module, module_terms: dict, xs, names, present, eps: dict, shape, s
     mine, best = _subterms(term, set()), None
     for style in styles:
         for value in eps:
-            ref = _reference_term(style, xs, sig[0], params, value, shape)
+            ref = _reference_term(style, xs, sig[0], params, value, shape,
+                                  _group_sizes(module, n_cols)[-1] if style.gated else None, gate_name)
             if not isinstance(ref, _Failed):
                 score = len(mine & _subterms(ref, set()))
                 if best is None or score > best[0]:
@@ -784,6 +908,10 @@ def _closest(module, module_terms: dict, xs, names, present, eps: dict, shape, s
     if best is None:
         return f"its computation matches none of normkit's styles (probed with {combo}: {_show(term)})"
     _, style, ref = best
+    if gate_name is not None and not _is_term(term) and not _is_term(ref):  # without, then with a gate of each dtype
+        which = next((i for i, (a, b) in enumerate(zip(term, ref)) if a != b), 0)
+        term, ref = term[which], ref[which]
+        combo += "" if which == 0 else f", with {gate_name} {_SHORT[_PROBE_DTYPES[which - 1]]}"
     a, b = _difference(term, ref) or (term, ref)
     return (f"its computation matches none of normkit's styles; probed with {combo}, it computes {_show(a)} "
             f"where the closest style, {style.name}, computes {_show(b)}")

@@ -21,6 +21,7 @@ __all__ = [
     "activation",
     "residual_sum",
     "modulate",
+    "gated",
     "output_value",
     "amax",
     "FP8_MAX",
@@ -73,6 +74,16 @@ def residual_sum(x, residual, residual_dtype=None):
     return h + (h.to(residual_dtype or residual.dtype).to(_f64) - h).detach()
 
 
+def gated(x, gate=None):
+    """x * silu(gate) in float64, what a gated norm (Mamba-2's MambaRMSNormGated) normalizes; x
+    alone where gate is None. No rounding in between: the kernels form it in fp32 and normalize it."""
+    x = x.to(_f64)
+    if gate is None:
+        return x
+    g = gate.to(_f64)
+    return x * (g * torch.sigmoid(g))
+
+
 def _affine(y, weight, bias, weight_offset):
     if weight is not None:
         y = y * (weight.to(_f64) + weight_offset)
@@ -97,11 +108,12 @@ def modulate(y, scale=None, shift=None, normalized_ndim: int = 1):
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None, *, residual=None,
-               residual_dtype=None, weight_offset=0.0, scale=None, shift=None):
+               residual_dtype=None, weight_offset=0.0, scale=None, shift=None, gate=None):
     """float64 LayerNorm. Returns (y, mean, rstd); mean/rstd have x's leading shape.
     residual: normalizes h = residual_sum(x, residual, residual_dtype). weight_offset: y = xhat * (offset + w) + b.
-    scale, shift: adaLN modulation (`modulate`) of the affine output, before the activation."""
-    x = x.to(_f64) if residual is None else residual_sum(x, residual, residual_dtype)
+    scale, shift: adaLN modulation (`modulate`) of the affine output, before the activation.
+    gate: normalizes x * silu(gate) (`gated`)."""
+    x = gated(x, gate) if residual is None else residual_sum(x, residual, residual_dtype)
     dims = _dims(x, normalized_shape)
     mean = x.mean(dim=dims, keepdim=True)
     var = ((x - mean) ** 2).mean(dim=dims, keepdim=True)  # two-pass: exact in float64
@@ -113,12 +125,12 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, activation
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, activation_name=None, *, residual=None, residual_dtype=None,
-             weight_offset=0.0, scale=None, shift=None):
+             weight_offset=0.0, scale=None, shift=None, gate=None):
     """float64 RMSNorm. Returns (y, rstd); rstd has x's leading shape. residual, weight_offset, scale,
-    shift: as layer_norm."""
+    shift, gate: as layer_norm."""
     if eps is None:
         eps = default_rms_eps(x.dtype)
-    x = x.to(_f64) if residual is None else residual_sum(x, residual, residual_dtype)
+    x = gated(x, gate) if residual is None else residual_sum(x, residual, residual_dtype)
     dims = _dims(x, normalized_shape)
     rstd = torch.rsqrt((x * x).mean(dim=dims, keepdim=True) + eps)
     y = activation(modulate(_affine(x * rstd, weight, None, weight_offset), scale, shift, len(dims)), activation_name)
@@ -171,24 +183,29 @@ def _grads(f, dy, x, params):
 
 
 def layer_norm_backward(dy, x, normalized_shape, weight=None, bias=None, eps=1e-5, activation_name=None, *,
-                        weight_offset=0.0, scale=None, shift=None):
+                        weight_offset=0.0, scale=None, shift=None, gate=None):
     """float64 (dx, dweight, dbias) of layer_norm; None where weight/bias is None. With scale= or
-    shift= (adaLN modulation): (dx, dweight, dbias, dscale, dshift), None where absent."""
-    f = lambda x_, w_, b_, s_, t_: layer_norm(x_, normalized_shape, w_, b_, eps, activation_name,  # noqa: E731
-                                              weight_offset=weight_offset, scale=s_, shift=t_)[0]
-    grads = _grads(f, dy, x, [weight, bias, scale, shift])
-    return grads if scale is not None or shift is not None else grads[:3]
+    shift= (adaLN modulation): (dx, dweight, dbias, dscale, dshift), None where absent. With gate=:
+    (dx, dweight, dbias, dgate)."""
+    f = lambda x_, w_, b_, s_, t_, g_: layer_norm(x_, normalized_shape, w_, b_, eps, activation_name,  # noqa: E731
+                                                  weight_offset=weight_offset, scale=s_, shift=t_, gate=g_)[0]
+    grads = _grads(f, dy, x, [weight, bias, scale, shift, gate])
+    if gate is not None:
+        return grads[:3] + grads[5:]
+    return grads[:5] if scale is not None or shift is not None else grads[:3]
 
 
 def rms_norm_backward(dy, x, normalized_shape, weight=None, eps=None, activation_name=None, *, weight_offset=0.0,
-                      scale=None, shift=None):
+                      scale=None, shift=None, gate=None):
     """float64 (dx, dweight) of rms_norm; dweight is None where weight is None. With scale= or
-    shift=: (dx, dweight, dscale, dshift)."""
+    shift=: (dx, dweight, dscale, dshift). With gate=: (dx, dweight, dgate)."""
     eps = default_rms_eps(x.dtype) if eps is None else eps
-    f = lambda x_, w_, s_, t_: rms_norm(x_, normalized_shape, w_, eps, activation_name,  # noqa: E731
-                                        weight_offset=weight_offset, scale=s_, shift=t_)[0]
-    grads = _grads(f, dy, x, [weight, scale, shift])
-    return grads if scale is not None or shift is not None else grads[:2]
+    f = lambda x_, w_, s_, t_, g_: rms_norm(x_, normalized_shape, w_, eps, activation_name,  # noqa: E731
+                                            weight_offset=weight_offset, scale=s_, shift=t_, gate=g_)[0]
+    grads = _grads(f, dy, x, [weight, scale, shift, gate])
+    if gate is not None:
+        return grads[:2] + grads[4:]
+    return grads[:4] if scale is not None or shift is not None else grads[:2]
 
 
 def group_norm_backward(dy, x, num_groups, weight=None, bias=None, eps=1e-5, activation_name=None):

@@ -187,9 +187,9 @@ _INTERFACE = {
     "row_norm_fwd": "x weight bias eps rms activation store_stats",
     "row_norm_bwd": "dy x weight mean rstd rms dweight_dtype dbias_dtype *bias *activation",
     "row_norm_fwd_fused": "x weight bias eps rms *activation *store_stats *residual *h_dtype *store_h *weight_offset "
-                          "*out_dtype *out_scale *want_amax *mod_scale *mod_shift",
+                          "*out_dtype *out_scale *want_amax *mod_scale *mod_shift *gate",
     "row_norm_bwd_fused": "dy x weight mean rstd rms dweight_dtype dbias_dtype *bias *activation *weight_offset *dh "
-                          "*dx_dtype *dres_dtype *mod_scale *mod_shift *dmod_dtypes",
+                          "*dx_dtype *dres_dtype *mod_scale *mod_shift *dmod_dtypes *gate",
     "group_norm_fwd": "x num_groups weight bias eps activation",
     "group_norm_bwd": "dy x num_groups weight bias mean rstd activation dweight_dtype dbias_dtype",
 }

@@ -249,6 +249,11 @@ FAMILIES = {
                                 sliding_window=4), norms={"Gemma3RMSNorm": 13}, weight_center=0.0, **_LM),
     # OLMo 2: norms after attention and MLP, and q/k norms over the whole projection
     "olmo2": Family(_causal_lm("Olmo2Config", "Olmo2ForCausalLM"), norms={"Olmo2RMSNorm": 9}, **_LM),
+    # Mamba-2: the gated norm of each mixer (MambaRMSNormGated, x * silu(gate) normalized in 2 groups of
+    # 32 channels: normkit's gate= with per-group weights), and the RMSNorms around the mixers
+    "mamba2": Family(_causal_lm("Mamba2Config", "Mamba2ForCausalLM", num_heads=8, head_dim=8, expand=2, n_groups=2,
+                                state_size=8, chunk_size=8),
+                     norms={"Mamba2RMSNorm": 3, "MambaRMSNormGated": 2}, **_LM),
     "gpt2": Family(_gpt2, norms={"LayerNorm": 5}, **_LM),
     "bert": Family(_bert, _token_inputs, _masked_run, norms={"LayerNorm": 6}),
     # GroupNorm then ReLU(inplace=True) in a transformers model: the in-place case on every CI run

@@ -445,15 +445,81 @@ def test_train_and_eval_mode_are_proven_separately():
     _assert_computes_like(ours, theirs, x, bitwise=DEVICE == "cpu")
 
 
-def test_mamba2_gated_norm_is_left_alone_with_the_reason():
+GATED = {  # id -> (module, class, hidden, group size): MambaRMSNormGated and its copies
+    "mamba2_one_group": ("mamba2.modeling_mamba2", "MambaRMSNormGated", 64, 64),
+    "mamba2_groups": ("mamba2.modeling_mamba2", "MambaRMSNormGated", 64, 16),
+    "bamba": ("bamba.modeling_bamba", "BambaRMSNormGated", 64, 32),
+    "zamba2": ("zamba2.modeling_zamba2", "Zamba2RMSNormGated", 64, 16),
+    "nemotron_h": ("nemotron_h.modeling_nemotron_h", "NemotronHRMSNormGated", 64, 32),
+}
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype, g_dtype", [(FP32, FP32, FP32), (BF16, BF16, BF16), (FP32, BF16, BF16),
+                                                       (FP16, FP16, FP32)], ids=["fp32", "bf16", "fp32_x_bf16_gate",
+                                                                                 "fp16_fp32_gate"])
+@pytest.mark.parametrize("case", list(GATED))
+def test_gated_norms_are_patched_with_the_gate(case, x_dtype, w_dtype, g_dtype):
+    """forward(x, gate=None): recognised by computation (probed without and with a gate), patched with
+    normkit's gate= (groups as per-head weights); outputs and the gradients of x, gate and weight are
+    the module's, with the gate passed positionally, by name, or not at all."""
+    module, name, hidden, group = GATED[case]
+    torch.manual_seed(0)
+    theirs = _hf(module, name)(hidden, group_size=group, eps=1e-6)
+    with torch.no_grad():
+        theirs.weight.copy_(1 + 0.5 * torch.randn(hidden))
+    theirs = theirs.to(DEVICE, w_dtype)
+    ours = copy.deepcopy(theirs)
+    report = normkit.patch(ours, fuse=False)
+    assert set(report) == {""}, report.skipped
+    what = report.computes[""]
+    assert "gated rms_norm" in what and "(gate=) fused" in what
+    assert ("one group per row" in what) == (group == hidden)
+    x = torch.randn(2, 5, hidden, device=DEVICE, dtype=x_dtype)
+    g = 2 * torch.randn(2, 5, hidden, device=DEVICE, dtype=g_dtype)
+    for call in (lambda m, a, b: m(a, b), lambda m, a, b: m(a, gate=b), lambda m, a, b: m(a)):
+        outs = []
+        for m in (ours, theirs):
+            xa, ga = x.clone().requires_grad_(), g.clone().requires_grad_()
+            y = call(m, xa, ga)
+            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y)
+            grads = torch.autograd.grad(y, [xa, ga, m.weight], dy, allow_unused=True)
+            outs.append((y, grads))
+        (y, grads), (y_ref, grads_ref) = outs
+        assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+        tol = 1e-6 if y.dtype == FP32 else 2 * torch.finfo(y.dtype).eps
+        assert ref.rel_err(y, y_ref) <= tol
+        for got, want in zip(grads, grads_ref):
+            if want is None:
+                assert got is None or not got.any()
+                continue
+            assert got.dtype == want.dtype
+            assert ref.rel_err(got, want) <= (2e-5 if got.dtype == FP32 else 4 * torch.finfo(got.dtype).eps)
+
+
+def test_gated_norm_calls_it_does_not_serve_run_its_own_forward(monkeypatch):
     cls = _hf("mamba2.modeling_mamba2", "MambaRMSNormGated")
-    try:
-        gated = cls(64, group_size=16)
-    except TypeError:  # transformers before 5.2x: no group_size
-        gated = cls(64)
-    report = normkit.patch(nn.Sequential(gated), fuse=False)
+    m = cls(64, group_size=16).to(DEVICE)
+    normkit.patch(m)
+    seen = []
+    real = normkit.functional._fused_row_norm
+    monkeypatch.setattr(normkit.functional, "_fused_row_norm", lambda *a, **k: seen.append(1) or real(*a, **k))
+    x = torch.randn(2, 3, 64, device=DEVICE)
+    m(x, torch.randn(2, 3, 64, device=DEVICE))
+    assert len(seen) == 1
+    m(x.double(), torch.randn(2, 3, 64, device=DEVICE, dtype=torch.float64))  # float64: not proven
+    m(x, torch.randn(1, 3, 64, device=DEVICE))  # a broadcast gate: not what was probed
+    assert len(seen) == 1
+
+
+def test_gated_norms_computing_otherwise_are_left_alone_with_the_reason():
+    """FalconH1's gated norm multiplies the fp32 weight in before one rounding (and gates after the
+    norm by default); Qwen3-Next's takes a gate with no default: left alone, saying why."""
+    falcon = _hf("falcon_h1.modeling_falcon_h1", "FalconH1RMSNormGated")(64, eps=1e-6, n_groups=4)
+    qwen = _hf("qwen3_next.modeling_qwen3_next", "Qwen3NextRMSNormGated")(64)
+    report = normkit.patch(nn.Sequential(falcon, qwen), fuse=False)
     assert report == {}
-    assert "takes more than its input (gate)" in report.skipped["0"] and "a gate" in report.skipped["0"]
+    assert "matches none of normkit's styles" in report.skipped["0"] and "gated" in report.skipped["0"]
+    assert "takes more than its input (gate)" in report.skipped["1"]
 
 
 def test_krea2_norm_is_patched_for_its_fp32_weight_only():

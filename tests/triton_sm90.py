@@ -40,34 +40,40 @@ def _source(fn, types, constexprs, absent=(), units=()):
 def variants():
     """(name, ASTSource, num_warps)."""
     out = []
-    for rms, res, fp8, amax, per_row, act, path, mod in [
+    gated_fwd = [((True, False, 0, False, True, 0, "tile", 0), True), ((False, False, 1, True, False, 2, "split", 0), True),
+                 ((True, False, 0, False, False, 0, "looped", 0), True)]
+    for (rms, res, fp8, amax, per_row, act, path, mod), gate in [(v, False) for v in [
             (False, False, 0, False, False, 0, "tile", 0), (True, True, 1, True, False, 2, "tile", 0),
             (False, True, 2, True, True, 4, "tile", 0), (True, True, 1, True, True, 3, "split", 0),
             (False, True, 0, False, False, 0, "split", 0), (False, True, 1, True, True, 5, "looped", 0),
             (True, False, 0, True, False, 1, "looped", 0), (False, False, 0, False, False, 0, "tile", 3),
-            (True, True, 1, True, False, 2, "split", 1), (False, False, 0, False, False, 4, "looped", 2)]:
+            (True, True, 1, True, False, 2, "split", 1), (False, False, 0, False, False, 4, "looped", 2)]] + gated_fwd:
         cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, STORE_STATS=True, ACT=act, HAS_RES=res,
                   STORE_H=res, H_ROUND=1 if res else 0, FP8=fp8, SCALE_PTR=fp8 == 2, WANT_AMAX=amax,
                   BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024, SPLIT=4 if path == "split" else 1,
-                  LOOPED=path == "looped", PERSISTENT=path == "split", HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2))
+                  LOOPED=path == "looped", PERSISTENT=path == "split", HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2),
+                  HAS_GATE=gate)
         types = dict(FWD_ARGS, Y="*u8" if fp8 else "*bf16")
-        absent = [n for n, on in (("R", res), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2), ("MS", mod & 1),
+        absent = [n for n, on in (("R", res or gate), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2), ("MS", mod & 1),
                                   ("MT", mod & 2)) if not on]
         units = ["INNER", "sx_c", "W_ROWS"] if not per_row else ["sx_c"]
-        out.append((f"fwd rms={rms} res={res} fp8={fp8} amax={amax} per_row={per_row} mod={mod} {path}",
+        out.append((f"fwd rms={rms} res={res} fp8={fp8} amax={amax} per_row={per_row} mod={mod} gate={gate} {path}",
                     _source(kernels.row_norm_fwd_kernel, types, cx, absent, units), 8))
-    for rms, dh, dres, per_row, act, path, dy, mod in [
+    gated_bwd = [((True, False, False, True, 0, "tile", "*bf16", 0), True),
+                 ((False, False, False, False, 2, "split", "*bf16", 0), True),
+                 ((True, False, False, False, 0, "looped", "*fp32", 0), True)]
+    for (rms, dh, dres, per_row, act, path, dy, mod), gate in [(v, False) for v in [
             (False, False, False, False, 0, "tile", "*bf16", 0), (True, True, True, True, 2, "tile", "*fp8e4nv", 0),
             (False, True, True, False, 4, "split", "*fp8e5", 0), (True, True, False, True, 3, "looped", "*fp32", 0),
             (False, False, False, False, 0, "tile", "*bf16", 3), (True, True, True, False, 2, "tile", "*bf16", 1),
-            (False, False, False, False, 5, "looped", "*bf16", 3)]:
+            (False, False, False, False, 5, "looped", "*bf16", 3)]] + gated_bwd:
         cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, WANT_DW=True, WANT_DB=not rms, ACT=act,
                   HAS_DH=dh, HAS_DRES=dres, HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2), WANT_DS=bool(mod & 1),
                   WANT_DT=bool(mod & 2), BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024,
-                  SPLIT=4 if path == "split" else 1, LOOPED=path == "looped")
-        absent = [n for n, on in (("DH", dh), ("DRES", dres), ("MS", mod & 1), ("MT", mod & 2), ("DS_PART", mod & 1),
+                  SPLIT=4 if path == "split" else 1, LOOPED=path == "looped", HAS_GATE=gate)
+        absent = [n for n, on in (("DH", dh or gate), ("DRES", dres or gate), ("MS", mod & 1), ("MT", mod & 2), ("DS_PART", mod & 1),
                                   ("DT_PART", mod & 2)) if not on]
-        out.append((f"bwd rms={rms} dh={dh} dres={dres} per_row={per_row} mod={mod} {path} dy={dy}",
+        out.append((f"bwd rms={rms} dh={dh} dres={dres} per_row={per_row} mod={mod} gate={gate} {path} dy={dy}",
                     _source(kernels.row_norm_bwd_kernel, dict(BWD_ARGS, DY=dy), cx, absent, ["sdy_c", "sx_c"]), 8))
     return out
 

@@ -38,6 +38,11 @@ stride (any row stride), row r of x using table row r // (M / S); the forward co
 act((xhat * w + b) * (1 + scale) + shift). The backward then also needs bias (to recompute
 xhat * w + b) and returns (dscale, dshift) appended, [S, N] in dmod_dtypes (None: not computed),
 the per-sample sums, deterministic.
+Gated norms (backends with GATE = True: torch, triton; check_backend refuses the others by name):
+both fused entry points take gate=, rows like x in any float dtype, never with a residual or
+modulation; the forward normalizes z = x * silu(gate) (fp32, unrounded). The backward's x is then
+the ungated input; it returns dgate appended, rows like x in the gate's dtype (dx = dz * silu(gate),
+dgate = dz * x * silu'(gate), dz the norm's input gradient).
 Backends with STRIDED_ROWS = True also take rows as [O, I, N] views with any strides (row r is
 (r // I, r % I); normkit._layout.row_view); every row operand of one call has the same structure,
 and outputs are dense in that shape. The others get [M, N] with unit column stride.

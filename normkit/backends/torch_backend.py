@@ -32,6 +32,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 MODULATION = True  # takes adaLN scale/shift tables (mod_scale=, mod_shift=)
+GATE = True  # takes gate= (normalizes x * silu(gate); the backward returns dgate)
 STRIDED_ROWS = True  # rows may come as [O, I, N] views with any strides (normkit._layout.row_view)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -178,13 +179,13 @@ def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_
 
 def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=None, store_stats: bool = True,
                        residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
-                       want_amax=False, mod_scale=None, mod_shift=None):
+                       want_amax=False, mod_scale=None, mod_shift=None, gate=None):
     acc = _acc(x)
-    if not rms and residual is None and mod_scale is None and mod_shift is None and not weight_offset and out_dtype in (None, x.dtype, acc) and not want_amax and \
+    if not rms and residual is None and gate is None and mod_scale is None and mod_shift is None and not weight_offset and out_dtype in (None, x.dtype, acc) and not want_amax and \
             (activation is None or (out_dtype or x.dtype) == acc) and _native_cpu(x, weight, bias):
         y, mean, rstd = _native_layer_norm(x, weight, bias, eps)  # y in fp32: one rounding to the output's dtype
         return _ACTIVATIONS[activation](y).to(out_dtype or x.dtype).contiguous(), mean, rstd, None, None
-    xf = x.to(acc)
+    xf = x.to(acc) if gate is None else _gated(x, gate, acc)
     h = None
     if residual is not None:
         hs = (xf + residual.to(acc)).to(h_dtype or residual.dtype)
@@ -212,6 +213,11 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     return y, (None if mean is None else mean.contiguous()), rstd.contiguous(), h, amax
 
 
+def _gated(x, gate, acc):
+    """x * silu(gate) in the compute dtype: what a gated norm normalizes."""
+    return x.to(acc) * torch.nn.functional.silu(gate.to(acc))
+
+
 def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None):
     dx, _, dw, db = row_norm_bwd_fused(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias=bias,
                                        activation=activation)
@@ -220,11 +226,15 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
 
 def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None,
                        weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
-                       dmod_dtypes=(None, None)):
+                       dmod_dtypes=(None, None), gate=None):
+    """With gate: x is the ungated input, and (dx, dres, dw, db, dgate) comes back."""
     acc = _acc(x)
     N = x.shape[-1]
     modulated = mod_scale is not None or mod_shift is not None
-    if not rms and activation is None and not modulated and not weight_offset and dh is None and dres_dtype is None and \
+    if gate is not None:
+        xg = x
+        x = _gated(x, gate, acc)
+    if not rms and activation is None and gate is None and not modulated and not weight_offset and dh is None and dres_dtype is None and \
             N > 1 and _native_cpu(x, weight, bias):  # N = 1: dx is exactly 0 below
         dx, dw, db = _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype)
         return dx.to(dx_dtype or x.dtype).contiguous(), None, dw, db
@@ -257,6 +267,11 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     dw = _param_sum(dyf * xhat, heads).to(dweight_dtype) if dweight_dtype is not None else None
     db = _param_sum(dyf, heads).to(dbias_dtype) if dbias_dtype is not None else None
     dres = dx.to(dres_dtype).contiguous() if dres_dtype is not None else None
+    if gate is not None:  # dx is the gradient of x * silu(g): chain it to x and to the gate
+        g = gate.to(acc)
+        sg = torch.sigmoid(g)
+        dgate = (dx * xg.to(acc) * (sg * (1 + g * (1 - sg)))).to(gate.dtype).contiguous()
+        return (dx * (g * sg)).to(dx_dtype or xg.dtype).contiguous(), dres, dw, db, dgate
     return (dx.to(dx_dtype or x.dtype).contiguous(), dres, dw, db) + dmod
 
 

@@ -1,7 +1,8 @@
 """`normkit recognition`: what normkit.patch recognises in real model families, as installed.
 
 Builds each model family at a tiny size on the CPU (random weights, nothing downloaded), runs
-normkit.patch(model, dry_run=True) and prints, per model: the norms it would patch, the norm-like
+normkit.patch(model, dry_run=True) and prints, per model: the norms it would patch (by class, with
+what normkit computes for them), the norm-like
 modules it would leave alone and why, the blocks it would fuse, and the blocks holding a known norm
 it would leave unfused and why. `make test-latest` prints it for the newest releases, so what a new
 transformers or diffusers changed shows up case by case. `--strict` exits 1 where a family lost
@@ -37,6 +38,9 @@ TRANSFORMERS = {
     "t5-encoder": ("T5Config", "T5EncoderModel", dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)),
     "umt5-encoder": ("UMT5Config", "UMT5EncoderModel", dict(d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                             num_heads=4)),
+    # gated norms (MambaRMSNormGated) over 128 channels in 2 groups of 64, and the RMSNorms around them
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(num_heads=8, head_dim=16, expand=2, n_groups=2,
+                                                         state_size=16, chunk_size=16)),
 }
 
 # diffusers: (model class, kwargs)
@@ -118,7 +122,8 @@ def report(name: str, build: Callable) -> dict:
     except Exception as e:  # noqa: BLE001 - a family that does not build is a line of the report
         return {"model": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     rep = normkit.patch(model, dry_run=True)
-    return {"model": name, "patched": len(rep), "skipped": _grouped(rep.skipped, model),
+    return {"model": name, "patched": len(rep), "computes": _grouped(rep.computes, model),
+            "skipped": _grouped(rep.skipped, model),
             "fused": _grouped(rep.fused, model), "unfused": _grouped(rep.unfused, model)}
 
 
@@ -155,8 +160,9 @@ def run(args) -> int:
         short += bool(r["skipped"])
         print(f"{name}: {r['patched']} norms patched, {len(r['skipped'])} kinds left alone; "
               f"{len(r['fused'])} kinds of block fused, {len(r['unfused'])} left unfused")
-        for label in ("skipped", "fused", "unfused"):
-            for line in r[label]:
+        for label, key in (("patched", "computes"), ("skipped", "skipped"), ("fused", "fused"),
+                           ("unfused", "unfused")):
+            for line in r[key]:
                 print(f"    {label:8} {line}")
     print(f"normkit recognition: {len(names)} families, {short} with a norm left alone or not building")
     return 1 if args.strict and short else 0

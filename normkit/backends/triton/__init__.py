@@ -16,6 +16,7 @@ from . import configs
 NAME = "triton"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MODULATION = True  # takes adaLN scale/shift tables (mod_scale=, mod_shift=)
+GATE = True  # takes gate= (normalizes x * silu(gate); the backward returns dgate)
 STRIDED_ROWS = True  # rows may come as [O, I, N] views with any strides (normkit._layout.row_view)
 # every buffer a kernel must fully write is allocated through these names, so tests can poison it
 _empty = torch.empty
@@ -150,14 +151,15 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
     constexprs["ACT"] = _kernels().act_codes[activation]
     if direction == "fwd":
-        has_res, store_h, h_dtype, out_dtype, scale_ptr, want_amax, has_ms, has_mt = fusion or _NO_FWD_FUSION
+        has_res, store_h, h_dtype, out_dtype, scale_ptr, want_amax, has_ms, has_mt, has_gate = \
+            fusion or _NO_FWD_FUSION
         k = _kernels()
         constexprs.update(HAS_RES=has_res, STORE_H=store_h, H_ROUND=k.h_round_codes.get(str(h_dtype), 0),
                           FP8=k.fp8_codes.get(str(out_dtype), 0), SCALE_PTR=scale_ptr, WANT_AMAX=want_amax,
-                          HAS_MS=has_ms, HAS_MT=has_mt)
+                          HAS_MS=has_ms, HAS_MT=has_mt, HAS_GATE=has_gate)
     else:
         (constexprs["HAS_DH"], constexprs["HAS_DRES"], constexprs["HAS_MS"], constexprs["HAS_MT"],
-         constexprs["WANT_DS"], constexprs["WANT_DT"]) = fusion or _NO_BWD_FUSION
+         constexprs["WANT_DS"], constexprs["WANT_DT"], constexprs["HAS_GATE"]) = fusion or _NO_BWD_FUSION
     constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=cfg.looped)
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
@@ -208,8 +210,9 @@ def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_
 
 def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=None, store_stats: bool = True,
                        residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
-                       want_amax=False, mod_scale=None, mod_shift=None):
-    """(y, mean, rstd, h or None, amax or None); see the backend interface (normkit.backends)."""
+                       want_amax=False, mod_scale=None, mod_shift=None, gate=None):
+    """(y, mean, rstd, h or None, amax or None); see the backend interface (normkit.backends).
+    gate (rows like x; not with a residual): normalizes x * silu(gate), the gate read as the residual is."""
     device = x.device
     N = x.shape[-1]
     M = x.numel() // N if N else math.prod(x.shape[:-1])
@@ -229,8 +232,8 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
         return y, mean, rstd, h, _amax_out(amax)
     scale_ptr = isinstance(out_scale, torch.Tensor)
     fusion = (has_res, h is not None, h_dtype, out_dtype if fp8 else None, scale_ptr, want_amax,
-              mod_scale is not None, mod_shift is not None)
-    itemsize = max(t.element_size() for t in (x, y, h, residual) if t is not None)
+              mod_scale is not None, mod_shift is not None, gate is not None)
+    itemsize = max(t.element_size() for t in (x, y, h, residual, gate) if t is not None)
     w_rows = _param_rows(weight, bias)
     cfg, constexprs, device_index, sms = _plan(
         "fwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, store_stats, w_rows > 1),
@@ -245,9 +248,10 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     row_blocks = -(-M // cfg.block_m)
     sync, scratch = _scratch(cfg, sms * 32 // cfg.split + 1, device)
     inner, sx_o, sx_i, sx_c = _strides(x)
-    _, sr_o, sr_i, sr_c = _strides(residual) if has_res else (1, 0, 0, 0)
+    second = gate if gate is not None else residual  # the R operand: the residual, or the gate
+    _, sr_o, sr_i, sr_c = _strides(second) if second is not None else (1, 0, 0, 0)
     scale = 1.0 if scale_ptr or out_scale is None else float(out_scale)
-    args = (x, residual, y.view(torch.uint8) if fp8 else y, h, weight, bias, mean, rstd, amax,
+    args = (x, second, y.view(torch.uint8) if fp8 else y, h, weight, bias, mean, rstd, amax,
             out_scale if scale_ptr else None, sync, scratch, mod_scale, mod_shift, M, N, inner, sx_o, sx_i, sx_c,
             sr_o, sr_i, sr_c, eps, w_rows, float(weight_offset), scale) + _mod_rows(M, mod_scale, mod_shift)
     if cfg.looped or cfg.programs_per_sm == 0:
@@ -258,8 +262,8 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_NO_FWD_FUSION = (False, False, None, None, False, False, False, False)
-_NO_BWD_FUSION = (False, False, False, False, False, False)
+_NO_FWD_FUSION = (False, False, None, None, False, False, False, False, False)
+_NO_BWD_FUSION = (False, False, False, False, False, False, False)
 
 
 def _mod_rows(M: int, mod_scale, mod_shift) -> tuple:
@@ -304,14 +308,16 @@ def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtyp
 
 def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None,
                        weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
-                       dmod_dtypes=(None, None)):
+                       dmod_dtypes=(None, None), gate=None):
     """(dx, dres or None, dweight or None, dbias or None), then (dscale, dshift) (None where not
-    asked) with modulation; see the backend interface."""
+    asked) with modulation, or dgate with a gate (x is then the ungated input; no dh, no dres);
+    see the backend interface."""
     device = x.device
     N = x.shape[-1]
     M = x.numel() // N if N else math.prod(x.shape[:-1])
     dx = _out(x, dx_dtype or x.dtype)
     dres = _out(x, dres_dtype) if dres_dtype is not None else None
+    dgate = _out(x, gate.dtype) if gate is not None else None
     want_dw, want_db = dweight_dtype is not None, dbias_dtype is not None
     w_rows = _param_rows(weight, bias)
     pshape = (w_rows, N) if w_rows > 1 else (N,)
@@ -323,12 +329,12 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
         dmod = tuple(None if d is None else _empty((table.shape[0], N), dtype=d, device=device) for d in dmod_dtypes)
     if M == 0 or N == 0:  # no rows, or empty ones: the weight gradients are exact zeros (empty for N = 0)
         return (dx, dres, (dw.zero_() if want_dw else None), (db.zero_() if want_db else None)) + \
-            tuple(None if d is None else d.zero_() for d in dmod)
+            tuple(None if d is None else d.zero_() for d in dmod) + (() if gate is None else (dgate,))
     # the bias only matters to recompute the pre-activation, or yaff for dscale
     bias = bias if activation is not None or mod_scale is not None else None
-    itemsize = max(t.element_size() for t in (x, dy, dx, dres, dh) if t is not None)
+    itemsize = max(t.element_size() for t in (x, dy, dx, dres, dh, gate) if t is not None)
     fusion = (dh is not None, dres is not None, mod_scale is not None, mod_shift is not None,
-              bool(dmod) and dmod[0] is not None, bool(dmod) and dmod[1] is not None)
+              bool(dmod) and dmod[0] is not None, bool(dmod) and dmod[1] is not None, gate is not None)
     cfg, constexprs, device_index, sms = _plan(
         "bwd", N, itemsize, device,
         (rms, weight is not None, bias is not None, activation, (want_dw, want_db), w_rows > 1),
@@ -358,10 +364,12 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     db_part = _empty((groups_upper, N), dtype=torch.float32, device=device) if want_db else None
     inner, sdy_o, sdy_i, sdy_c = _strides(dy)
     _, sx_o, sx_i, sx_c = _strides(x)
-    _, sdh_o, sdh_i, sdh_c = _strides(dh) if dh is not None else (1, 0, 0, 0)
+    # the dh operand: dh, or the gate (and the dres output: dgate)
+    second = gate if gate is not None else dh
+    _, sdh_o, sdh_i, sdh_c = _strides(second) if second is not None else (1, 0, 0, 0)
     mod_parts = tuple(None if d is None else _empty((mod_args[4], mod_args[0] * N), dtype=torch.float32,
                                                     device=device) for d in dmod) or (None, None)
-    args = (dy, x, dh, weight, bias, mean, rstd, dx, dres, dw_part, db_part, sync, scratch, mod_scale, mod_shift) + \
+    args = (dy, x, second, weight, bias, mean, rstd, dx, dres if gate is None else dgate, dw_part, db_part, sync, scratch, mod_scale, mod_shift) + \
         mod_parts + (M, N, inner, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, w_rows,
                      float(weight_offset)) + mod_args
     groups = _launch_persistent(_kernels().bwd, cfg, args, constexprs, row_blocks, device_index, sms,
@@ -370,7 +378,7 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     _reduce_partials(dw_part, dw, db_part, db, groups // w_rows, N * w_rows, device_index)
     if dmod:  # partial row c holds chunk c of every sample: [chunks, S * N] sums to [S, N]
         _reduce_partials(mod_parts[0], dmod[0], mod_parts[1], dmod[1], mod_args[4], mod_args[0] * N, device_index)
-    return (dx, dres, dw, db) + dmod
+    return (dx, dres, dw, db) + dmod + (() if gate is None else (dgate,))
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,6 +31,12 @@ stream), a weight offset (y = xhat * (offset + w)), the output cast (any float d
 scale and saturation) and the amax of y; in the backward, the gradient of h added to dx, and dx
 written in a second dtype for the residual.
 
+Gated norms (HAS_GATE; Mamba-2's MambaRMSNormGated): what is normalized is z = x * silu(gate), formed
+in fp32 and not rounded. The gate is read like the residual, through R and its strides (the two are
+exclusive); the backward reads x, the gate (through DH's pointer and strides) and dy, and writes dx =
+dz * silu(gate) and dgate = dz * x * silu'(gate) (through DRES) in the same pass, dz being the usual
+input gradient of the norm.
+
 adaLN modulation (HAS_MS / HAS_MT): y = act((xhat * w + b) * (1 + scale) + shift), the scale and
 shift rows of a [S, N] table per sample (row r of x uses table row r // rows_per_sample), in fp32
 in the same pass. Its backward walks the rows sample by sample (the "sample walk": work item
@@ -183,21 +189,29 @@ def _load_tile(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
 
 @triton.jit
 def _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
-            HAS_RES: tl.constexpr, H_ROUND: tl.constexpr):
-    """The tile that is normalized, fp32: x, or h = x + residual rounded to h's dtype."""
+            HAS_RES: tl.constexpr, H_ROUND: tl.constexpr, HAS_GATE: tl.constexpr):
+    """The tile that is normalized, fp32: x, or h = x + residual rounded to h's dtype, or (HAS_GATE:
+    R is the gate) x * silu(gate), unrounded."""
     x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
     if HAS_RES:
         x = round_h(x + _load_tile(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c), H_ROUND)
+    if HAS_GATE:
+        g = _load_tile(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c)
+        x = x * (g * tl.sigmoid(g))
     return x
 
 
 @triton.jit
-def _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES: tl.constexpr, H_ROUND: tl.constexpr):
+def _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES: tl.constexpr, H_ROUND: tl.constexpr,
+                  HAS_GATE: tl.constexpr):
     """Each row's first element of what is normalized (the shift of the statistics)."""
     x = tl.load(X + _row_start(rows, INNER, sx_o, sx_i), mask=row_mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + _row_start(rows, INNER, sr_o, sr_i), mask=row_mask, other=0.0).to(tl.float32)
         x = round_h(x + r, H_ROUND)
+    if HAS_GATE:
+        g = tl.load(R + _row_start(rows, INNER, sr_o, sr_i), mask=row_mask, other=0.0).to(tl.float32)
+        x = x * (g * tl.sigmoid(g))
     return x
 
 
@@ -222,7 +236,7 @@ def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, block, gro
               IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
               STORE_STATS: tl.constexpr,
               ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr,
-              FP8: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr,
+              FP8: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """Normalize one loaded tile x (rows of `block`, columns `cols`) and store it; returns amax."""
     rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -237,7 +251,7 @@ def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, block, gro
         xc = x
     else:
         # shifted data: x - x[row, 0] is small, so its sums keep the digits a raw sum loses
-        shift = _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES, H_ROUND)
+        shift = _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES, H_ROUND, HAS_GATE)
         xs = tl.where(mask, x - shift[:, None], 0.0)
         n_local = tl.minimum(tl.maximum(N - k * BLOCK_N, 1), BLOCK_N) * 1.0
         mean_s = tl.sum(xs, axis=1) / n_local
@@ -274,7 +288,7 @@ def row_norm_fwd_kernel(
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
     STORE_STATS: tl.constexpr,
     ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
-    SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr,
+    SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
@@ -286,17 +300,17 @@ def row_norm_fwd_kernel(
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         amax = _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, rows < M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
                            eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, MEAN, RSTD, IS_RMS, HAS_W, HAS_B,
-                           PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT,
+                           PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE,
                            BLOCK_M, BLOCK_N)
     elif not PERSISTENT:  # one row block per program
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
         rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        x = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND)
+        x = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE)
         amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, pid, pid, 0, 0, M, N, INNER,
                          sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, amax, cols,
                          col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8,
-                         WANT_AMAX, HAS_MS, HAS_MT, BLOCK_M, BLOCK_N, 1)
+                         WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE, BLOCK_M, BLOCK_N, 1)
     else:  # groups of SPLIT programs walk row blocks group, group + G, ...
         group = pid // SPLIT
         k = pid % SPLIT
@@ -306,17 +320,17 @@ def row_norm_fwd_kernel(
         col_mask = cols < N
         rows = (group * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         x_next = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
-                         HAS_RES, H_ROUND)
+                         HAS_RES, H_ROUND, HAS_GATE)
         for block in range(group, num_blocks, num_groups):
             x = x_next
             # prefetch the next tile now: its loads overlap the wait at the group barrier
             rows = ((block + num_groups) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             x_next = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
-                             HAS_RES, H_ROUND)
+                             HAS_RES, H_ROUND, HAS_GATE)
             amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, block, group, k,
                              (block - group) // num_groups, M, N, INNER, sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset,
                              scale, mod_rps, sms_r, smt_r, amax, cols, col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W,
-                             STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, BLOCK_M,
+                             STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE, BLOCK_M,
                              BLOCK_N, SPLIT)
         if SPLIT > 1:
             _group_exit(SYNC, group, num_groups, SPLIT)
@@ -329,7 +343,7 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
                 w_offset, scale, mod_rps, sms_r, smt_r, MEAN, RSTD, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
                 HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, STORE_STATS: tl.constexpr, ACT: tl.constexpr,
                 HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
-                WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, BLOCK_M: tl.constexpr,
+                WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """One program walks its rows in BLOCK_N chunks: statistics, then normalize. Returns amax."""
     num_chunks = tl.cdiv(N, BLOCK_N)
@@ -337,13 +351,13 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
     if IS_RMS:
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     else:
-        shift = _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES, H_ROUND)
+        shift = _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES, H_ROUND, HAS_GATE)
         mean_s = tl.zeros([BLOCK_M], dtype=tl.float32)
         m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     for chunk in range(0, num_chunks):
         cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
-        x = _load_h(X, R, rows, row_mask, cols, cols < N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND)
+        x = _load_h(X, R, rows, row_mask, cols, cols < N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE)
         if IS_RMS:
             sum_sq += tl.sum(x * x, axis=1)
         else:
@@ -361,7 +375,7 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
         cols = (num_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND)
+        x = _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE)
         if IS_RMS:
             xhat = x * rstd[:, None]
         else:
@@ -421,27 +435,47 @@ def _dx(xhat, wg, rstd, c1, c2, IS_RMS: tl.constexpr):
 
 
 @triton.jit
-def _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
-              HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr):
-    """dx (+ dh, the residual stream's own gradient) into DX, and the same values into DRES in its dtype."""
+def _store_dx(DX, DRES, DH, dx, xg, gt, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
+              HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, HAS_GATE: tl.constexpr):
+    """dx (+ dh, the residual stream's own gradient) into DX, and the same values into DRES in its dtype.
+    HAS_GATE: dx is the gradient of z = xg * silu(gt); DX gets dx * silu(gt) and DRES the gate's
+    gradient dx * xg * silu'(gt)."""
     mask = row_mask[:, None] & col_mask[None, :]
     if HAS_DH:
         dx += _load_tile(DH, rows, row_mask, cols, col_mask, INNER, sdh_o, sdh_i, sdh_c)
     offs = rows[:, None] * N + cols[None, :]
+    if HAS_GATE:
+        sg = tl.sigmoid(gt)
+        tl.store(DRES + offs, (dx * xg * (sg * (1.0 + gt * (1.0 - sg)))).to(DRES.dtype.element_ty), mask=mask)
+        dx = dx * (gt * sg)
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_DRES:
         tl.store(DRES + offs, dx.to(DRES.dtype.element_ty), mask=mask)
 
 
 @triton.jit
+def _gate_in(x, DG, rows, row_mask, cols, col_mask, INNER, sg_o, sg_i, sg_c, HAS_GATE: tl.constexpr):
+    """(z, gate tile): what was normalized, x * silu(gate) with HAS_GATE (the gate read through the
+    dh operand's pointer and strides), else (x, 0)."""
+    gt = 0.0
+    if HAS_GATE:
+        gt = _load_tile(DG, rows, row_mask, cols, col_mask, INNER, sg_o, sg_i, sg_c)
+        x = x * (gt * tl.sigmoid(gt))
+    return x, gt
+
+
+@triton.jit
 def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group, k, it, rows, row_mask, cols,
               col_mask, N, INNER, sdh_o, sdh_i, sdh_c, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
               HAS_B: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, ACT: tl.constexpr,
-              HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              SPLIT: tl.constexpr):
+              HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """dx of one loaded [BLOCK_M, BLOCK_N] tile (the row sums exchanged within a split group),
-    stored; returns (g * xhat, g, gy * yaff, gy): the tile's terms of dweight, dbias, dscale, dshift."""
+    stored; returns (g * xhat, g, gy * yaff, gy): the tile's terms of dweight, dbias, dscale, dshift.
+    HAS_GATE: x is the ungated input; the gate comes through DH (and dgate goes out through DRES)."""
     mask = row_mask[:, None] & col_mask[None, :]
+    xg = x
+    x, gt = _gate_in(xg, DH, rows, row_mask, cols, col_mask, INNER, sdh_o, sdh_i, sdh_c, HAS_GATE)
     rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
     mean = rstd
     if not IS_RMS:
@@ -457,7 +491,8 @@ def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, grou
         c1 = tl.sum(_read_partials(slot, False, SPLIT, BLOCK_M), axis=0)
         c2 = tl.sum(_read_partials(slot, True, SPLIT, BLOCK_M), axis=0)
     dx = _dx(xhat, wg, rstd, c1 / N, c2 / N, IS_RMS)
-    _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c, HAS_DH, HAS_DRES)
+    _store_dx(DX, DRES, DH, dx, xg, gt, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c, HAS_DH,
+              HAS_DRES, HAS_GATE)
     return g * xhat, g, gy * yaff, gy
 
 
@@ -486,7 +521,7 @@ def row_norm_bwd_kernel(
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, WANT_DW: tl.constexpr,
     WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
     HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, WANT_DS: tl.constexpr, WANT_DT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
+    HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
 ):
     """Persistent: group g (SPLIT programs; one program unless the row is split) handles row blocks
     g, g + G, g + 2G, ... and writes its fp32 partial sums of dweight/dbias to row g of
@@ -518,8 +553,8 @@ def row_norm_bwd_kernel(
                                                                              tl.cdiv(mod_rps, BLOCK_M)),
                             s.to(tl.int64) * mod_rps, 1, mod_rps, N, INNER, sdy_o, sdy_i, sdy_c, sx_o, sx_i, sx_c,
                             sdh_o, sdh_i, sdh_c, W_ROWS, w_offset, sms_r, smt_r, IS_RMS, HAS_W, HAS_B, PER_ROW_W,
-                            WANT_DW, WANT_DB, ACT, HAS_DH, HAS_DRES, HAS_MS, HAS_MT, WANT_DS, WANT_DT, BLOCK_M,
-                            BLOCK_N)
+                            WANT_DW, WANT_DB, ACT, HAS_DH, HAS_DRES, HAS_MS, HAS_MT, WANT_DS, WANT_DT, HAS_GATE,
+                            BLOCK_M, BLOCK_N)
         else:
             head = group % W_ROWS
             rows_per_head = M // W_ROWS
@@ -528,7 +563,7 @@ def row_norm_bwd_kernel(
                         tl.cdiv(rows_per_head, BLOCK_M), head, W_ROWS, rows_per_head, N, INNER, sdy_o, sdy_i, sdy_c,
                         sx_o, sx_i, sx_c, sdh_o, sdh_i, sdh_c, W_ROWS, w_offset, sms_r, smt_r, IS_RMS, HAS_W,
                         HAS_B, PER_ROW_W, WANT_DW, WANT_DB, ACT, HAS_DH, HAS_DRES, False, False, False, False,
-                        BLOCK_M, BLOCK_N)
+                        HAS_GATE, BLOCK_M, BLOCK_N)
     else:
         cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -550,7 +585,7 @@ def row_norm_bwd_kernel(
                     tw, tb, ts, tt = _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group,
                                                k, 0, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
                                                IS_RMS, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT, HAS_DH, HAS_DRES,
-                                               BLOCK_M, BLOCK_N, 1)
+                                               HAS_GATE, BLOCK_M, BLOCK_N, 1)
                     dw_acc += tw
                     db_acc += tb
                     ds_acc += ts
@@ -585,7 +620,7 @@ def row_norm_bwd_kernel(
                 tw, tb, _, _ = _bwd_tile(x, dy, w, b, 1.0, 0.0, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group, k,
                                          (jb - group // W_ROWS) // step, rows, row_mask, cols, col_mask, N, INNER,
                                          sdh_o, sdh_i, sdh_c, IS_RMS, HAS_W, HAS_B, False, False, ACT, HAS_DH,
-                                         HAS_DRES, BLOCK_M, BLOCK_N, SPLIT)
+                                         HAS_DRES, HAS_GATE, BLOCK_M, BLOCK_N, SPLIT)
                 dw_acc += tw
                 db_acc += tb
         if WANT_DW:
@@ -603,7 +638,7 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, MS, MT,
                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
                 WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr,
                 HAS_DRES: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, WANT_DS: tl.constexpr,
-                WANT_DT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                WANT_DT: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program walks blocks first, first + step, ... < num_blocks of the rows base + j * stride
     (j < limit), each row in BLOCK_N chunks twice (row sums, then dx), adding its weight-gradient
     sums into partial row part_row (and, with modulation, the rows being all of one sample, its
@@ -622,7 +657,8 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, MS, MT,
             cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+            x, _ = _gate_in(_load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c), DH, rows,
+                            row_mask, cols, col_mask, INNER, sdh_o, sdh_i, sdh_c, HAS_GATE)
             dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
             ms, mt = _load_mod(MS, MT, srow, cols, col_mask, sms_r, smt_r, HAS_MS, HAS_MT)
@@ -638,15 +674,16 @@ def _bwd_looped(DY, X, DH, W, B, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, MS, MT,
             cols = (num_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+            xg = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+            x, gt = _gate_in(xg, DH, rows, row_mask, cols, col_mask, INNER, sdh_o, sdh_i, sdh_c, HAS_GATE)
             dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
             ms, mt = _load_mod(MS, MT, srow, cols, col_mask, sms_r, smt_r, HAS_MS, HAS_MT)
             xhat, g, wg, gy, yaff = _bwd_terms(x, dy, w, b, ms, mt, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, HAS_MS,
                                                HAS_MT, ACT, False)
             dx = _dx(xhat, wg, rstd, c1, c2, IS_RMS)
-            _store_dx(DX, DRES, DH, dx, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
-                      HAS_DH, HAS_DRES)
+            _store_dx(DX, DRES, DH, dx, xg, gt, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
+                      HAS_DH, HAS_DRES, HAS_GATE)
             _add_part(DW_PART, part_row, cols, col_mask, g * xhat, WANT_DW)
             _add_part(DB_PART, part_row, cols, col_mask, g, WANT_DB)
             _add_part(DS_PART, mod_row, cols, col_mask, gy * yaff, WANT_DS)
