@@ -605,7 +605,8 @@ def test_op_kernel_reads_calls_as_the_eager_path_does(ext):
 
 @pytest.mark.parametrize("case", ["float64", "backend torch", "backend cuda", "bad activation", "ndim 0",
                                   "rows need three strides", "weight shape", "residual dtype without residual",
-                                  "fp8 without scale", "both scales", "gn groups", "gn layout", "gn float64"])
+                                  "fp8 without scale", "both scales", "mod_scale", "mod_shift", "gate",
+                                  "gn groups", "gn layout", "gn float64"])
 def test_op_kernel_leaves_calls_to_python(ext, case):
     x, w = torch.randn(4, 6, 8), torch.randn(8)
     name, args = "row_norm_fwd", _op_row(x, 1, w)
@@ -633,6 +634,9 @@ def test_op_kernel_leaves_calls_to_python(ext, case):
     elif case == "both scales":
         name, args = "row_norm_fused_fwd", args + fused_tail
         args[11], args[12], args[13] = torch.float8_e4m3fn, torch.ones(()), 2.0
+    elif case in ("mod_scale", "mod_shift", "gate"):  # options after the 15 the plans know: Python's
+        name, args = "row_norm_fused_fwd", args + fused_tail + [None, None, None]
+        args[15 + ("mod_scale", "mod_shift", "gate").index(case)] = torch.randn(4, 8) if case != "gate" else x
     elif case.startswith("gn"):
         name = "group_norm_fwd"
         xg = torch.randn(2, 6, 4, 4)
@@ -652,6 +656,7 @@ def cpu_kernels(ext):
     assert torch._C._dispatch_has_kernel_for_dispatch_key("normkit::row_norm_fwd", "CPU")
     yield ext
     del handle
+    _host.dispatch_changed()
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("normkit::row_norm_fwd", "CPU")
 
 

@@ -76,11 +76,24 @@ def load_extension():
         ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")))
         global _ops_handle
         _ops_handle = ext._register_ops(op_impls(), "CUDA")
+        dispatch_changed()
         _ext = ext
     return _ext
 
 
 OPS = ("row_norm_fwd", "row_norm_fused_fwd", "row_norm_bwd", "row_norm_fused_bwd", "group_norm_fwd", "group_norm_bwd")
+
+
+def dispatch_changed() -> None:
+    """Forget the Python dispatcher's cached kernels of normkit's ops after C++ kernels were
+    registered or removed: torch caches them per OpOverload (used while tracing) and invalidates
+    that cache only for registrations made through torch.library's Python API, so a stale entry
+    would route a later trace to a kernel that is gone (autograd then finds no formula)."""
+    for name in OPS:
+        op = getattr(torch.ops.normkit, name, None)
+        if op is not None:
+            for overload in op.overloads():
+                getattr(op, overload)._dispatch_cache.clear()
 
 
 def op_impls() -> dict:

@@ -1229,9 +1229,14 @@ bool iv_dtype(const c10::IValue& v, std::initializer_list<at::ScalarType> allowe
 
 // row_norm_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?) and
 // row_norm_fused_fwd(..., residual?, residual_dtype?, weight_offset, out_dtype?, out_scale?,
-// out_scale_value?, want_amax): a as the op's arguments; false where this path leaves the call to Python.
-bool parse_row_op(const c10::IValue* a, bool fused, RowCall& c) {
+// out_scale_value?, want_amax, ...): a[0..n) as the op's arguments; false where this path leaves the
+// call to Python. Arguments past the first 15 (mod_scale?, mod_shift?, gate?, and any added later)
+// are options the plans do not know: a call that passes one is left to Python.
+constexpr size_t kRowFusedArgs = 15;
+bool parse_row_op(const c10::IValue* a, size_t n, bool fused, RowCall& c) {
   if (!a[0].isTensor() || !iv_backend(a[7])) return false;
+  for (size_t i = fused ? kRowFusedArgs : 8; i < n; i++)
+    if (!a[i].isNone()) return false;
   c.x = a[0].toTensor();
   c.w = iv_tensor(a[2]);
   c.b = iv_tensor(a[3]);
@@ -1284,7 +1289,7 @@ template <int K>
 bool serve_op(const c10::IValue* a, torch::jit::Stack* stack, size_t n) {
   if constexpr (K == kRowFwd || K == kRowFusedFwd) {
     RowCall c;
-    if (!parse_row_op(a, K == kRowFusedFwd, c) || !c.x.is_cuda()) return false;
+    if (!parse_row_op(a, n, K == kRowFusedFwd, c) || !c.x.is_cuda()) return false;
     Tensor outs[kMaxOuts];  // y, mean, rstd, h, amax
     row_forward(c, /*store_stats=*/true, /*store_h=*/c.r.defined(), outs);
     const at::ScalarType stat = outs[3].scalar_type();
@@ -1419,9 +1424,9 @@ py::object parse_op(const std::string& name, py::args args) {
   }
   if (name == "row_norm_fwd" || name == "row_norm_fused_fwd") {
     const bool fused = name == "row_norm_fused_fwd";
-    TORCH_CHECK(a.size() == (fused ? 15u : 8u), "parse_op: arguments");
+    TORCH_CHECK(fused ? a.size() >= kRowFusedArgs : a.size() == 8u, "parse_op: arguments");
     RowCall c;
-    if (!parse_row_op(a.data(), fused, c)) return py::none();
+    if (!parse_row_op(a.data(), a.size(), fused, c)) return py::none();
     return py::cast(row_fwd_key(c, true, c.r.defined()).list());
   }
   if (name == "group_norm_fwd") {
