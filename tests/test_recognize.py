@@ -9,6 +9,7 @@ patched. CPU, small shapes: all of it runs on CI.
 """
 import copy
 import importlib
+import inspect
 import re
 
 import pytest
@@ -454,6 +455,18 @@ GATED = {  # id -> (module, class, hidden, group size): MambaRMSNormGated and it
 }
 
 
+def _gated_module(module, name, hidden, group):
+    """(the gated norm, its group size): older transformers releases have no group_size (one group
+    per row) or not the class at all (NemotronH's came later)."""
+    cls = getattr(importlib.import_module(f"transformers.models.{module}"), name, None)
+    if cls is None:
+        import transformers
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    if "group_size" in inspect.signature(cls.__init__).parameters:
+        return cls(hidden, group_size=group, eps=1e-6), group
+    return cls(hidden, eps=1e-6), hidden
+
+
 @pytest.mark.parametrize("x_dtype, w_dtype, g_dtype", [(FP32, FP32, FP32), (BF16, BF16, BF16), (FP32, BF16, BF16),
                                                        (FP16, FP16, FP32)], ids=["fp32", "bf16", "fp32_x_bf16_gate",
                                                                                  "fp16_fp32_gate"])
@@ -464,7 +477,7 @@ def test_gated_norms_are_patched_with_the_gate(case, x_dtype, w_dtype, g_dtype):
     the module's, with the gate passed positionally, by name, or not at all."""
     module, name, hidden, group = GATED[case]
     torch.manual_seed(0)
-    theirs = _hf(module, name)(hidden, group_size=group, eps=1e-6)
+    theirs, group = _gated_module(module, name, hidden, group)
     with torch.no_grad():
         theirs.weight.copy_(1 + 0.5 * torch.randn(hidden))
     theirs = theirs.to(DEVICE, w_dtype)
@@ -497,8 +510,7 @@ def test_gated_norms_are_patched_with_the_gate(case, x_dtype, w_dtype, g_dtype):
 
 
 def test_gated_norm_calls_it_does_not_serve_run_its_own_forward(monkeypatch):
-    cls = _hf("mamba2.modeling_mamba2", "MambaRMSNormGated")
-    m = cls(64, group_size=16).to(DEVICE)
+    m = _gated_module("mamba2.modeling_mamba2", "MambaRMSNormGated", 64, 16)[0].to(DEVICE)
     normkit.patch(m)
     seen = []
     real = normkit.functional._fused_row_norm

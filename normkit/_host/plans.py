@@ -337,7 +337,7 @@ def row_bwd(dy, dh, x, weight, bias, mean, rstd, ndim, rms, act, needs, weight_o
     or None; plan, why)."""
 
     def fn():
-        dx, dres, dw, db = _autograd.row_norm_backward_fused(
+        dx, dres, dw, db, *_ = _autograd.row_norm_backward_fused(
             tb, dy, x, weight, bias, mean, rstd, ndim, rms, act, tuple(needs), weight_offset=weight_offset, dh=dh,
             x_dtype=x_dtype, residual_dtype=residual_dtype)
         first = dx if dx is not None else dres

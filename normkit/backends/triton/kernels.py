@@ -406,6 +406,8 @@ def _bwd_terms(x, dy, w, b, ms, mt, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_
     is faster (8% on a 4096-wide fp32 LayerNorm backward on an H100)."""
     if IS_RMS:
         xhat = tl.where(mask, x * rstd[:, None], 0.0)
+    elif ONE_COL:  # a one-element row is its own mean: xhat is 0 (NaN where rstd is), whatever recomputing x rounds
+        xhat = tl.where(mask, 0.0 * rstd[:, None] + tl.zeros_like(x), 0.0)
     else:
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
     yaff = _affine(xhat, w, b, HAS_W, HAS_B)
