@@ -23,6 +23,9 @@ tests)
         tests/test_recognize.py tests/test_blocks.py tests/test_compile.py tests/test_compile_fusion.py \
         tests/test_api.py tests/test_edge_cases.py tests/test_autograd.py 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-200 | head -30; tail -1 "$OUT/tests.log"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_models.py tests/test_patch.py \
+        -k "mamba or dit or sd3 or pixart or flux or whisper or llama" 2>&1 | grep -v '^USDT' > "$OUT/tests-models.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-models.log" | cut -c1-200 | head -20; tail -1 "$OUT/tests-models.log"
     timeout 150 python3 -m normkit bench --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre \
         --peers torch --out "$OUT/host" --no-plots 2>&1 | tail -3
     ;;
