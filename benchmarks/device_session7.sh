@@ -30,10 +30,12 @@ tests)
         --peers torch --out "$OUT/host" --no-plots 2>&1 | tail -3
     ;;
 models)
-    timeout 260 python3 -m normkit bench --models llama,qwen3,gemma --modes decode,infer --exec eager \
-        --variants unpatched,normkit,liger --out "$OUT/llm" --no-plots 2>&1 | grep -E "^\[|wrote" | cut -c1-160
-    timeout 300 python3 -m normkit bench --models whisper-encoder,dit,sd3 --exec eager --variants unpatched,normkit \
-        --steps 3 --out "$OUT/enc" --no-plots 2>&1 | grep -E "^\[|wrote" | cut -c1-160
+    timeout 190 python3 -m normkit bench --models llama,qwen3,gemma --modes decode --exec eager \
+        --variants unpatched,normkit,liger --time-budget 150 --out "$OUT/llm" --no-plots 2>&1 | grep -E "^\[|wrote" | cut -c1-160
+    timeout 240 python3 -m normkit bench --models whisper-encoder,dit,sd3 --exec eager --variants unpatched,normkit \
+        --steps 3 --time-budget 200 --out "$OUT/enc" --no-plots 2>&1 | grep -E "^\[|wrote" | cut -c1-160
+    timeout 110 python3 -m normkit bench --models sd15-unet --modes infer --exec eager --variants unpatched,normkit \
+        --batch 2 --time-budget 80 --out "$OUT/sd15-b2" --no-plots 2>&1 | grep -E "^\[|wrote" | cut -c1-160
     ;;
 sd)
     for b in 1 2; do

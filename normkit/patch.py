@@ -193,8 +193,8 @@ def _nk_gated(m, x, w, b, eps, plan, gate=None):
     # plan.groups["gated"] columns (groups smaller than the row: x and the gate viewed as
     # (..., G, group), the weight as per-head (G, group)); rounded to x's dtype, then times the
     # weight, as _nk_llama (fused for fp32 x, where the rounding is a no-op).
-    group = plan.groups["gated"]
     n = x.shape[-1]
+    group = plan.groups["gated"] or n  # None: the module normalizes whole rows without a group view
     G = n // group
     if G > 1:
         x = x.unflatten(-1, (G, group))
@@ -284,10 +284,13 @@ def _ref_gated(x, p, gate=None):
     h = x.to(torch.float32)
     if gate is not None:
         h = h * TF.silu(gate.to(torch.float32))
-    *prefix, last = h.shape
-    g = h.view(*prefix, last // p.group, p.group)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + p.eps)
-    h = g.view(*prefix, last).to(x.dtype)
+    if p.group is None:  # whole rows, no group view (transformers before the groups came, e.g. 5.17)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + p.eps)).to(x.dtype)
+    else:
+        *prefix, last = h.shape
+        g = h.view(*prefix, last // p.group, p.group)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + p.eps)
+        h = g.view(*prefix, last).to(x.dtype)
     return h if p.weight is None else p.weight * h
 
 
@@ -606,7 +609,8 @@ class _Plan:
             what = style.what
             if style.gated:
                 group = self.groups[style.name]
-                what += (f"; groups of {group} columns" if group != math.prod(self.S) else "; one group per row") + \
+                what += (f"; groups of {group} columns" if group not in (None, math.prod(self.S)) else
+                         "; one group per row") + \
                     (f"; the gate ({self.gate_name}=) fused" if self.gate_name else "; no gate argument")
             if len(by_style) == 1 and set(keys) == full:
                 parts.append(what)
@@ -752,8 +756,9 @@ def _reference_term(style: _Style, x_shape, x_dtype, params: dict, eps: float, s
 def _group_sizes(module, n: int) -> tuple:
     """Candidate group widths of a gated norm over rows of n: n itself, and the divisors of n that
     the module's int attributes name (as a width, or as a count of groups). Only candidates: a width
-    is used where the traced computation equals the style's with it."""
-    found = [n]
+    is used where the traced computation equals the style's with it. None: whole rows written
+    without a group view (the form before Mamba-2's groups reached transformers)."""
+    found = [n, None]
     for v in module.__dict__.values():
         if isinstance(v, int) and not isinstance(v, bool) and 0 < v < n and n % v == 0:
             found += [v, n // v]

@@ -452,13 +452,33 @@ GATED = {  # id -> (module, class, hidden, group size): MambaRMSNormGated and it
     "bamba": ("bamba.modeling_bamba", "BambaRMSNormGated", 64, 32),
     "zamba2": ("zamba2.modeling_zamba2", "Zamba2RMSNormGated", 64, 16),
     "nemotron_h": ("nemotron_h.modeling_nemotron_h", "NemotronHRMSNormGated", 64, 32),
+    "before_groups": (None, "GatedRMSNormBeforeGroups", 64, 64),
 }
+
+
+class GatedRMSNormBeforeGroups(nn.Module):
+    """MambaRMSNormGated as transformers <= 5.17 has it: whole rows, no group view."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        if gate is not None:
+            hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
 
 
 def _gated_module(module, name, hidden, group):
     """(the gated norm, its group size): older transformers releases have no group_size (one group
     per row) or not the class at all (NemotronH's came later)."""
-    cls = getattr(importlib.import_module(f"transformers.models.{module}"), name, None)
+    cls = globals()[name] if module is None else \
+        getattr(importlib.import_module(f"transformers.models.{module}"), name, None)
     if cls is None:
         import transformers
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
