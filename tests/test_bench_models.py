@@ -258,3 +258,26 @@ def test_encoder_and_dit_cases_build_patch_and_match(name):
     with torch.no_grad():
         got, expected = spec.loss(model, batch), spec.loss(plain, batch)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got.item(), expected.item())
+
+
+def test_relaxed_variant_fuses_the_modulation_in_bf16_where_the_default_does_not(monkeypatch):
+    """The bench's normkit-relaxed variant is normkit.patch(fuse="relaxed"): DiT's adaLN modulation
+    runs in normkit's kernel in bf16, where the default variant keeps the module's own roundings."""
+    import normkit.functional as nkf
+    from normkit.bench import models as bench_models
+    spec = model_zoo.SPECS["dit"]
+    size = model_zoo.size_of(spec, "tiny")
+    real, modulated = nkf._fused_row_norm, []
+    monkeypatch.setattr(nkf, "_fused_row_norm", lambda *a, **k: modulated.append(k.get("scale") is not None)
+                        or real(*a, **k))
+    calls = {}
+    for variant in ("normkit", "normkit-relaxed"):
+        modulated.clear()
+        torch.manual_seed(0)
+        model = spec.build(size, "cpu").to(torch.bfloat16)
+        assert bench_models.apply_variant(variant, spec, model) > 0
+        batch = spec.batch(size, "cpu", torch.bfloat16, torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            assert torch.isfinite(spec.loss(model, batch))
+        calls[variant] = sum(modulated)
+    assert calls["normkit"] == 0 and calls["normkit-relaxed"] > 0, calls

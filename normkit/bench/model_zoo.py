@@ -482,15 +482,15 @@ SPECS = {s.name: s for s in (
               _t5_build, _hf_batch, _encoder_loss, _encoder_output, lambda s: s["batch"] * s["seq"], "tokens",
               shape=lambda s: f"{s['batch']}x{s['seq']} tok, d{s['d_model']}, {s['layers']}L"),
     ModelSpec("dit", "diffusers DiTTransformer2DModel, DiT-XL widths, 12 layers (adaLN-Zero: LayerNorm without "
-              "affine, then the modulation; patched with fuse='relaxed': norm + modulation in one kernel, fp32 math, "
-              "one rounding)", "diffusers", ("train", "infer"), "bf16",
+              "affine, then the modulation: fused by normkit.patch in fp32; in bf16 with the normkit-relaxed variant)",
+              "diffusers", ("train", "infer"), "bf16",
               {"full": dict(batch=16, channels=4, latent=32, hidden=1152, heads=16, layers=12),
                "tiny": dict(batch=2, channels=4, latent=8, hidden=64, heads=4, layers=2)},
               _dit_build, _dit_batch, _noise_loss(_dit_output), _dit_output, lambda s: s["batch"], "images",
-              shape=lambda s: f"{s['batch']}x{s['channels']}x{s['latent']}x{s['latent']}, h{s['hidden']}, {s['layers']}L",
-              fuse="relaxed"),
+              shape=lambda s: f"{s['batch']}x{s['channels']}x{s['latent']}x{s['latent']}, h{s['hidden']}, {s['layers']}L"),
     ModelSpec("sd3", "diffusers SD3Transformer2DModel, SD3-medium widths (1536, 24 heads), 6 joint blocks "
-              "(AdaLayerNormZero / AdaLayerNormContinuous; patched with fuse='relaxed')", "diffusers",
+              "(AdaLayerNormZero / AdaLayerNormContinuous; the modulation fused in bf16 with the normkit-relaxed "
+              "variant)", "diffusers",
               ("train", "infer"), "bf16",
               {"full": dict(batch=4, channels=16, latent=64, hidden=1536, heads=24, layers=6, text_dim=4096,
                             text_tokens=154, pooled=2048),
@@ -498,7 +498,7 @@ SPECS = {s.name: s for s in (
                             pooled=8)},
               _sd3_build, _sd3_batch, _noise_loss(_sd3_output), _sd3_output, lambda s: s["batch"], "images",
               shape=lambda s: f"{s['batch']}x{s['channels']}x{s['latent']}x{s['latent']}, text {s['text_tokens']}, "
-                              f"h{s['hidden']}, {s['layers']}L", fuse="relaxed"),
+                              f"h{s['hidden']}, {s['layers']}L"),
     ModelSpec("sd15-unet", "diffusers UNet2DConditionModel, Stable Diffusion 1.5 config (GroupNorm + SiLU, "
               "transformer blocks' LayerNorms), fp16", "diffusers", ("train", "infer"), "fp16",
               {"full": dict(batch=2, sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,

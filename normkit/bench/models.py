@@ -43,6 +43,8 @@ from .model_zoo import SPECS, Unavailable
 NO_GPU_LINE = ("no CUDA GPU: running the models at tiny sizes on the CPU (eager unless --exec says otherwise); "
                "numbers are CPU timings, not GPU step times")
 VARIANTS = ("unpatched", "normkit", "liger")
+# on request only: normkit.patch(fuse="relaxed") (adaLN modulation fused in bf16/fp16 too, one rounding)
+EXTRA_VARIANTS = ("normkit-relaxed",)
 EXECS = ("eager", "compile")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NORM_RANGE = "normkit_bench::norm_layer"
@@ -120,9 +122,9 @@ def apply_variant(variant: str, spec, model) -> int:
     """Patch `model` in place; returns how many norm modules the variant replaced."""
     if variant == "unpatched":
         return 0
-    if variant == "normkit":
+    if variant in ("normkit", "normkit-relaxed"):
         import normkit
-        return len(normkit.patch(model, fuse=getattr(spec, "fuse", True)))
+        return len(normkit.patch(model, fuse="relaxed" if variant == "normkit-relaxed" else getattr(spec, "fuse", True)))
     before = {name: (type(m), m.__dict__.get("forward")) for name, m in model.named_modules()}
     _apply_liger(spec, model)
     return sum(model_zoo.is_norm_module(m) and (type(m), m.__dict__.get("forward")) != before.get(name)
@@ -570,9 +572,10 @@ def add_arguments(parser) -> None:
                         "decoding with a KV cache); default: all a model has")
     g.add_argument("--exec", dest="execs", type=_list_of(EXECS, "executions"),
                    help="eager and/or compile (torch.compile); default GPU: eager,compile, CPU: eager")
-    g.add_argument("--variants", type=_list_of(VARIANTS, "variants"), default=VARIANTS,
-                   help="unpatched, normkit (normkit.patch), liger (Liger's RMSNorm where Liger patches the model); "
-                        "default: all")
+    g.add_argument("--variants", type=_list_of(VARIANTS + EXTRA_VARIANTS, "variants"), default=VARIANTS,
+                   help="unpatched, normkit (normkit.patch), liger (Liger's RMSNorm where Liger patches the model), "
+                        "normkit-relaxed (normkit.patch(fuse='relaxed'): adaLN modulation fused in 16-bit too); "
+                        "default: unpatched,normkit,liger")
     g.add_argument("--model-size", choices=("tiny", "full"),
                    help="model sizes: full (realistic widths, the GPU default) or tiny (the CPU default)")
     g.add_argument("--model-dtype", choices=tuple(DTYPES), help="default: each model's own on a GPU, fp32 on a CPU")
