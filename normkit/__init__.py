@@ -6,6 +6,7 @@ from .functional import (group_norm, layer_norm, layer_norm_bwd, layer_norm_fwd,
                          rms_norm_fwd)
 from .modules import GroupNorm, LayerNorm, RMSNorm
 from .patch import patch, unpatch  # noqa: E402  (the functions shadow the submodule's name)
+from . import blocks as _blocks  # noqa: E402,F401  (registers the block fusions that patch() applies)
 
 __version__ = "0.1.0"
 

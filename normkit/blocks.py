@@ -826,3 +826,6 @@ def unfuse(model: nn.Module) -> dict[str, type]:
         module.__dict__.pop("_normkit_backend", None)
         restored[name] = original
     return restored
+
+
+_patch._BLOCKS.register(fuse, unfuse)

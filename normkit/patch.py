@@ -1190,20 +1190,32 @@ def patch(model: nn.Module, *, ops: Iterable[str] = OPS, backend: Optional[str] 
             module.__class__ = _patched_class(original, found[1], found[3])
             module._normkit_backend = backend
     if fuse:
-        from . import blocks  # imports this module
         report.unfused = {}
-        report.fused = blocks.fuse(model, ops=ops, backend=backend, dry_run=dry_run, relaxed=fuse == "relaxed",
+        report.fused = _BLOCKS.fuse(model, ops=ops, backend=backend, dry_run=dry_run, relaxed=fuse == "relaxed",
                                    unfused=report.unfused)
         report._classes.update({n: type(model.get_submodule(n)).__name__ for n in (*report.fused, *report.unfused)})
     return report
+
+
+class _BlockFusions:
+    """normkit.blocks's fuse and unfuse, which patch() and unpatch() call. blocks builds on this
+    module (styles, eps, argument checks) and registers itself here when normkit is imported, so
+    this module never imports it."""
+    fuse = unfuse = None
+
+    @classmethod
+    def register(cls, fuse, unfuse) -> None:
+        cls.fuse, cls.unfuse = staticmethod(fuse), staticmethod(unfuse)
+
+
+_BLOCKS = _BlockFusions
 
 
 def unpatch(model: nn.Module) -> dict[str, type]:
     """Undo patch(): give every patched module of `model` its original class back.
     Returns {module name: original class} of what it restored."""
     _check_model(model)
-    from . import blocks
-    blocks.unfuse(model)
+    _BLOCKS.unfuse(model)
     restored = {}
     for name, module in model.named_modules(remove_duplicate=True):
         original = getattr(type(module), "_normkit_original", None)

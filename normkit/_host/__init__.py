@@ -73,6 +73,7 @@ def load_extension():
         from ..reference import ACTIVATIONS
 
         ext = build.load()
+        _forget_plans_when_configs_change()
         ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")))
         global _ops_handle
         _ops_handle = ext._register_ops(op_impls(), "CUDA")
@@ -174,6 +175,13 @@ def clear() -> None:
     """Forget every launch plan (after the Triton backend's configurations change)."""
     if _ext is not None:
         _ext._clear()
+
+
+def _forget_plans_when_configs_change() -> None:
+    from ..backends import triton as tb
+
+    if clear not in tb.ON_CLEAR:
+        tb.ON_CLEAR.append(clear)
 
 
 def stats() -> dict:

@@ -21,6 +21,11 @@ import torch
 
 from .. import reference
 
+
+class Unsupported(Exception):
+    """This implementation does not do this op / dtype / direction; the message says why."""
+
+
 FP8 = torch.float8_e4m3fn
 FP8_SCALE = 8.0
 FP8_TOL = 0.05  # float8_e4m3fn's own rounding: 2**-4 relative per element
@@ -131,7 +136,6 @@ def torch_call(p):
 
 
 def _rms_residual_only(p, what: str):
-    from .impls import Unsupported
     if p.spec.fusion.base != "rms" or not p.spec.fusion.residual:
         raise Unsupported(f"it fuses the residual add into RMSNorm only ({what})")
     return p.spec.fusion

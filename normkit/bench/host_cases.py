@@ -13,18 +13,30 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .report import HostRow
 from .timing import host_overhead
 
 DTYPE = torch.bfloat16
 B, T, C = 1, 16, 1024  # decode-like: 16 tokens of a 1024-wide model
 H, D = 8, 64  # heads x head_dim of the q/k norms
 FP8, FP8_SCALE = torch.float8_e4m3fn, 4.0
+
+
+@dataclass
+class HostRow:
+    op: str
+    dtype: str
+    shape: str
+    impl: str
+    device: str
+    mode: str  # "fwd" or "fwd+bwd"
+    us_per_call: Optional[float] = None
+    latency_us: Optional[float] = None
+    note: str = ""  # one host-time row (host.csv): the plain ops' and these cases'
 
 
 @dataclass(frozen=True)

@@ -561,7 +561,7 @@ def run_suite(models, modes, execs, variants, s: Settings, progress=None, deadli
 # ----------------------------------------------------------------------------- command line
 
 def add_arguments(parser) -> None:
-    from .cli import _list_of, _positive
+    from .cli_args import _list_of, _positive
     g = parser.add_argument_group("model benchmark (normkit bench --models)")
     g.add_argument("--models", nargs="?", const=",".join(model_zoo.DEFAULT_MODELS),
                    type=_list_of(tuple(SPECS), "models"),
@@ -588,7 +588,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args, device: str, start: float) -> int:
-    from .cli import _Progress
+    from .cli_args import _Progress
     from .environment import _version, collect
     from .timing import spin_cycles_per_ms
 

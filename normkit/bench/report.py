@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
+from .host_cases import HostRow, section as host_cases_section
+
 
 @dataclass
 class Row:
@@ -55,19 +57,6 @@ class Row:
     @property
     def failed(self) -> bool:
         return self.ok == "" and self.note.startswith("error")
-
-
-@dataclass
-class HostRow:
-    op: str
-    dtype: str
-    shape: str
-    impl: str
-    device: str
-    mode: str  # "fwd" or "fwd+bwd"
-    us_per_call: Optional[float] = None
-    latency_us: Optional[float] = None
-    note: str = ""
 
 
 _INT_FIELDS = {"M", "N", "reps"}
@@ -289,8 +278,7 @@ def summary_markdown(rows: list[Row], host_rows: list[HostRow], env: dict) -> st
     for section in (_problems, _headline_section, _points_section):
         out += [""] + section(rows, env)
     if host_rows:
-        from .host_cases import section
-        out += [""] + _host_section(host_rows) + [""] + section(host_rows)
+        out += [""] + _host_section(host_rows) + [""] + host_cases_section(host_rows)
     return "\n".join(out) + "\n"
 
 

@@ -166,6 +166,11 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     return cfg, constexprs, device_index, sms
 
 
+# called by clear_caches: what was derived from the configurations elsewhere (normkit._host registers
+# forgetting its launch plans), so this backend needs no import of the layers above it
+ON_CLEAR: list = []
+
+
 def clear_caches() -> None:
     """Forget cached configurations and plans (after editing the configuration tables)."""
     configs.row_config.cache_clear()
@@ -175,8 +180,8 @@ def clear_caches() -> None:
     _triton_missing.cache_clear()
     _plan.cache_clear()
     _gn_plan.cache_clear()
-    from ... import _host
-    _host.clear()  # launch plans recorded with the old configurations
+    for forget in ON_CLEAR:  # e.g. the host path's launch plans, recorded with the old configurations
+        forget()
 
 
 def _scratch(cfg, groups_upper: int, device):
