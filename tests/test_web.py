@@ -14,6 +14,7 @@ import base64
 import hashlib
 import itertools
 import re
+import zlib
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from normkit.backends.webgpu import shaders
 from normkit.web import export
 from normkit.web.browser import BrowserError, Chromium, PageError, find_chromium, serve
 
-from helpers import TOL, assert_close, missing_tool
+from helpers import TOL, assert_close, missing_tool, onepass_conditioning
 
 VARIANTS = list(shaders.VARIANTS.values())
 ACTS = [a for a in shaders.activation_codes() if a]
@@ -247,9 +248,11 @@ def check(page, cases, expect_variant=None):
         dtype = c["dtype"]
         y = _unb64(got["y"], NP[dtype] if c["api"] == "buffer" else np.float32)[: c["x"].size].reshape(c["x"].shape)
         y_ref, mean_ref, rstd_ref = _oracle(c)
-        assert_close(torch.from_numpy(y.copy()), y_ref, TOL[TORCH[dtype]], f"{what} y")
+        onepass = c["variant"] == "onepass"
+        kappa = onepass_conditioning(mean_ref, rstd_ref) if onepass else 1.0  # its known error bound
+        assert_close(torch.from_numpy(y.copy()), y_ref, TOL[TORCH[dtype]] * kappa, f"{what} y")
         if c["api"] == "buffer":
-            stats_tol = STATS_TOL_ONEPASS if c["variant"] == "onepass" else STATS_TOL
+            stats_tol = STATS_TOL_ONEPASS * kappa if onepass else STATS_TOL
             if c["variant"] is not None:
                 assert got["info"]["variant"] == c["variant"], what
             rows = rstd_ref.numel()
@@ -336,7 +339,7 @@ ROW_SHAPES = {1: [(1, 1), (7, 1), (5, 7), (17, 31), (3, 257), (2, 1031), (1, 409
 def test_row_norm_variant_matches_oracle(page, op, variant):
     """Every variant on n = 1, primes, n % 4 != 0 (scalar) and whole vec4s, through both APIs,
     with and without weight/bias, recorded into the caller's encoder or submitted by the kit."""
-    gen = torch.Generator().manual_seed(hash((op, variant)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{op} {variant}".encode()))  # str hash() varies by process
     v = shaders.VARIANTS[variant]
     cases = []
     for i, (rows, n) in enumerate(ROW_SHAPES[v.width]):
@@ -355,7 +358,7 @@ GROUP_SHAPES = [(1, 4, 1, 2), (2, 6, 7, 3), (3, 10, 13, 5), (2, 32, 64, 8), (1, 
 def test_group_norm_variant_matches_oracle(page, layout, variant):
     """GroupNorm in both memory layouts on S = 1, primes, one channel per group, one group; the vec4
     variants where spatial % 4 == 0 in NCHW, and a clear refusal elsewhere."""
-    gen = torch.Generator().manual_seed(hash((layout, variant)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{layout} {variant}".encode()))
     v = shaders.VARIANTS[variant]
     cases, refused = [], []
     for i, shape in enumerate(GROUP_SHAPES):

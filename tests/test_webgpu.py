@@ -24,7 +24,7 @@ from normkit import reference as ref
 from normkit.backends import BackendUnavailableError
 from normkit.backends.webgpu import shaders
 
-from helpers import TOL, assert_close, missing_tool, randn
+from helpers import TOL, assert_close, missing_tool, onepass_conditioning, randn
 
 OPS = shaders.ROW_OPS
 ACTS = [a for a in shaders.activation_codes() if a]
@@ -291,8 +291,9 @@ def test_group_norm_variant_matches_oracle(gpu, poison, variant, layout, shape, 
     y_ref, mean_ref, rstd_ref = _group_oracle(x, G, w, b, 1e-5, channels_last)
     what = f"group_norm {variant.name} {layout} {shape} {dtype}"
     assert y.dtype == x.dtype and y.shape == x.shape and mean.shape == rstd.shape == (B, G)
-    assert_close(torch.from_numpy(y), y_ref, TOL[TORCH_DTYPE[dtype]], f"{what} y")
-    assert_close(torch.from_numpy(rstd), rstd_ref, STATS_TOL, f"{what} rstd")
+    kappa = onepass_conditioning(mean_ref, rstd_ref) if variant.name == "onepass" else 1.0  # its known bound
+    assert_close(torch.from_numpy(y), y_ref, TOL[TORCH_DTYPE[dtype]] * kappa, f"{what} y")
+    assert_close(torch.from_numpy(rstd), rstd_ref, STATS_TOL * kappa, f"{what} rstd")
     _assert_mean_close(torch.from_numpy(mean), mean_ref, rstd_ref, f"{what} mean")
 
 
