@@ -361,13 +361,11 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
     call it declined there may be its case now (arguments normalized, autocast applied)."""
     plain = residual is None and scale is None and opts is PLAIN and (weight is None or weight.dim() == len(shape)) \
         and (bias is None or bias.dim() == len(shape))  # not per-head parameters
-    fast = _host.fast
-    if fast is not None and mod_scale is None and mod_shift is None and gate is None and not _is_compiling():
-        y = fast.row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, residual, prenorm,
-                          opts.residual_dtype, opts.weight_offset, opts.out_dtype,
-                          scale if scale is not None else opts.out_scale, opts.return_amax, False)
-        if y is not None:
-            return y
+    y = _via_host(x, shape, weight, bias, eps, rms, activation, backend_name, residual, prenorm, opts.residual_dtype,
+                  opts.weight_offset, opts.out_dtype, scale if scale is not None else opts.out_scale,
+                  opts.return_amax, False, mod_scale, mod_shift, gate)
+    if y is not None:
+        return y
     if _library.needed(x, weight, bias, residual, scale, mod_scale, mod_shift, gate):
         if _is_compiling():
             compile_fusion.traced()  # Inductor decides, op by op, whether normkit's op stays (compile_fusion.py)
@@ -405,10 +403,12 @@ def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scal
 
 
 def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
-              weight_offset, out_dtype, out_scale, return_amax, autocast: bool):
-    """The C++ host path's output (y, or the tuple of _outputs), or None where it does not serve the call."""
+              weight_offset, out_dtype, out_scale, return_amax, autocast: bool, mod_scale=None, mod_shift=None,
+              gate=None):
+    """The C++ host path's output (y, or the tuple of _outputs), or None where it does not serve the call:
+    it has no plans for the adaLN modulation (mod_scale, mod_shift) or the gated norm (gate)."""
     fast = _host.fast
-    if fast is None or _is_compiling():
+    if fast is None or mod_scale is not None or mod_shift is not None or gate is not None or _is_compiling():
         return None
     return fast.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
                          residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast)
@@ -447,9 +447,8 @@ def row_norm_as_written(x, normalized_shape, weight, bias, eps, rms: bool, *, ac
     float32 and rounds to x's dtype (or out_dtype) whatever autocast says. For modules that write
     their norm out in explicit float32 ops (HF's RMSNorm classes), which autocast does not upcast as
     a whole. The fused options are layer_norm's."""
-    y = None if scale is not None or shift is not None or gate is not None else _via_host(
-        x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend, residual, prenorm,
-        residual_dtype, weight_offset, out_dtype, out_scale, return_amax, False)
+    y = _via_host(x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend, residual, prenorm,
+                  residual_dtype, weight_offset, out_dtype, out_scale, return_amax, False, scale, shift, gate)
     if y is not None:
         return y
     return _fused_row_norm(x, normalized_shape, weight, None if rms else bias, eps, rms, activation, backend,
@@ -478,9 +477,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[to
     backend: None picks Triton for CUDA tensors and torch otherwise; a name forces that backend.
     Under CUDA autocast it returns float32, as torch's layer_norm does (read x's dtype, write fp32).
     """
-    y = None if scale is not None or shift is not None or gate is not None else _via_host(
-        x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm, residual_dtype,
-        weight_offset, out_dtype, out_scale, return_amax, True)
+    y = _via_host(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm, residual_dtype,
+                  weight_offset, out_dtype, out_scale, return_amax, True, scale, shift, gate)
     if y is not None:
         return y
     return _fused_row_norm(x, normalized_shape, weight, bias, eps, False, activation, backend, residual, prenorm,
@@ -501,9 +499,8 @@ def rms_norm(x: torch.Tensor, normalized_shape: ShapeLike, weight: Optional[torc
     layer_norm; under autocast the dtype torch's rms_norm returns there (float32 from torch 2.12;
     torch 2.11 keeps x's dtype).
     """
-    y = None if scale is not None or shift is not None or gate is not None else _via_host(
-        x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm, residual_dtype,
-        weight_offset, out_dtype, out_scale, return_amax, True)
+    y = _via_host(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm, residual_dtype,
+                  weight_offset, out_dtype, out_scale, return_amax, True, scale, shift, gate)
     if y is not None:
         return y
     return _fused_row_norm(x, normalized_shape, weight, None, eps, True, activation, backend, residual, prenorm,
