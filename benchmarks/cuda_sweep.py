@@ -36,6 +36,8 @@ from normkit.backends import triton as tb
 from normkit.backends.cuda import cluster, configs as cc, kernels, nvrtc
 from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
 
+from speed_sweep import _torch_bwd  # noqa: E402  (beside this script: torch's timed backward, written once)
+
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WIDTHS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
 # the widths the change is about first, so a run cut short by its budget has them
@@ -148,22 +150,6 @@ def prebuild(dtypes, widths):
     t0 = time.time()
     cb.prebuild(list(dict.fromkeys(specs)))
     log(f"prebuilt {len(set(specs))} NVRTC kernels in {time.time() - t0:.0f} s")
-
-
-def _torch_bwd(n, rms):
-    cache = {}
-
-    def call(x, w, b, dy, mean, rstd):
-        key = x.data_ptr()
-        if key not in cache:
-            xr = x.detach().requires_grad_(True)
-            wr = w.detach().requires_grad_(True)
-            br = None if b is None else b.detach().requires_grad_(True)
-            y = F.rms_norm(xr, (n,), wr, 1e-5) if rms else F.layer_norm(xr, (n,), wr, br, 1e-5)
-            cache[key] = (y, [t for t in (xr, wr, br) if t is not None])
-        y, inputs = cache[key]
-        return torch.autograd.grad(y, inputs, dy, retain_graph=True)
-    return call
 
 
 def impls(direction, n, rms, dtype, wanted):

@@ -8,16 +8,8 @@
 #   c  the kernel bench: fused points (residual, prenorm, fp8) on decoder shapes and the GroupNorm
 #      diffusion suite against torch, torch.compile and Liger, then more compiled models
 set -uo pipefail
-cd "$(dirname "$0")/.."
 stage=${1:?usage: device_session4.sh a|b|c}
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
-mkdir -p "$OUT"
-ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
-    --target /tmp/site .whl/*.whl
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  date -u; } 2>&1 | tee "$OUT/env-$stage.txt"
-timeout 120 python3 -c "import normkit._host as h; h.activate(); print(h.status)" 2>&1 | tail -1
+source "$(dirname "$0")/device_env.sh" "env-$stage.txt"
 start=$(date +%s)
 left() { echo $(( $1 - ($(date +%s) - start) )); }  # seconds left of a stage budget
 case $stage in

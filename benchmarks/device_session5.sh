@@ -4,15 +4,7 @@
 # edge cases, compile cache), the model benchmark of the HF LLMs eager (unpatched vs normkit, with the
 # fused blocks now found from the forward's source), and the compile-cache timings (issue 25).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
-mkdir -p "$OUT"
-ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
-    --target /tmp/site .whl/*.whl
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import sys, torch, triton, transformers, diffusers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'diffusers', diffusers.__version__)"
-  date -u; } 2>&1 | tee "$OUT/env.txt"
-timeout 120 python3 -c "import normkit._host as h; h.activate(); print(h.status)" 2>&1 | tail -1
+source "$(dirname "$0")/device_env.sh"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_blocks.py tests/test_patch.py \
     tests/test_recognize.py tests/test_edge_cases.py tests/test_models.py tests/test_compile_cache.py \
     tests/test_api.py 2>&1 | grep -v '^USDT' > "$OUT/tests.log"

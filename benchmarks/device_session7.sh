@@ -7,15 +7,7 @@
 #   bash benchmarks/device_session7.sh models  the eager model cases of issues 22/23 (unpatched vs
 #                                               normkit, Liger where it applies)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
-mkdir -p "$OUT"
-ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
-    --target /tmp/site .whl/*.whl
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import sys, torch, triton, transformers, diffusers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'diffusers', diffusers.__version__)"
-  git log -1 --format='commit %h %s' 2>/dev/null; date -u; } 2>&1 | tee "$OUT/env.txt"
-timeout 120 python3 -c "import normkit._host as h; h.activate(); print(h.status)" 2>&1 | tail -1
+source "$(dirname "$0")/device_env.sh"
 case "${1:-tests}" in
 tests)
     timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_modulation.py tests/test_gate.py tests/test_host_gpu.py \

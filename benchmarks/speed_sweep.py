@@ -33,6 +33,8 @@ from normkit.backends.cuda import cluster, configs as cc, nvrtc
 from normkit.backends.triton import configs as tc
 from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
 
+import gn_sweep  # noqa: E402  (beside this script: GroupNorm's timed calls, written once)
+
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WARM_MS, REP_MS = 10, 40
 RING_BYTES = 4 * 60 * 2**20
@@ -401,21 +403,10 @@ def time_gn(timer, copy, out, dtypes, path=None):
                 sets = ring(make, 3 * numel * eb)
                 label = "x".join(map(str, shape)) + f"/g{G}" + ("/cl" if cl else "")
                 for act in (None, "silu"):
-                    impls = [("triton", Routing(), "fwd",
-                              lambda x, x3, w, b, dy, dy3: tb.group_norm_fwd(x3, G, w, b, 1e-5, act))]
-                    acts = {None: lambda t: t, "silu": F.silu}
-                    impls.append(("torch", Routing(), "fwd",
-                                  lambda x, x3, w, b, dy, dy3: acts[act](F.group_norm(x, G, w, b, 1e-5))))
-                    stats = {}
-
-                    def nk_bwd(x, x3, w, b, dy, dy3):
-                        key = x3.data_ptr()
-                        if key not in stats:
-                            stats[key] = tb.group_norm_fwd(x3, G, w, b, 1e-5, act)[1:]
-                        mean, rstd = stats[key]
-                        return tb.group_norm_bwd(dy3, x3, G, w, b, mean, rstd, act, dtype, dtype)
-                    impls.append(("triton", Routing(), "bwd", nk_bwd))
-                    impls.append(("torch", Routing(), "bwd", _torch_gn_bwd(G, act)))
+                    nk_fwd, nk_bwd = gn_sweep.nk_impls(G, act, dtype)
+                    torch_fwd, torch_bwd = gn_sweep.torch_impls(G, act, compiled=False)
+                    impls = [("triton", Routing(), "fwd", nk_fwd), ("torch", Routing(), "fwd", torch_fwd),
+                             ("triton", Routing(), "bwd", nk_bwd), ("torch", Routing(), "bwd", torch_bwd)]
                     for impl, routing, direction, call in impls:
                         passes = 2 if direction == "fwd" else 3
                         out.append(measure(timer, copy, routing, sets, call, passes * numel * eb,
@@ -428,20 +419,6 @@ def time_gn(timer, copy, out, dtypes, path=None):
                 torch.cuda.empty_cache()
                 if path:
                     write_csv(path, out)
-
-
-def _torch_gn_bwd(G, act):
-    cache = {}
-    acts = {None: lambda t: t, "silu": F.silu}
-
-    def call(x, x3, w, b, dy, dy3):
-        key = x.data_ptr()
-        if key not in cache:
-            xr, wr, br = (t.detach().requires_grad_(True) for t in (x, w, b))
-            cache[key] = (acts[act](F.group_norm(xr, G, wr, br, 1e-5)), (xr, wr, br))
-        y, inputs = cache[key]
-        return torch.autograd.grad(y, inputs, dy, retain_graph=True)
-    return call
 
 
 # ----------------------------------------------------------------------------- main

@@ -50,3 +50,18 @@ def exact_fp32():
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture
+def host_path_refuses(monkeypatch):
+    """The C++ host path replaced by one that fails the test when any call reaches it (options it
+    does not serve must be declined before)."""
+    from normkit import _host
+
+    class Refuse:
+        def row_norm(self, *a, **k):
+            raise AssertionError("a call reached the host path")
+
+        group_norm = row_norm
+
+    monkeypatch.setattr(_host, "fast", Refuse())

@@ -1,0 +1,19 @@
+# Sourced first by the benchmarks/device_session*.sh scripts, on the device: the repo root as the
+# working directory, the wheels carried in .whl installed under /tmp/site (on PYTHONPATH), $OUT
+# made, the GPU and library versions written to $OUT/${1:-env.txt}, and the C++ host path built.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
+mkdir -p "$OUT"
+ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+    --target /tmp/site .whl/*.whl
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "
+import importlib, sys
+def version(name):
+    try:
+        return importlib.import_module(name).__version__
+    except ImportError:
+        return 'not installed'
+print('python', sys.version.split()[0], *(f'{n} {version(n)}' for n in ('torch', 'triton', 'transformers', 'diffusers')))"
+  date -u; } 2>&1 | tee "$OUT/${1:-env.txt}"
+timeout 120 python3 -c "import normkit._host as h; h.activate(); print(h.status)" 2>&1 | tail -1
