@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Session 8's device calls (one GPU; carry .whl: the diffusers and liger-kernel wheels), each under
+# 10 minutes, results under $OUT.
+#   bash benchmarks/device_session8.sh tests    GPU tests of the library (host path, fused options,
+#                                                GroupNorm, CUDA backend, compiled ops), the model
+#                                                tests of the patched families, the host table
+#   bash benchmarks/device_session8.sh models   eager model cases of issues 22/23 (unpatched vs normkit,
+#                                                Liger where it applies) and Whisper's host profile
+#   bash benchmarks/device_session8.sh compile  compiled Llama decode and UNet2DModel (issue 22's
+#                                                compiled targets), unpatched vs normkit
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+bench() { python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
+case "${1:-tests}" in
+tests)
+    timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_modulation.py tests/test_gate.py \
+        tests/test_host_gpu.py tests/test_host.py tests/test_group_norm.py tests/test_cuda_backend.py tests/test_gpu.py \
+        tests/test_recognize.py tests/test_blocks.py tests/test_compile.py tests/test_compile_fusion.py \
+        tests/test_api.py tests/test_edge_cases.py tests/test_autograd.py 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-200 | head -30; tail -1 "$OUT/tests.log"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_models.py tests/test_patch.py \
+        2>&1 | grep -v '^USDT' > "$OUT/tests-models.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-models.log" | cut -c1-200 | head -20; tail -1 "$OUT/tests-models.log"
+    timeout 100 bench --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
+    ;;
+models)
+    timeout 150 bench --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
+        --time-budget 120 --out "$OUT/llm"
+    timeout 200 bench --models whisper-encoder,dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed \
+        --steps 3 --time-budget 170 --out "$OUT/enc"
+    for b in 1 2; do
+        timeout 80 bench --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
+            --time-budget 60 --out "$OUT/sd15-b$b"
+    done
+    timeout 60 python3 benchmarks/profile_model_host.py whisper-encoder train --out "$OUT/enc" 2>&1 | tail -5
+    ;;
+compile)
+    timeout 280 bench --models llama --modes decode,infer --exec compile --variants unpatched,normkit \
+        --time-budget 250 --out "$OUT/llama"
+    timeout 280 bench --models unet2d --exec compile --variants unpatched,normkit --time-budget 250 --out "$OUT/unet2d"
+    ;;
+esac
+# one archive: the device sends back at most 8 files
+tar czf "/tmp/session8-${1:-tests}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/session8-${1:-tests}.tgz" "$OUT/"

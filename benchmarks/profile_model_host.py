@@ -1,0 +1,100 @@
+"""Where a model step's host time goes, unpatched next to patched: for one bench model and mode,
+the Python functions (cProfile, cumulative) and the torch ops (torch.profiler, CPU self time) of
+a few steps each, so a patched model that queues more host time than unpatched shows which calls
+add it.
+
+    PYTHONPATH=. python benchmarks/profile_model_host.py whisper-encoder train [--steps 5] [--out DIR]
+
+Writes DIR/<model>-<mode>-host.txt (DIR default: .). On a CPU it runs tiny sizes (a dry run).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+import normkit
+from normkit.bench import model_zoo
+from normkit.bench.models import DTYPES
+
+
+def build(name: str, mode: str, patched: bool):
+    spec = model_zoo.SPECS[name]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    size = model_zoo.size_of(spec, "full" if dev == "cuda" else "tiny")
+    dtype = DTYPES[spec.dtype] if dev == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = spec.build(size, dev).to(dtype)
+    if patched:
+        normkit.patch(model, fuse=spec.fuse)
+    model.train(mode == "train")
+    batch = spec.batch(size, dev, dtype, torch.Generator(device=dev).manual_seed(1))
+
+    def step():
+        if mode == "train":
+            model.zero_grad(set_to_none=True)
+            spec.loss(model, batch).backward()
+        else:
+            with torch.no_grad():
+                spec.output(model, batch)
+    return step
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile(step, steps: int) -> str:
+    for _ in range(3):  # past the host path's record-then-replay warm-up
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host = (time.perf_counter() - t0) / steps * 1e3  # queueing only: the GPU runs behind
+    sync()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        step()
+    pr.disable()
+    sync()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    return f"host ms per step (queueing, no profiler): {host:.2f}\n\n-- cProfile, top by own time, {steps} steps\n" \
+           f"{text.getvalue()}\n-- torch.profiler, CPU self time, {steps} steps\n{ops}\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("mode", choices=("train", "infer"))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    report = [f"{a.model} {a.mode}: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
+              f"torch {torch.__version__}, host path {normkit._host.status}\n"]
+    for patched in (False, True):
+        report.append(f"==================== {'patched' if patched else 'unpatched'}\n")
+        report.append(profile(build(a.model, a.mode, patched), a.steps))
+    out = Path(a.out) / f"{a.model}-{a.mode}-host.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(report))
+    for chunk in report[1:]:
+        print(chunk.splitlines()[0])
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
