@@ -10,7 +10,8 @@
 #                                                compiled targets), unpatched vs normkit
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-bench() { python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
+# bench SECONDS ARGS...: normkit bench under a time limit, its progress lines shown
+bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-tests}" in
 tests)
     timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_modulation.py tests/test_gate.py \
@@ -21,23 +22,23 @@ tests)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_models.py tests/test_patch.py \
         2>&1 | grep -v '^USDT' > "$OUT/tests-models.log"
     grep -E "^(FAILED|ERROR)" "$OUT/tests-models.log" | cut -c1-200 | head -20; tail -1 "$OUT/tests-models.log"
-    timeout 100 bench --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
+    bench 100 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
     ;;
 models)
-    timeout 150 bench --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
+    bench 150 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
         --time-budget 120 --out "$OUT/llm"
-    timeout 200 bench --models whisper-encoder,dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed \
+    bench 200 --models whisper-encoder,dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed \
         --steps 3 --time-budget 170 --out "$OUT/enc"
     for b in 1 2; do
-        timeout 80 bench --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
+        bench 80 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
             --time-budget 60 --out "$OUT/sd15-b$b"
     done
     timeout 60 python3 benchmarks/profile_model_host.py whisper-encoder train --out "$OUT/enc" 2>&1 | tail -5
     ;;
 compile)
-    timeout 280 bench --models llama --modes decode,infer --exec compile --variants unpatched,normkit \
+    bench 280 --models llama --modes decode,infer --exec compile --variants unpatched,normkit \
         --time-budget 250 --out "$OUT/llama"
-    timeout 280 bench --models unet2d --exec compile --variants unpatched,normkit --time-budget 250 --out "$OUT/unet2d"
+    bench 280 --models unet2d --exec compile --variants unpatched,normkit --time-budget 250 --out "$OUT/unet2d"
     ;;
 esac
 # one archive: the device sends back at most 8 files
