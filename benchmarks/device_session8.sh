@@ -9,7 +9,7 @@
 #   bash benchmarks/device_session8.sh compile  compiled Llama decode and UNet2DModel (issue 22's
 #                                                compiled targets), unpatched vs normkit
 set -uo pipefail
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/device_env.sh" env.txt  # (sourced with no argument it would take this script's $1)
 # bench SECONDS ARGS...: normkit bench under a time limit, its progress lines shown
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-tests}" in

@@ -1,11 +1,12 @@
 """Where a model step's host time goes, unpatched next to patched: for one bench model and mode,
-the Python functions (cProfile, cumulative) and the torch ops (torch.profiler, CPU self time) of
+the Python functions (cProfile, by own time) and the torch ops (torch.profiler, CPU self time) of
 a few steps each, so a patched model that queues more host time than unpatched shows which calls
-add it.
+add it. The steps are the model bench's (normkit.bench.models.Work: train, infer or decode, eager
+or torch.compile).
 
-    PYTHONPATH=. python benchmarks/profile_model_host.py whisper-encoder train [--steps 5] [--out DIR]
+    PYTHONPATH=. python benchmarks/profile_model_host.py whisper-encoder train [--exec compile] [--steps 5] [--out DIR]
 
-Writes DIR/<model>-<mode>-host.txt (DIR default: .). On a CPU it runs tiny sizes (a dry run).
+Writes DIR/<model>-<mode>-<exec>-host.txt (DIR default: .). On a CPU it runs tiny sizes (a dry run).
 """
 from __future__ import annotations
 
@@ -20,28 +21,25 @@ import torch
 
 import normkit
 from normkit.bench import model_zoo
-from normkit.bench.models import DTYPES
+from normkit.bench.models import DTYPES, Work, apply_variant
 
 
-def build(name: str, mode: str, patched: bool):
+def build(name: str, mode: str, exe: str, variant: str):
     spec = model_zoo.SPECS[name]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     size = model_zoo.size_of(spec, "full" if dev == "cuda" else "tiny")
     dtype = DTYPES[spec.dtype] if dev == "cuda" else torch.float32
     torch.manual_seed(0)
     model = spec.build(size, dev).to(dtype)
-    if patched:
-        normkit.patch(model, fuse=spec.fuse)
-    model.train(mode == "train")
-    batch = spec.batch(size, dev, dtype, torch.Generator(device=dev).manual_seed(1))
+    apply_variant(variant, spec, model)
+    work = Work(spec, model, mode, spec.batch(size, dev, dtype, torch.Generator(device=dev).manual_seed(1)), size,
+                dev, torch.Generator(device=dev).manual_seed(2))
+    if exe == "compile":
+        work.compile("inductor")
 
     def step():
-        if mode == "train":
-            model.zero_grad(set_to_none=True)
-            spec.loss(model, batch).backward()
-        else:
-            with torch.no_grad():
-                spec.output(model, batch)
+        work.prepare()
+        work.step()
     return step
 
 
@@ -79,16 +77,19 @@ def profile(step, steps: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
-    ap.add_argument("mode", choices=("train", "infer"))
+    ap.add_argument("mode", choices=("train", "infer", "decode"))
+    ap.add_argument("--exec", dest="exe", choices=("eager", "compile"), default="eager")
+    ap.add_argument("--variants", default="unpatched,normkit")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    report = [f"{a.model} {a.mode}: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
+    report = [f"{a.model} {a.mode} {a.exe}: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
               f"torch {torch.__version__}, host path {normkit._host.status}\n"]
-    for patched in (False, True):
-        report.append(f"==================== {'patched' if patched else 'unpatched'}\n")
-        report.append(profile(build(a.model, a.mode, patched), a.steps))
-    out = Path(a.out) / f"{a.model}-{a.mode}-host.txt"
+    for variant in a.variants.split(","):
+        torch._dynamo.reset()
+        report.append(f"==================== {variant}\n")
+        report.append(profile(build(a.model, a.mode, a.exe, variant), a.steps))
+    out = Path(a.out) / f"{a.model}-{a.mode}-{a.exe}-host.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(report))
     for chunk in report[1:]:
