@@ -5,7 +5,9 @@
 #                                                GroupNorm, CUDA backend, compiled ops), the model
 #                                                tests of the patched families, the host table
 #   bash benchmarks/device_session8.sh models   eager model cases of issues 22/23 (unpatched vs normkit,
-#                                                Liger where it applies) and Whisper's host profile
+#                                                Liger where it applies)
+#   bash benchmarks/device_session8.sh profile  host profiles (unpatched next to patched) of the cases that ran
+#                                                slower patched: Whisper training, SD3 inference, compiled Llama decode
 #   bash benchmarks/device_session8.sh compile  compiled Llama decode and UNet2DModel (issue 22's
 #                                                compiled targets), unpatched vs normkit
 set -uo pipefail
@@ -33,7 +35,11 @@ models)
         bench 80 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
             --time-budget 60 --out "$OUT/sd15-b$b"
     done
-    timeout 60 python3 benchmarks/profile_model_host.py whisper-encoder train --out "$OUT/enc" 2>&1 | tail -5
+    ;;
+profile)
+    for m in "whisper-encoder train" "sd3 infer" "llama decode --exec compile"; do
+        timeout 200 python3 benchmarks/profile_model_host.py $m --out "$OUT" 2>&1 | grep -v Warning | tail -5
+    done
     ;;
 compile)
     bench 280 --models llama --modes decode,infer --exec compile --variants unpatched,normkit \

@@ -63,8 +63,13 @@ def profile(step, steps: int) -> str:
         step()
     pr.disable()
     sync()
+    stats = pstats.Stats(pr).stats  # (file, line, function) -> (calls, ncalls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:30]
     text = io.StringIO()
-    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
+    text.write(f"{'us/step own':>12} {'us/step cum':>12} {'calls/step':>10}  function\n")
+    for (file, line, fn), (_, n, own, cum, _) in rows:
+        text.write(f"{own / steps * 1e6:12.1f} {cum / steps * 1e6:12.1f} {n / steps:10.1f}  {fn} "
+                   f"({'/'.join(file.split('/')[-2:])}:{line})\n")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
@@ -80,7 +85,7 @@ def main() -> None:
     ap.add_argument("mode", choices=("train", "infer", "decode"))
     ap.add_argument("--exec", dest="exe", choices=("eager", "compile"), default="eager")
     ap.add_argument("--variants", default="unpatched,normkit")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     report = [f"{a.model} {a.mode} {a.exe}: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
