@@ -180,15 +180,21 @@ def norm_modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift, 
         return y + shift if shift is not None else y
 
     style = _norm_style(norm)
-    shape = tuple(getattr(norm, "normalized_shape", ()) or ())
-    if style not in ("ln", "rms") or not shape or _hooked(norm) or x.dtype not in _KERNEL_DTYPES:
+    if style not in ("ln", "rms") or x.dtype not in _KERNEL_DTYPES:
         return as_written()
+    w, b = getattr(norm, "weight", None), getattr(norm, "bias", None) if style == "ln" else None
     mods = [t for t in (scale, shift) if t is not None]
-    if not all(isinstance(t, torch.Tensor) and t.dtype in _KERNEL_DTYPES and t.device == x.device and
-               t.dim() <= x.dim() for t in mods):
+    operands = [x, *mods, *(p for p in (w, b) if p is not None)]
+    # first the test that decides the common case (bf16/fp16 without relaxed: the module's own
+    # roundings, as written) so that it costs no more host time than the module itself
+    if not all(isinstance(t, torch.Tensor) and t.dtype in _KERNEL_DTYPES for t in operands) or \
+            not (relaxed or all(t.dtype == torch.float32 for t in operands)):
+        return as_written()
+    shape = tuple(getattr(norm, "normalized_shape", ()) or ())
+    if not shape or _hooked(norm) or not all(t.device == x.device and t.dim() <= x.dim() for t in mods):
         return as_written()
     # torch broadcasts from the right: with leading ones, normkit's per-sample rule (from the left) agrees
-    scale, shift = (None if t is None else t.reshape((1,) * (x.dim() - t.dim()) + tuple(t.shape))
+    scale, shift = (t if t is None or t.dim() == x.dim() else t.reshape((1,) * (x.dim() - t.dim()) + tuple(t.shape))
                     for t in (scale, shift))
     k = len(shape)
     from ._layout import sample_rows
@@ -196,18 +202,11 @@ def norm_modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift, 
         if t is not None and (tuple(t.shape[x.dim() - k:]) != shape or sample_rows(t.shape, x.shape, k) is None or
                               any(a not in (1, b) for a, b in zip(t.shape, x.shape))):
             return as_written()
-    w, b = getattr(norm, "weight", None), getattr(norm, "bias", None) if style == "ln" else None
-    params = [p for p in (w, b) if p is not None]
-    if any(p.dtype not in _KERNEL_DTYPES for p in params):
-        return as_written()
     y_dtype = x.dtype if style == "rms" or not F._autocast_upcasts("layer_norm", x.device.type) or \
         not torch.is_autocast_enabled(x.device.type) else torch.float32
     for t in (scale, shift):
         if t is not None:
             y_dtype = torch.promote_types(y_dtype, t.dtype)
-    exact = all(t.dtype == torch.float32 for t in [x, *mods, *params])
-    if not (exact or relaxed):
-        return as_written()
     kw = dict(scale=scale, shift=shift, backend=backend, out_dtype=y_dtype)
     if style == "ln":
         return F.row_norm_as_written(x, shape, w, b, norm.eps, False, **kw)
