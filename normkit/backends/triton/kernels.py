@@ -181,10 +181,17 @@ def _offsets(rows, cols, INNER, s_o, s_i, s_c):
 
 
 @triton.jit
+def _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
+    """The [rows, cols] tile of a strided operand in its own dtype (zeros outside the masks): a
+    prefetched 16-bit tile holds half the registers of its fp32 form until it is used."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    return tl.load(P + _offsets(rows, cols, INNER, s_o, s_i, s_c), mask=mask, other=0.0)
+
+
+@triton.jit
 def _load_tile(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
     """The [rows, cols] tile of a strided operand as fp32 (zeros outside the masks)."""
-    mask = row_mask[:, None] & col_mask[None, :]
-    return tl.load(P + _offsets(rows, cols, INNER, s_o, s_i, s_c), mask=mask, other=0.0).to(tl.float32)
+    return _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c).to(tl.float32)
 
 
 @triton.jit
@@ -471,7 +478,7 @@ def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, grou
               col_mask, N, INNER, sdh_o, sdh_i, sdh_c, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
               HAS_B: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, ACT: tl.constexpr,
               HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr):
     """dx of one loaded [BLOCK_M, BLOCK_N] tile (the row sums exchanged within a split group),
     stored; returns (g * xhat, g, gy * yaff, gy): the tile's terms of dweight, dbias, dscale, dshift.
     HAS_GATE: x is the ungated input; the gate comes through DH (and dgate goes out through DRES)."""
@@ -484,9 +491,13 @@ def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, grou
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
     xhat, g, wg, gy, yaff = _bwd_terms(x, dy, w, b, ms, mt, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, HAS_MS, HAS_MT,
                                        ACT, BLOCK_N == 1)
-    c1 = tl.sum(xhat * wg, axis=1)
-    c2 = c1
-    if not IS_RMS:
+    if IS_RMS:
+        c1 = tl.sum(xhat * wg, axis=1)
+        c2 = c1
+    elif PAIRED:  # both row sums in one reduction: one cross-warp exchange (and barrier) instead of two
+        c1, c2 = tl.reduce((xhat * wg, wg), 1, _add_pair)
+    else:
+        c1 = tl.sum(xhat * wg, axis=1)
         c2 = tl.sum(wg, axis=1)
     if SPLIT > 1:
         slot = _publish_and_wait(SYNC, SCRATCH, group, k, it, c1, c2, SPLIT, BLOCK_M)
@@ -496,6 +507,11 @@ def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, grou
     _store_dx(DX, DRES, DH, dx, xg, gt, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c, HAS_DH,
               HAS_DRES, HAS_GATE)
     return g * xhat, g, gy * yaff, gy
+
+
+@triton.jit
+def _add_pair(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
 
 
 @triton.jit
@@ -524,6 +540,7 @@ def row_norm_bwd_kernel(
     WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
     HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, WANT_DS: tl.constexpr, WANT_DT: tl.constexpr,
     HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
+    PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
 ):
     """Persistent: group g (SPLIT programs; one program unless the row is split) handles row blocks
     g, g + G, g + 2G, ... and writes its fp32 partial sums of dweight/dbias to row g of
@@ -587,7 +604,7 @@ def row_norm_bwd_kernel(
                     tw, tb, ts, tt = _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group,
                                                k, 0, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
                                                IS_RMS, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT, HAS_DH, HAS_DRES,
-                                               HAS_GATE, BLOCK_M, BLOCK_N, 1)
+                                               HAS_GATE, BLOCK_M, BLOCK_N, 1, PAIRED)
                     dw_acc += tw
                     db_acc += tb
                     ds_acc += ts
@@ -604,16 +621,17 @@ def row_norm_bwd_kernel(
             step = num_groups // W_ROWS
             rows, row_mask = _walk_rows(group // W_ROWS, head, W_ROWS, rows_per_head, BLOCK_M)
             w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-            x_next = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
-            dy_next = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+            x_next = _load_raw(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+            dy_next = _load_raw(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             for jb in range(group // W_ROWS, blocks_per_head, step):
                 rows, row_mask = _walk_rows(jb, head, W_ROWS, rows_per_head, BLOCK_M)
-                if SPLIT > 1:
-                    # prefetch the next tiles now: their loads overlap the wait at the group barrier
-                    x, dy = x_next, dy_next
+                if SPLIT > 1 or PREFETCH:
+                    # prefetch the next tiles now, in their own dtype: their loads overlap this
+                    # block's row sums, stores and (split rows) the wait at the group barrier
+                    x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
                     nxt, nxt_mask = _walk_rows(jb + step, head, W_ROWS, rows_per_head, BLOCK_M)
-                    x_next = _load_tile(X, nxt, nxt_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
-                    dy_next = _load_tile(DY, nxt, nxt_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+                    x_next = _load_raw(X, nxt, nxt_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+                    dy_next = _load_raw(DY, nxt, nxt_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
                 else:
                     x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
                     dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
@@ -622,7 +640,7 @@ def row_norm_bwd_kernel(
                 tw, tb, _, _ = _bwd_tile(x, dy, w, b, 1.0, 0.0, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group, k,
                                          (jb - group // W_ROWS) // step, rows, row_mask, cols, col_mask, N, INNER,
                                          sdh_o, sdh_i, sdh_c, IS_RMS, HAS_W, HAS_B, False, False, ACT, HAS_DH,
-                                         HAS_DRES, HAS_GATE, BLOCK_M, BLOCK_N, SPLIT)
+                                         HAS_DRES, HAS_GATE, BLOCK_M, BLOCK_N, SPLIT, PAIRED)
                 dw_acc += tw
                 db_acc += tb
         if WANT_DW:
