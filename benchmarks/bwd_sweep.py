@@ -42,32 +42,36 @@ def _rows(eb, table):
     return {("bwd", eb, n): row for n, row in table.items()}
 
 
-def variants(eb: int) -> dict:
-    """name -> dict(rows=OVERRIDES, paired=bool, col_sum=block or None (configs.col_sum_block))."""
-    base = {n: tc.row_config("bwd", n, eb, "sm_90") for n in WIDTHS}
-    base = {n: (c.block_m, c.split, c.num_warps, c.programs_per_sm, c.num_stages) for n, c in base.items()}
-    pf = {n: r + (True,) for n, r in base.items()}
+def variants(eb: int, widths=WIDTHS) -> dict:
+    """name -> dict(rows=OVERRIDES, paired=bool, col_sum=block or None (configs.col_sum_block),
+    cuda_off=bool (the cluster route off), only=widths the variant is timed at (None: all)).
+    old: before this change (no prefetch, two row-sum reductions, the fixed column-sum block);
+    new: the library's defaults; pf: prefetch at every unsplit width; tri*: Triton split rows
+    (prefetched) where the table routes to the CUDA cluster kernels."""
+    base = {n: tc.row_config("bwd", n, eb, "sm_90") for n in widths}
+    base = {n: (c.block_m, c.split, c.num_warps, c.programs_per_sm, c.num_stages) for n, c in base.items()
+            if not c.looped}
+    unsplit = {n: r for n, r in base.items() if r[1] == 1}
+    wide = [n for n in widths if n >= 16384]
     out = {
-        "old": dict(rows=_rows(eb, {n: r + (False,) for n, r in base.items()}), paired=False, col_sum=_OLD_COL_SUM),
-        "colsum": dict(rows=_rows(eb, {n: r + (False,) for n, r in base.items()}), paired=False, col_sum=None),
-        "paired": dict(rows=_rows(eb, {n: r + (False,) for n, r in base.items()}), paired=True, col_sum=None),
-        "pf": dict(rows=_rows(eb, pf), paired=True, col_sum=None),
+        "old": dict(rows=_rows(eb, {n: r + (False,) for n, r in unsplit.items()}), paired=False,
+                    col_sum=_OLD_COL_SUM, cuda_off=False, only=None),
+        "new": dict(rows={}, paired=True, col_sum=None, cuda_off=False, only=None),
+        "pf": dict(rows=_rows(eb, {n: r + (True,) for n, r in unsplit.items()}), paired=True, col_sum=None,
+                   cuda_off=False, only=tuple(unsplit)),
+        "tri-table": dict(rows={}, paired=True, col_sum=None, cuda_off=True, only=tuple(wide)),
     }
-    alts = {1024: [(4, 1, 4, 4), (2, 1, 4, 8), (8, 1, 8, 2)],
-            2048: [(2, 1, 8, 4), (1, 1, 4, 8), (2, 1, 4, 4)],
-            4096: [(1, 1, 8, 2), (1, 1, 4, 4), (2, 1, 8, 2)],
-            8192: [(1, 1, 8, 2), (1, 1, 16, 2), (2, 1, 16, 1)]}
-    for i in range(3):
-        out[f"pf-alt{i}"] = dict(rows=_rows(eb, {n: alts[n][i] + (1, True) for n in WIDTHS}), paired=True,
-                                 col_sum=None)
+    for cols, warps, per_sm in ((8192, 16, 1), (4096, 8, 2)):
+        out[f"tri{cols // 1024}k"] = dict(rows=_rows(eb, {n: (1, n // cols, warps, per_sm, 1, True) for n in wide}),
+                                          paired=True, col_sum=None, cuda_off=True, only=tuple(wide))
     return out
 
 
 @contextlib.contextmanager
-def applied(v, cuda_off=True):
+def applied(v):
     saved = (dict(tc.OVERRIDES), dict(tc.CUDA_OVERRIDES), tc.BWD_PAIRED_SUMS, tc.col_sum_block)
     tc.OVERRIDES.update(v["rows"])
-    for eb in ((2, 4) if cuda_off else ()):
+    for eb in ((2, 4) if v["cuda_off"] else ()):
         tc.CUDA_OVERRIDES[("bwd", eb)] = ()
     tc.BWD_PAIRED_SUMS = v["paired"]
     if v["col_sum"] is not None:
@@ -105,14 +109,17 @@ def bwd(x, w, b, dy, mean, rstd, rms):
 
 # ----------------------------------------------------------------------------- correctness
 
-def check(out, dtypes, vs):
-    """Every variant: oracle at the timed widths and awkward shapes, offset 1e4, a NaN row confined
-    to its row, dx/dweight/dbias bitwise equal across two runs."""
+def check(out, dtypes, names, shapes=None):
+    """Each named variant: oracle at the timed widths and awkward shapes, offset 1e4, a NaN row
+    confined to its row, dx/dweight/dbias bitwise equal across two runs."""
     tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
-    shapes = [(1, 1), (1, 1024), (7, 1000), (301, 2048), (3, 4099), (33, 8192), (2, 1031), (1000, 4096),
-              (4000, 1024), (129, 8192)]
-    for vname, v in vs.items():
-        for dname in dtypes:
+    shapes = shapes or [(1, 1), (1, 1024), (7, 1000), (301, 2048), (3, 4099), (33, 8192), (2, 1031), (1000, 4096),
+                        (4000, 1024), (129, 8192)]
+    for dname in dtypes:
+        eb = torch.empty((), dtype=DT[dname]).element_size()
+        vs = variants(eb, tuple(sorted({max(32, 1 << (n - 1).bit_length()) for _, n in shapes})))
+        for vname in names:
+            v = vs[vname]
             dtype = DT[dname]
             for op in ("ln", "rms"):
                 rms = op == "rms"
@@ -188,19 +195,21 @@ def _sets(dtype, M, N, rms):
     return [make() for _ in range(max(2, -(-RING_BYTES // (3 * M * N * eb))))]
 
 
-def time_all(out, dtypes, vs, copy, path):
+def time_all(out, dtypes, widths, names, copy, path):
     timer = CudaTimer()
     for dname in dtypes:
         dtype = DT[dname]
         eb = torch.empty((), dtype=dtype).element_size()
-        for N in WIDTHS:
+        vs = variants(eb, widths)
+        for N in widths:
             M = 2**26 // N
             for op in ("ln", "rms"):
                 rms = op == "rms"
                 sets = _sets(dtype, M, N, rms)
                 nbytes = 3 * M * N * eb
-                for vname, v in vs.items():
-                    if op == "rms" and vname == "paired":  # the same kernel as colsum for RMSNorm
+                for vname in names:
+                    v = vs[vname]
+                    if v["only"] is not None and N not in v["only"]:
                         continue
                     row = dict(dtype=dname, op=op, N=N, M=M, variant=vname)
                     try:
@@ -212,8 +221,8 @@ def time_all(out, dtypes, vs, copy, path):
                             torch.cuda.synchronize()
                             ms, _ = timer.median_ms(calls, WARM_MS, REP_MS)
                         gbps = nbytes / (ms * 1e6)
-                        row.update(cfg=f"{cfg.block_m}x{cfg.block_n}/s{cfg.split}/w{cfg.num_warps}/p{cfg.programs_per_sm}"
-                                       f"{'/pf' if cfg.prefetch else ''}", us=f"{ms * 1e3:.1f}", gbps=f"{gbps:.0f}",
+                        row.update(cfg="cuda" if cfg.cuda else f"{cfg.block_m}x{cfg.block_n}/s{cfg.split}/w{cfg.num_warps}"
+                                   f"/p{cfg.programs_per_sm}{'/pf' if cfg.prefetch else ''}", us=f"{ms * 1e3:.1f}", gbps=f"{gbps:.0f}",
                                    frac=f"{gbps / copy:.3f}")
                     except Exception as e:  # noqa: BLE001
                         row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -235,7 +244,7 @@ def profile(dtypes, vs, path, widths=(1024, 8192)):
             for op in ("ln", "rms"):
                 rms = op == "rms"
                 s = _sets(dtype, M, N, rms)[0]
-                for vname in ("old", "pf"):
+                for vname in ("old", "new"):
                     with applied(vs[vname]):
                         for _ in range(3):
                             bwd(*s, rms)
@@ -276,7 +285,10 @@ def main():
     ap.add_argument("--parts", default="check,time,profile")
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--check-dtypes", default="bf16,fp16,fp32")
-    ap.add_argument("--variants", default="")
+    ap.add_argument("--variants", default="old,new,pf,tri-table,tri8k,tri4k")
+    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
+    ap.add_argument("--check-variants", default="old,new")
+    ap.add_argument("--check-wide", default="", help="variants checked at 16K-256K too")
     ap.add_argument("--ncu", default="")
     ap.add_argument("--bench", default="", help="run `normkit bench` with these arguments under --bench-variant")
     ap.add_argument("--bench-variant", default="old")
@@ -286,7 +298,7 @@ def main():
         return
     if a.bench:  # the bench as it ran before this change (cluster routes as the table says)
         from normkit.cli import main as normkit_main
-        with applied(variants(2)[a.bench_variant], cuda_off=False):
+        with applied(variants(2)[a.bench_variant]):
             sys.exit(normkit_main(["bench"] + a.bench.split()))
     os.makedirs(a.out, exist_ok=True)
     p = torch.cuda.get_device_properties(0)
@@ -299,27 +311,29 @@ def main():
     log(env)
     dtypes = a.dtypes.split(",")
     parts = a.parts.split(",")
-    vs = variants(2)
-    if a.variants:
-        vs = {k: v for k, v in vs.items() if k in a.variants.split(",")}
+    names = a.variants.split(",")
+    widths = tuple(int(n) for n in a.widths.split(","))
     table = []
     for part in parts:  # in the order asked: a run cut short keeps the first
         if part == "check":
             rows = []
-            cvs = {k: vs[k] for k in vs if k in ("old", "pf")} or vs
-            check(rows, a.check_dtypes.split(","), cvs)
+            check(rows, a.check_dtypes.split(","), a.check_variants.split(","))
+            if a.check_wide:
+                check(rows, ["bf16"], a.check_wide.split(","), [(3, 16384), (37, 16392), (4, 65536), (2, 262144)])
             write_csv(os.path.join(a.out, "check.csv"), rows)
             log(f"checks: {sum(r['ok'] for r in rows)}/{len(rows)} ok")
         elif part == "profile":
             profile(dtypes, variants(2), os.path.join(a.out, "profile.txt"))
         elif part == "time":
             rows = []
-            time_all(rows, dtypes, vs, copy, os.path.join(a.out, "time.csv"))
-            table.append("op  N     " + " ".join(f"{k:>8}" for k in vs))
-            for op in ("ln", "rms"):
-                for N in WIDTHS:
-                    got = {r["variant"]: r.get("frac", "err") for r in rows if r["op"] == op and r["N"] == N}
-                    table.append(f"{op:<3} {N:<5} " + " ".join(f"{got.get(k, '-'):>8}" for k in vs))
+            time_all(rows, dtypes, widths, names, copy, os.path.join(a.out, "time.csv"))
+            table.append("dt   op  N      " + " ".join(f"{k:>9}" for k in names))
+            for dname in dtypes:
+                for op in ("ln", "rms"):
+                    for N in widths:
+                        got = {r["variant"]: r.get("frac", "err") for r in rows
+                               if r["op"] == op and r["N"] == N and r["dtype"] == dname}
+                        table.append(f"{dname:<4} {op:<3} {N:<6} " + " ".join(f"{got.get(k, '-'):>9}" for k in names))
     log("\n".join(table))
 
 
