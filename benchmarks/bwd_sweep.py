@@ -35,6 +35,7 @@ RING_BYTES = 4 * 60 * 2**20
 WIDTHS = (1024, 2048, 4096, 8192)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the check part under TRITON_INTERPRET=1
 _OLD_COL_SUM = (32, 128, 4)  # the fixed block before this change
+_OLD_CUDA = {2: (16384, 32768, 65536, 131072, 262144)}  # both ops' cluster routes before this change
 
 
 def _rows(eb, table):
@@ -55,7 +56,7 @@ def variants(eb: int, widths=WIDTHS) -> dict:
     wide = [n for n in widths if n >= 16384]
     out = {
         "old": dict(rows=_rows(eb, {n: r + (False,) for n, r in unsplit.items()}), paired=False,
-                    col_sum=_OLD_COL_SUM, cuda_off=False, only=None),
+                    col_sum=_OLD_COL_SUM, cuda_off=False, only=None, cuda=_OLD_CUDA.get(eb)),
         "new": dict(rows={}, paired=True, col_sum=None, cuda_off=False, only=None),
         "pf": dict(rows=_rows(eb, {n: r + (True,) for n, r in unsplit.items()}), paired=True, col_sum=None,
                    cuda_off=False, only=tuple(unsplit)),
@@ -73,6 +74,8 @@ def applied(v):
     tc.OVERRIDES.update(v["rows"])
     for eb in ((2, 4) if v["cuda_off"] else ()):
         tc.CUDA_OVERRIDES[("bwd", eb)] = ()
+    if v.get("cuda") is not None:
+        tc.CUDA_OVERRIDES[("bwd", 2)] = v["cuda"]
     tc.BWD_PAIRED_SUMS = v["paired"]
     if v["col_sum"] is not None:
         fixed = v["col_sum"]
@@ -319,7 +322,8 @@ def main():
             rows = []
             check(rows, a.check_dtypes.split(","), a.check_variants.split(","))
             if a.check_wide:
-                check(rows, ["bf16"], a.check_wide.split(","), [(3, 16384), (37, 16392), (4, 65536), (2, 262144)])
+                check(rows, ["bf16"], a.check_wide.split(","), [(3, 16384), (37, 16392), (5, 32768), (4, 65536),
+                                                               (3, 131072), (2, 262144)])
             write_csv(os.path.join(a.out, "check.csv"), rows)
             log(f"checks: {sum(r['ok'] for r in rows)}/{len(rows)} ok")
         elif part == "profile":

@@ -12,7 +12,8 @@ A configuration is looked up by (direction, element size in bytes, padded row wi
 The tile is block_m x (padded_n / split). Rows wider than MAX_TILED_N are walked in chunks by the
 looped kernels. The tables below are the defaults; measured tables for a GPU architecture, written
 by benchmarks/tune.py, live in tuned/<arch>.json next to this file and take precedence over the
-defaults; OVERRIDES (used by the tuner to try candidates) take precedence over both.
+defaults (a width's row there may be {"ln": row, "rms": row} where the ops were measured apart);
+OVERRIDES (used by the tuner to try candidates) take precedence over both.
 """
 from __future__ import annotations
 
@@ -90,8 +91,14 @@ def tuned_table(arch: str) -> dict:
         return {}
     with open(path) as f:
         raw = json.load(f)
-    table = {(d, int(b), int(n)): tuple(v) for d, by_bytes in raw["configs"].items()
-             for b, by_n in by_bytes.items() for n, v in by_n.items()}
+    table = {}
+    for d, by_bytes in raw["configs"].items():
+        for b, by_n in by_bytes.items():
+            for n, v in by_n.items():
+                if isinstance(v, dict):  # rows per op ("ln", "rms") where the ops were measured apart
+                    table.update({(d, int(b), int(n), op): tuple(r) for op, r in v.items()})
+                else:
+                    table[(d, int(b), int(n))] = tuple(v)
     for d, by_bytes in raw.get("cuda", {}).items():
         for b, by_op in by_bytes.items():
             for op, widths in by_op.items():
@@ -109,7 +116,8 @@ def _cuda_route(direction: str, elem_bytes: int, key: int, arch: str, op: str) -
 @functools.lru_cache(maxsize=None)
 def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpreted: bool = False,
                op: str = "") -> RowConfig:
-    """The configuration for rows of n columns; op ("ln" or "rms") only selects the CUDA route."""
+    """The configuration for rows of n columns; op ("ln" or "rms") selects the CUDA route and the
+    measured table's per-op rows."""
     padded = triton.next_power_of_2(max(n, 1))
     elem_bytes = 2 if elem_bytes <= 2 else 4
     key = max(padded, 32)  # the narrowest tabulated width; narrower rows pack more rows per tile
@@ -117,7 +125,9 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
     cuda = not interpreted and _cuda_route(direction, elem_bytes, key, arch, op)
     if padded <= MAX_TILED_N:
         row = OVERRIDES.get((direction, elem_bytes, key))
-        row = row or (tuned_table(arch).get((direction, elem_bytes, key)) if arch else None)
+        if arch and not row:
+            tuned = tuned_table(arch)
+            row = tuned.get((direction, elem_bytes, key, op)) or tuned.get((direction, elem_bytes, key))
         row = row or DEFAULTS[(direction, elem_bytes)].get(key)
     if row is not None:
         block_m, split, num_warps, programs_per_sm, *rest = row
