@@ -4,8 +4,8 @@ against the float64 oracle and timed in one run, with a per-kernel breakdown.
   PYTHONPATH=. python benchmarks/bwd_sweep.py --out DIR [--parts check,time,profile] [--dtypes bf16]
   PYTHONPATH=. python benchmarks/bwd_sweep.py --ncu   (one call per (op, width, variant) in --ncu-cases, for ncu)
 
-A variant is a set of configuration values (configs.OVERRIDES rows, the paired LayerNorm row sums,
-the column reduction's block), applied for its calls and restored after; the CUDA cluster route is
+A variant is a set of configuration values (configs.OVERRIDES rows, the cluster routes, the column
+reduction's block), applied for its calls and restored after; the CUDA cluster route is
 off (these widths are Triton's). Timed as `normkit bench` does (normkit.bench.timing: a GPU spin
 hides the host, input sets rotate over more than 4x L2, median), the backend's row_norm_bwd called
 directly, M = 2^26 / N; the copy ceiling is measured in the same run. Writes DIR/{env.txt,
@@ -31,7 +31,6 @@ from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WARM_MS, REP_MS = 10, 40
-RING_BYTES = 4 * 60 * 2**20
 WIDTHS = (1024, 2048, 4096, 8192)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the check part under TRITON_INTERPRET=1
 _OLD_COL_SUM = (32, 128, 4)  # the fixed block before this change
@@ -44,9 +43,11 @@ def _rows(eb, table):
 
 
 def variants(eb: int, widths=WIDTHS) -> dict:
-    """name -> dict(rows=OVERRIDES, paired=bool, col_sum=block or None (configs.col_sum_block),
+    """name -> dict(rows=OVERRIDES, col_sum=block or None (configs.col_sum_block), cuda=routes or None,
     cuda_off=bool (the cluster route off), only=widths the variant is timed at (None: all)).
-    old: before this change (no prefetch, two row-sum reductions, the fixed column-sum block);
+    old: before this change (no prefetch, the fixed column-sum block, the clusters at every 16-bit
+    backward width from 16K; LayerNorm's two row sums were two reductions then, runs R1/R2 measured
+    that too, and are one paired reduction now in every variant);
     new: the library's defaults; pf: prefetch at every unsplit width; tri*: Triton split rows
     (prefetched) where the table routes to the CUDA cluster kernels."""
     base = {n: tc.row_config("bwd", n, eb, "sm_90") for n in widths}
@@ -55,28 +56,27 @@ def variants(eb: int, widths=WIDTHS) -> dict:
     unsplit = {n: r for n, r in base.items() if r[1] == 1}
     wide = [n for n in widths if n >= 16384]
     out = {
-        "old": dict(rows=_rows(eb, {n: r + (False,) for n, r in unsplit.items()}), paired=False,
+        "old": dict(rows=_rows(eb, {n: r + (False,) for n, r in unsplit.items()}),
                     col_sum=_OLD_COL_SUM, cuda_off=False, only=None, cuda=_OLD_CUDA.get(eb)),
-        "new": dict(rows={}, paired=True, col_sum=None, cuda_off=False, only=None),
-        "pf": dict(rows=_rows(eb, {n: r + (True,) for n, r in unsplit.items()}), paired=True, col_sum=None,
+        "new": dict(rows={}, col_sum=None, cuda_off=False, only=None),
+        "pf": dict(rows=_rows(eb, {n: r + (True,) for n, r in unsplit.items()}), col_sum=None,
                    cuda_off=False, only=tuple(unsplit)),
-        "tri-table": dict(rows={}, paired=True, col_sum=None, cuda_off=True, only=tuple(wide)),
+        "tri-table": dict(rows={}, col_sum=None, cuda_off=True, only=tuple(wide)),
     }
     for cols, warps, per_sm in ((8192, 16, 1), (4096, 8, 2)):
         out[f"tri{cols // 1024}k"] = dict(rows=_rows(eb, {n: (1, n // cols, warps, per_sm, 1, True) for n in wide}),
-                                          paired=True, col_sum=None, cuda_off=True, only=tuple(wide))
+                                          col_sum=None, cuda_off=True, only=tuple(wide))
     return out
 
 
 @contextlib.contextmanager
 def applied(v):
-    saved = (dict(tc.OVERRIDES), dict(tc.CUDA_OVERRIDES), tc.BWD_PAIRED_SUMS, tc.col_sum_block)
+    saved = (dict(tc.OVERRIDES), dict(tc.CUDA_OVERRIDES), tc.col_sum_block)
     tc.OVERRIDES.update(v["rows"])
     for eb in ((2, 4) if v["cuda_off"] else ()):
         tc.CUDA_OVERRIDES[("bwd", eb)] = ()
     if v.get("cuda") is not None:
         tc.CUDA_OVERRIDES[("bwd", 2)] = v["cuda"]
-    tc.BWD_PAIRED_SUMS = v["paired"]
     if v["col_sum"] is not None:
         fixed = v["col_sum"]
         tc.col_sum_block = functools.lru_cache(maxsize=None)(lambda rows, n, sms: fixed)
@@ -88,7 +88,7 @@ def applied(v):
         tc.OVERRIDES.update(saved[0])
         tc.CUDA_OVERRIDES.clear()
         tc.CUDA_OVERRIDES.update(saved[1])
-        tc.BWD_PAIRED_SUMS, tc.col_sum_block = saved[2], saved[3]
+        tc.col_sum_block = saved[2]
         tb.clear_caches()
 
 
@@ -186,16 +186,10 @@ def _check_case(dtype, rms, M, N, offset, strided, tol):
 # ----------------------------------------------------------------------------- timing
 
 def _sets(dtype, M, N, rms):
+    """Input sets (speed_sweep's) rotating over more than 4x L2."""
+    import speed_sweep  # beside this script; loads the CUDA backend, so only where timing runs
     eb = torch.empty((), dtype=dtype).element_size()
-
-    def make():
-        x = torch.randn(M, N, device="cuda", dtype=dtype)
-        w = torch.randn(N, device="cuda", dtype=dtype)
-        b = None if rms else torch.randn(N, device="cuda", dtype=dtype)
-        dy = torch.randn(M, N, device="cuda", dtype=dtype)
-        _, mean, rstd = tb.row_norm_fwd(x, w, b, 1e-5, rms)
-        return x, w, b, dy, mean, rstd
-    return [make() for _ in range(max(2, -(-RING_BYTES // (3 * M * N * eb))))]
+    return speed_sweep.ring(functools.partial(speed_sweep.row_set, dtype, M, N, rms), 3 * M * N * eb)
 
 
 def time_all(out, dtypes, widths, names, copy, path):

@@ -164,7 +164,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
     else:
-        constexprs.update(PREFETCH=cfg.prefetch, PAIRED=configs.BWD_PAIRED_SUMS)
+        constexprs["PREFETCH"] = cfg.prefetch
     return cfg, constexprs, device_index, sms
 
 

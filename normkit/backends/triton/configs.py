@@ -58,8 +58,6 @@ _BWD_32 = {**_BWD_16, 4096: (1, 2, 8, 2), 8192: (1, 4, 8, 2), 16384: (1, 8, 8, 2
 DEFAULTS = {("fwd", 2): _FWD_16, ("fwd", 4): _FWD_32, ("bwd", 2): _BWD_16, ("bwd", 4): _BWD_32}
 
 PREFETCH_DEFAULT = False
-# the LayerNorm backward's two row sums (xhat * w*g and w*g) as one paired reduction
-BWD_PAIRED_SUMS = True
 
 MAX_TILED_N = 262144
 LOOPED = {"fwd": (8192, 16), "bwd": (4096, 16)}  # (chunk columns, num_warps)

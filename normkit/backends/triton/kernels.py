@@ -478,7 +478,7 @@ def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, grou
               col_mask, N, INNER, sdh_o, sdh_i, sdh_c, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
               HAS_B: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, ACT: tl.constexpr,
               HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr):
+              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """dx of one loaded [BLOCK_M, BLOCK_N] tile (the row sums exchanged within a split group),
     stored; returns (g * xhat, g, gy * yaff, gy): the tile's terms of dweight, dbias, dscale, dshift.
     HAS_GATE: x is the ungated input; the gate comes through DH (and dgate goes out through DRES)."""
@@ -494,11 +494,8 @@ def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, grou
     if IS_RMS:
         c1 = tl.sum(xhat * wg, axis=1)
         c2 = c1
-    elif PAIRED:  # both row sums in one reduction: one cross-warp exchange (and barrier) instead of two
+    else:  # both row sums in one reduction: one cross-warp exchange (and barrier) instead of two
         c1, c2 = tl.reduce((xhat * wg, wg), 1, _add_pair)
-    else:
-        c1 = tl.sum(xhat * wg, axis=1)
-        c2 = tl.sum(wg, axis=1)
     if SPLIT > 1:
         slot = _publish_and_wait(SYNC, SCRATCH, group, k, it, c1, c2, SPLIT, BLOCK_M)
         c1 = tl.sum(_read_partials(slot, False, SPLIT, BLOCK_M), axis=0)
@@ -540,7 +537,7 @@ def row_norm_bwd_kernel(
     WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
     HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, WANT_DS: tl.constexpr, WANT_DT: tl.constexpr,
     HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
-    PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent: group g (SPLIT programs; one program unless the row is split) handles row blocks
     g, g + G, g + 2G, ... and writes its fp32 partial sums of dweight/dbias to row g of
@@ -551,6 +548,8 @@ def row_norm_bwd_kernel(
     mod_s * mod_chunks items, item (s, c) being row blocks [c * mod_bpc, (c + 1) * mod_bpc) of
     sample s's mod_rps rows; its dscale/dshift sums go to row c, columns s * N.. of DS_PART/DT_PART
     ([mod_chunks, mod_s * N]), which the same reduction turns into [mod_s, N].
+    PREFETCH (and every split row): the plain walk loads its next tile, in the inputs' dtype, before
+    working on the current one, so that loads stay in flight through the row sums and the stores.
     No float atomics anywhere: gradients are bitwise reproducible."""
     pid = tl.program_id(0)
     group = pid // SPLIT
@@ -604,7 +603,7 @@ def row_norm_bwd_kernel(
                     tw, tb, ts, tt = _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group,
                                                k, 0, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
                                                IS_RMS, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT, HAS_DH, HAS_DRES,
-                                               HAS_GATE, BLOCK_M, BLOCK_N, 1, PAIRED)
+                                               HAS_GATE, BLOCK_M, BLOCK_N, 1)
                     dw_acc += tw
                     db_acc += tb
                     ds_acc += ts
@@ -640,7 +639,7 @@ def row_norm_bwd_kernel(
                 tw, tb, _, _ = _bwd_tile(x, dy, w, b, 1.0, 0.0, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group, k,
                                          (jb - group // W_ROWS) // step, rows, row_mask, cols, col_mask, N, INNER,
                                          sdh_o, sdh_i, sdh_c, IS_RMS, HAS_W, HAS_B, False, False, ACT, HAS_DH,
-                                         HAS_DRES, HAS_GATE, BLOCK_M, BLOCK_N, SPLIT, PAIRED)
+                                         HAS_DRES, HAS_GATE, BLOCK_M, BLOCK_N, SPLIT)
                 dw_acc += tw
                 db_acc += tb
         if WANT_DW:
