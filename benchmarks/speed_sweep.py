@@ -295,6 +295,16 @@ def ring(make, nbytes):
     return [make() for _ in range(max(2, -(-RING_BYTES // max(nbytes, 1))))]
 
 
+def row_set(dtype, M, N, rms):
+    """One input set of the row norms: x, w, b (None for RMSNorm), dy, and the forward's mean, rstd."""
+    x = torch.randn(M, N, device="cuda", dtype=dtype)
+    w = torch.randn(N, device="cuda", dtype=dtype)
+    b = None if rms else torch.randn(N, device="cuda", dtype=dtype)
+    dy = torch.randn(M, N, device="cuda", dtype=dtype)
+    _, mean, rstd = tb.row_norm_fwd(x, w, b, 1e-5, rms)
+    return x, w, b, dy, mean, rstd
+
+
 def time_rows(timer, copy, out, dtypes, widths, ops=("ln", "rms"), path=None):
     for dname in dtypes:
         dtype = DT[dname]
@@ -304,14 +314,7 @@ def time_rows(timer, copy, out, dtypes, widths, ops=("ln", "rms"), path=None):
             for op in ops:
                 rms = op == "rms"
 
-                def make():
-                    x = torch.randn(M, N, device="cuda", dtype=dtype)
-                    w = torch.randn(N, device="cuda", dtype=dtype)
-                    b = None if rms else torch.randn(N, device="cuda", dtype=dtype)
-                    dy = torch.randn(M, N, device="cuda", dtype=dtype)
-                    y, mean, rstd = tb.row_norm_fwd(x, w, b, 1e-5, rms)
-                    return x, w, b, dy, mean, rstd
-                sets = ring(make, 3 * M * N * eb)
+                sets = ring(functools.partial(row_set, dtype, M, N, rms), 3 * M * N * eb)
                 for direction in ("fwd", "bwd"):
                     passes = 2 if direction == "fwd" else 3
                     nbytes = passes * M * N * eb

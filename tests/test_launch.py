@@ -44,3 +44,29 @@ def test_overrides_win_over_the_tuned_table():
     finally:
         configs.OVERRIDES.pop(key)
         configs.row_config.cache_clear()
+
+
+def test_tuned_rows_per_op_and_prefetch():
+    """A measured width may hold a row per op; a row's 6th value turns the backward's prefetch on."""
+    from normkit.backends.triton import configs
+
+    configs.row_config.cache_clear()
+    rms = configs.row_config("bwd", 32768, 2, "sm_90", False, "rms")
+    ln = configs.row_config("bwd", 32768, 2, "sm_90", False, "ln")
+    assert (rms.block_m, rms.split, ln.block_m, ln.split) == (1, 8, 2, 8)
+    assert configs.row_config("bwd", 4096, 2, "sm_90").prefetch
+    assert not configs.row_config("bwd", 4096, 4, "sm_90").prefetch  # fp32: measured slower for LayerNorm
+    assert configs.row_config("bwd", 4096, 2, "sm_90").num_stages == 1
+    configs.row_config.cache_clear()
+
+
+def test_col_sum_block_gives_every_sm_a_program():
+    from normkit.backends.triton import configs
+
+    for rows, n, sms in ((528, 1024, 132), (132, 8192, 132), (4, 100, 4), (1, 1, 132), (264, 262144, 132)):
+        block_p, block_n, _ = configs.col_sum_block(rows, n, sms)
+        lo, hi = configs.COL_SUM_BLOCK_N
+        assert lo <= block_n <= hi and block_p * block_n <= configs.COL_SUM_TILE
+        assert -(-n // block_n) >= sms or block_n == lo  # as many programs as SMs, or the narrowest block
+        assert block_p <= max(1, 1 << (rows - 1).bit_length())  # no step wider than the partial rows
+

@@ -163,6 +163,8 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=cfg.looped)
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
+    else:
+        constexprs["PREFETCH"] = cfg.prefetch
     return cfg, constexprs, device_index, sms
 
 
@@ -177,6 +179,8 @@ def clear_caches() -> None:
     configs.tuned_table.cache_clear()
     configs.group_config.cache_clear()
     configs.staged_config.cache_clear()
+    configs.col_sum_block.cache_clear()
+    _col_sum_launch.cache_clear()
     _triton_missing.cache_clear()
     _plan.cache_clear()
     _gn_plan.cache_clear()
@@ -405,15 +409,19 @@ def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_pa
 
 def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: int, block=None) -> None:
     """dw = sum of the first `rows` rows of dw_part (and db likewise), in a fixed order; block:
-    (BLOCK_P, BLOCK_N, num_warps), the row norms' default if None."""
+    (BLOCK_P, BLOCK_N, num_warps), the row norms' (configs.col_sum_block) if None."""
     first, first_out = (dw_part, dw) if dw is not None else (db_part, db)
     if first is not None:
         has_b = dw is not None and db is not None
-        block_p, block_n, warps = block or (*_COL_SUM, 4)
-        constexprs = _COL_SUM_CONSTEXPRS[has_b] if block is None else dict(HAS_B=has_b, BLOCK_P=block_p,
-                                                                            BLOCK_N=block_n)
-        _kernels().col_sum((-(-n // block_n),), (first, first_out, db_part, db, rows, n), constexprs, (warps, 1),
-                           device_index)
+        grid, constexprs, options = _col_sum_launch(rows, n, device_index, has_b, block)
+        _kernels().col_sum(grid, (first, first_out, db_part, db, rows, n), constexprs, options, device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _col_sum_launch(rows: int, n: int, device_index: int, has_b: bool, block=None) -> tuple:
+    sms = configs.INTERPRETER_PROGRAMS if device_index < 0 else _device_facts(torch.device("cuda", device_index))[2]
+    block_p, block_n, warps = block or configs.col_sum_block(rows, n, sms)
+    return (-(-n // block_n),), dict(HAS_B=has_b, BLOCK_P=block_p, BLOCK_N=block_n), (warps, 1)
 
 
 # ----------------------------------------------------------------------------- group norm
@@ -578,7 +586,3 @@ def _split2(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups,
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-_COL_SUM = configs.COL_SUM_BLOCK
-_COL_SUM_CONSTEXPRS = {has_b: dict(HAS_B=has_b, BLOCK_P=_COL_SUM[0], BLOCK_N=_COL_SUM[1]) for has_b in (False, True)}

@@ -6,10 +6,14 @@ A configuration is looked up by (direction, element size in bytes, padded row wi
   num_warps        warps per program
   programs_per_sm  persistent programs per SM (0: one program per row block, not persistent)
   num_stages       optional 5th value, Triton's software-pipelining depth (default 1: none)
+  prefetch         optional 6th value, backward only: a persistent program loads its next tile (in
+                   x's dtype) before working on the current one (default PREFETCH_DEFAULT; split
+                   rows always do)
 The tile is block_m x (padded_n / split). Rows wider than MAX_TILED_N are walked in chunks by the
 looped kernels. The tables below are the defaults; measured tables for a GPU architecture, written
 by benchmarks/tune.py, live in tuned/<arch>.json next to this file and take precedence over the
-defaults; OVERRIDES (used by the tuner to try candidates) take precedence over both.
+defaults (a width's row there may be {"ln": row, "rms": row} where the ops were measured apart);
+OVERRIDES (used by the tuner to try candidates) take precedence over both.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class RowConfig:
     looped: bool = False
     num_stages: int = 1  # 1: no software pipelining (it would stage tiles through shared memory)
     cuda: bool = False  # rows go to the CUDA backend's Hopper cluster kernels when the call allows
+    prefetch: bool = False  # backward: the next tile's loads in flight while this one is worked on
 
     @property
     def options(self):
@@ -52,11 +57,17 @@ _BWD_32 = {**_BWD_16, 4096: (1, 2, 8, 2), 8192: (1, 4, 8, 2), 16384: (1, 8, 8, 2
            65536: (1, 32, 8, 2), 131072: (1, 64, 8, 2), 262144: (1, 128, 8, 2)}
 DEFAULTS = {("fwd", 2): _FWD_16, ("fwd", 4): _FWD_32, ("bwd", 2): _BWD_16, ("bwd", 4): _BWD_32}
 
+PREFETCH_DEFAULT = False
+
 MAX_TILED_N = 262144
 LOOPED = {"fwd": (8192, 16), "bwd": (4096, 16)}  # (chunk columns, num_warps)
 LOOPED_PROGRAMS_PER_SM = 1
-# column reduction of the weight-gradient partials
-COL_SUM_BLOCK = (32, 128)  # (BLOCK_P, BLOCK_N)
+# column reduction of the weight-gradient partials (col_sum_kernel): BLOCK_N the widest in
+# COL_SUM_BLOCK_N that still gives every SM a program (a few wide programs walking hundreds of
+# partial rows wait on one L2 round trip per step), BLOCK_P so a step loads COL_SUM_TILE elements
+COL_SUM_BLOCK_N = (16, 128)  # (narrowest, widest)
+COL_SUM_TILE = 4096
+COL_SUM_WARPS = 4
 # persistent programs when there is no GPU to size the grid from (Triton interpreter on CPU)
 INTERPRETER_PROGRAMS = 4
 
@@ -78,8 +89,14 @@ def tuned_table(arch: str) -> dict:
         return {}
     with open(path) as f:
         raw = json.load(f)
-    table = {(d, int(b), int(n)): tuple(v) for d, by_bytes in raw["configs"].items()
-             for b, by_n in by_bytes.items() for n, v in by_n.items()}
+    table = {}
+    for d, by_bytes in raw["configs"].items():
+        for b, by_n in by_bytes.items():
+            for n, v in by_n.items():
+                if isinstance(v, dict):  # rows per op ("ln", "rms") where the ops were measured apart
+                    table.update({(d, int(b), int(n), op): tuple(r) for op, r in v.items()})
+                else:
+                    table[(d, int(b), int(n))] = tuple(v)
     for d, by_bytes in raw.get("cuda", {}).items():
         for b, by_op in by_bytes.items():
             for op, widths in by_op.items():
@@ -97,7 +114,8 @@ def _cuda_route(direction: str, elem_bytes: int, key: int, arch: str, op: str) -
 @functools.lru_cache(maxsize=None)
 def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpreted: bool = False,
                op: str = "") -> RowConfig:
-    """The configuration for rows of n columns; op ("ln" or "rms") only selects the CUDA route."""
+    """The configuration for rows of n columns; op ("ln" or "rms") selects the CUDA route and the
+    measured table's per-op rows."""
     padded = triton.next_power_of_2(max(n, 1))
     elem_bytes = 2 if elem_bytes <= 2 else 4
     key = max(padded, 32)  # the narrowest tabulated width; narrower rows pack more rows per tile
@@ -105,17 +123,32 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
     cuda = not interpreted and _cuda_route(direction, elem_bytes, key, arch, op)
     if padded <= MAX_TILED_N:
         row = OVERRIDES.get((direction, elem_bytes, key))
-        row = row or (tuned_table(arch).get((direction, elem_bytes, key)) if arch else None)
+        if arch and not row:
+            tuned = tuned_table(arch)
+            row = tuned.get((direction, elem_bytes, key, op)) or tuned.get((direction, elem_bytes, key))
         row = row or DEFAULTS[(direction, elem_bytes)].get(key)
     if row is not None:
-        block_m, split, num_warps, programs_per_sm, *stages = row
+        block_m, split, num_warps, programs_per_sm, *rest = row
+        num_stages = rest[0] if rest else 1
+        prefetch = rest[1] if len(rest) > 1 else PREFETCH_DEFAULT
         block_m *= key // padded
         # a split row needs its programs running side by side; the interpreter runs them in turn
         if not (interpreted and split > 1):
-            return RowConfig(block_m, padded // split, split, num_warps, programs_per_sm, False, *stages,
-                             cuda=cuda)
+            return RowConfig(block_m, padded // split, split, num_warps, programs_per_sm, False, num_stages,
+                             cuda=cuda, prefetch=bool(prefetch))
     chunk, num_warps = LOOPED[direction]
     return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda)
+
+
+@functools.lru_cache(maxsize=None)
+def col_sum_block(rows: int, n: int, sms: int) -> tuple:
+    """(BLOCK_P, BLOCK_N, num_warps) of the reduction of `rows` partial rows of n columns."""
+    lo, hi = COL_SUM_BLOCK_N
+    block_n = hi
+    while block_n > lo and -(-n // block_n) < sms:
+        block_n //= 2
+    block_p = max(1, min(triton.next_power_of_2(max(rows, 1)), COL_SUM_TILE // block_n))
+    return block_p, block_n, COL_SUM_WARPS
 
 
 # ----------------------------------------------------------------------------- group norm

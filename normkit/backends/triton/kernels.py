@@ -181,10 +181,17 @@ def _offsets(rows, cols, INNER, s_o, s_i, s_c):
 
 
 @triton.jit
+def _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
+    """The [rows, cols] tile of a strided operand in its own dtype (zeros outside the masks): a
+    prefetched 16-bit tile holds half the registers of its fp32 form until it is used."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    return tl.load(P + _offsets(rows, cols, INNER, s_o, s_i, s_c), mask=mask, other=0.0)
+
+
+@triton.jit
 def _load_tile(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
     """The [rows, cols] tile of a strided operand as fp32 (zeros outside the masks)."""
-    mask = row_mask[:, None] & col_mask[None, :]
-    return tl.load(P + _offsets(rows, cols, INNER, s_o, s_i, s_c), mask=mask, other=0.0).to(tl.float32)
+    return _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c).to(tl.float32)
 
 
 @triton.jit
@@ -484,10 +491,11 @@ def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, grou
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
     xhat, g, wg, gy, yaff = _bwd_terms(x, dy, w, b, ms, mt, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, HAS_MS, HAS_MT,
                                        ACT, BLOCK_N == 1)
-    c1 = tl.sum(xhat * wg, axis=1)
-    c2 = c1
-    if not IS_RMS:
-        c2 = tl.sum(wg, axis=1)
+    if IS_RMS:
+        c1 = tl.sum(xhat * wg, axis=1)
+        c2 = c1
+    else:  # both row sums in one reduction: one cross-warp exchange (and barrier) instead of two
+        c1, c2 = tl.reduce((xhat * wg, wg), 1, _add_pair)
     if SPLIT > 1:
         slot = _publish_and_wait(SYNC, SCRATCH, group, k, it, c1, c2, SPLIT, BLOCK_M)
         c1 = tl.sum(_read_partials(slot, False, SPLIT, BLOCK_M), axis=0)
@@ -496,6 +504,11 @@ def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, grou
     _store_dx(DX, DRES, DH, dx, xg, gt, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c, HAS_DH,
               HAS_DRES, HAS_GATE)
     return g * xhat, g, gy * yaff, gy
+
+
+@triton.jit
+def _add_pair(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
 
 
 @triton.jit
@@ -524,6 +537,7 @@ def row_norm_bwd_kernel(
     WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
     HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, WANT_DS: tl.constexpr, WANT_DT: tl.constexpr,
     HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent: group g (SPLIT programs; one program unless the row is split) handles row blocks
     g, g + G, g + 2G, ... and writes its fp32 partial sums of dweight/dbias to row g of
@@ -534,6 +548,8 @@ def row_norm_bwd_kernel(
     mod_s * mod_chunks items, item (s, c) being row blocks [c * mod_bpc, (c + 1) * mod_bpc) of
     sample s's mod_rps rows; its dscale/dshift sums go to row c, columns s * N.. of DS_PART/DT_PART
     ([mod_chunks, mod_s * N]), which the same reduction turns into [mod_s, N].
+    PREFETCH (and every split row): the plain walk loads its next tile, in the inputs' dtype, before
+    working on the current one, so that loads stay in flight through the row sums and the stores.
     No float atomics anywhere: gradients are bitwise reproducible."""
     pid = tl.program_id(0)
     group = pid // SPLIT
@@ -604,16 +620,17 @@ def row_norm_bwd_kernel(
             step = num_groups // W_ROWS
             rows, row_mask = _walk_rows(group // W_ROWS, head, W_ROWS, rows_per_head, BLOCK_M)
             w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-            x_next = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
-            dy_next = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+            x_next = _load_raw(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+            dy_next = _load_raw(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
             for jb in range(group // W_ROWS, blocks_per_head, step):
                 rows, row_mask = _walk_rows(jb, head, W_ROWS, rows_per_head, BLOCK_M)
-                if SPLIT > 1:
-                    # prefetch the next tiles now: their loads overlap the wait at the group barrier
-                    x, dy = x_next, dy_next
+                if SPLIT > 1 or PREFETCH:
+                    # prefetch the next tiles now, in their own dtype: their loads overlap this
+                    # block's row sums, stores and (split rows) the wait at the group barrier
+                    x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
                     nxt, nxt_mask = _walk_rows(jb + step, head, W_ROWS, rows_per_head, BLOCK_M)
-                    x_next = _load_tile(X, nxt, nxt_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
-                    dy_next = _load_tile(DY, nxt, nxt_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+                    x_next = _load_raw(X, nxt, nxt_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+                    dy_next = _load_raw(DY, nxt, nxt_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
                 else:
                     x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
                     dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
