@@ -8,6 +8,8 @@
 #                                                Liger where it applies)
 #   bash benchmarks/device_session8.sh profile  host profiles (unpatched next to patched) of the cases that ran
 #                                                slower patched: Whisper training, SD3 inference, compiled Llama decode
+#   bash benchmarks/device_session8.sh kernels  row-norm backward and GroupNorm (both layouts) with torch and
+#                                                torch.compile in the same run (issue 24)
 #   bash benchmarks/device_session8.sh compile  compiled Llama decode and UNet2DModel (issue 22's
 #                                                compiled targets), unpatched vs normkit
 set -uo pipefail
@@ -40,6 +42,12 @@ profile)
     for m in "whisper-encoder train" "sd3 infer" "llama decode --exec compile"; do
         timeout 200 python3 benchmarks/profile_model_host.py $m --out "$OUT" 2>&1 | grep -v Warning | tail -5
     done
+    ;;
+kernels)
+    bench 290 --ops ln,rms --dirs bwd --dtypes bf16 --widths 1024,4096,8192,16384,32768,65536,262144 \
+        --peers torch,compile --no-host --time-budget 260 --out "$OUT/rows"
+    timeout 250 python3 benchmarks/gn_sweep.py --out "$OUT/gn" --dtypes bf16 --variants default --acts - \
+        --act-variants default --peers torch,compile --layouts nchw,cl --budget 200 2>&1 | tail -25
     ;;
 compile)
     bench 280 --models llama --modes decode,infer --exec compile --variants unpatched,normkit \
