@@ -526,26 +526,28 @@ def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups,
     B, C, S = x.shape
     bwd = dy is not None
     cg = C // num_groups
-    n_cb, n_sb = -(-C // cfg.block_c), -(-S // cfg.block_s)
+    stats_c, stats_s = cfg.stats_tile
+    n_cb, n_sb = -(-C // stats_c), -(-S // stats_s)
     n_spans = -(-n_sb // cfg.n_sub)
     p1 = _empty((B * n_spans, C), dtype=torch.float32, device=x.device)
     p2 = _empty((B * n_spans, C), dtype=torch.float32, device=x.device)
     strides = (x.stride(0), x.stride(1), x.stride(2))
     k = _kernels()
-    tiles = dict(BLOCK_C=cfg.block_c, BLOCK_S=cfg.block_s)
     flags = dict(BWD=bwd, HAS_W=weight is not None, HAS_B=bias is not None, ACT=k.act_codes[activation])
     stats_flags = flags if bwd else dict(BWD=False, HAS_W=False, HAS_B=False, ACT=0)
     k.gn_stats((B * n_cb * n_spans,), (x, dy, weight, bias, mean, rstd, p1, p2, C, S, num_groups, cg, n_cb, n_sb,
-                                       n_spans) + strides, dict(**stats_flags, **tiles, N_SUB=cfg.n_sub),
-               cfg.options, device_index)
+                                       n_spans) + strides,
+               dict(**stats_flags, BLOCK_C=stats_c, BLOCK_S=stats_s, N_SUB=cfg.n_sub, SLOTS=cfg.slots),
+               cfg.stats_options, device_index)
     c1 = _empty((B, num_groups), dtype=torch.float32, device=x.device)  # forward: the shifted means
     c2 = _empty((B, num_groups), dtype=torch.float32, device=x.device) if bwd else None
     k.gn_finalize((B * num_groups,), (x, p1, p2, weight if bwd else None, None if bwd else mean, None if bwd else rstd,
                                       c1, c2, C, S, num_groups, cg, n_spans, strides[0], strides[1], eps),
-                  dict(BWD=bwd, HAS_W=bwd and weight is not None, SPAN=cfg.n_sub * cfg.block_s, BLOCK_P=cfg.block_p,
+                  dict(BWD=bwd, HAS_W=bwd and weight is not None, SPAN=cfg.n_sub * stats_s, BLOCK_P=cfg.block_p,
                        BLOCK_R=cfg.block_r), (4, 1), device_index)
+    n_cb, n_sb = -(-C // cfg.block_c), -(-S // cfg.block_s)
     k.gn_apply((B * n_cb * n_sb,), (x, dy, out, weight, bias, mean, rstd, c1, c2, C, S, num_groups, cg, n_cb, n_sb)
-               + strides, dict(**flags, **tiles), cfg.options, device_index)
+               + strides, dict(**flags, BLOCK_C=cfg.block_c, BLOCK_S=cfg.block_s), cfg.options, device_index)
     return p1, p2
 
 

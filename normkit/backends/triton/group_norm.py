@@ -425,14 +425,32 @@ def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
 def group_norm_staged_stats_kernel(
     X, DY, W, B, MEAN, RSTD, P1, P2, C, S, G, Cg, n_cb, n_sb, n_spans, stride_b, stride_c, stride_s,
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """Program (b, kc, span j): per channel of block kc over the span's positions, forward: mean and
-    M2 (each tile's exact two-pass values, Chan-merged); backward: sum of g*xhat and of g, which are
-    also the weight-gradient partials (row b * n_spans + j of [B * n_spans, C])."""
+    M2; backward: sum of g*xhat and of g, which are also the weight-gradient partials (row
+    b * n_spans + j of [B * n_spans, C]). SLOTS: accumulated per element slot (_staged_stats_slots);
+    else each tile's exact two-pass values, Chan-merged per tile."""
     pid = tl.program_id(0)
     j = pid % n_spans
     bc = pid // n_spans  # b * n_cb + kc
+    if SLOTS:
+        p1, p2 = _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, stride_b, stride_c,
+                                     stride_s, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S, N_SUB)
+    else:
+        p1, p2 = _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c,
+                                     stride_s, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S, N_SUB)
+    ch = (bc % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+    part = ((bc // n_cb) * n_spans + j).to(tl.int64) * C + ch
+    tl.store(P1 + part, p1, mask=ch < C)
+    tl.store(P2 + part, p2, mask=ch < C)
+
+
+@triton.jit
+def _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c, stride_s,
+                        BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr):
+    """The stats program reducing each tile across threads: per-channel (p1, p2) of span j."""
     acc1 = tl.zeros([BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_C], dtype=tl.float32)
     count = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -462,11 +480,58 @@ def group_norm_staged_stats_kernel(
             t_mean = tl.sum(xs, axis=1) / tl.maximum(n_t, 1.0)
             d = tl.where(mask, xs - t_mean[:, None], 0.0)
             acc1, acc2, count = _chan_merge(acc1, acc2, count, t_mean, tl.sum(d * d, axis=1), n_t)
+    return acc1, acc2
+
+
+@triton.jit
+def _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, stride_b, stride_c, stride_s,
+                        BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr):
+    """The stats program with per-slot accumulators: each of the [BLOCK_C, BLOCK_S] element slots
+    keeps its own running values over the span's tiles (forward: Welford mean and M2 of x minus the
+    group's first element; backward: sums of g*xhat and g), so a tile costs its loads and a few
+    FMAs, and the slots are reduced across threads once, at the end (forward: Chan's exact merge).
+    Per-channel (p1, p2) of span j."""
     b_idx = bc // n_cb
     ch = (bc % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
-    part = (b_idx * n_spans + j).to(tl.int64) * C + ch
-    tl.store(P1 + part, acc1, mask=ch < C)
-    tl.store(P2 + part, acc2, mask=ch < C)
+    c_mask = ch < C
+    grp = b_idx * G + ch // Cg
+    if BWD:
+        mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
+        rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0)[:, None]
+    else:
+        shift = tl.load(X + b_idx.to(tl.int64) * stride_b + ((ch // Cg) * Cg).to(tl.int64) * stride_c,
+                        mask=c_mask, other=0.0).to(tl.float32)[:, None]
+    acc1 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    cnt = tl.zeros([BLOCK_S], dtype=tl.float32)
+    base = b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c
+    for i in range(0, N_SUB):
+        s = (j * N_SUB + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+        s_ok = s < S  # also false past the last tile of a short last span
+        mask = c_mask[:, None] & s_ok[None, :]
+        offs = base + s.to(tl.int64)[None, :] * stride_s
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if BWD:
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            xhat, gr, _ = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+            acc1 += gr * xhat
+            acc2 += gr
+        else:
+            ok = s_ok.to(tl.float32)
+            cnt += ok
+            xs = x - shift
+            delta = xs - acc1
+            acc1 += delta * (ok / tl.maximum(cnt, 1.0))[None, :]
+            acc2 += tl.where(mask, delta * (xs - acc1), 0.0)
+    if BWD:
+        p1 = tl.sum(acc1, axis=1)
+        p2 = tl.sum(acc2, axis=1)
+    else:
+        p1 = tl.sum(acc1 * cnt[None, :], axis=1) / tl.maximum(tl.sum(cnt, axis=0), 1.0)
+        d = acc1 - p1[:, None]
+        p2 = tl.sum(acc2 + cnt[None, :] * d * d, axis=1)
+    return p1, p2
 
 
 @triton.jit
