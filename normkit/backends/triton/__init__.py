@@ -521,8 +521,8 @@ def _staged_plan(direction: str, x, cg: int):
 
 def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):
     """The staged path: stats, finalize, apply (group_norm.py). Forward (dy None): out = y, and
-    mean/rstd are written. Backward: out = dx; returns the per-(batch, span) partial sums of g*xhat
-    and g ([B * spans, C] fp32), which are the weight gradients' partials."""
+    mean/rstd are written. Backward: out = dx; returns the per-sample channel sums of g*xhat and g
+    ([B, C] fp32, from the finalize), which are the weight gradients' partials."""
     B, C, S = x.shape
     bwd = dy is not None
     cg = C // num_groups
@@ -541,14 +541,16 @@ def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups,
                cfg.stats_options, device_index)
     c1 = _empty((B, num_groups), dtype=torch.float32, device=x.device)  # forward: the shifted means
     c2 = _empty((B, num_groups), dtype=torch.float32, device=x.device) if bwd else None
+    q1 = _empty((B, C), dtype=torch.float32, device=x.device) if bwd else None
+    q2 = _empty((B, C), dtype=torch.float32, device=x.device) if bwd else None
     k.gn_finalize((B * num_groups,), (x, p1, p2, weight if bwd else None, None if bwd else mean, None if bwd else rstd,
-                                      c1, c2, C, S, num_groups, cg, n_spans, strides[0], strides[1], eps),
+                                      c1, c2, q1, q2, C, S, num_groups, cg, n_spans, strides[0], strides[1], eps),
                   dict(BWD=bwd, HAS_W=bwd and weight is not None, SPAN=cfg.n_sub * stats_s, BLOCK_P=cfg.block_p,
                        BLOCK_R=cfg.block_r), (4, 1), device_index)
     n_cb, n_sb = -(-C // cfg.block_c), -(-S // cfg.block_s)
     k.gn_apply((B * n_cb * n_sb,), (x, dy, out, weight, bias, mean, rstd, c1, c2, C, S, num_groups, cg, n_cb, n_sb)
                + strides, dict(**flags, BLOCK_C=cfg.block_c, BLOCK_S=cfg.block_s), cfg.options, device_index)
-    return p1, p2
+    return q1, q2
 
 
 def _split2(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):

@@ -536,23 +536,20 @@ def _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, strid
 
 @triton.jit
 def group_norm_staged_finalize_kernel(
-    X, P1, P2, W, MEAN, RSTD, C1, C2, C, S, G, Cg, n_spans, stride_b, stride_c, eps,
+    X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, C, S, G, Cg, n_spans, stride_b, stride_c, eps,
     BWD: tl.constexpr, HAS_W: tl.constexpr, SPAN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Program (b, g): the group's [spans, Cg] partials. Forward (partials of x minus the group's
     first element): mean = sum n_j mean_j / L and M2 = sum M2_j + sum n_j (mean_j - mean)^2
-    (exact, no cancellation) -> MEAN, RSTD. Backward:
-    c1 = sum w_c * sum g*xhat / L and c2 = sum w_c * sum g / L -> C1, C2."""
+    (exact, no cancellation) -> MEAN, RSTD. Backward: per channel the sums over the spans of
+    g*xhat and g -> Q1, Q2 [B, C] (the weight gradients' per-sample partials: col_sum then adds
+    B rows instead of B * spans), and c1 = sum w_c * Q1_c / L, c2 = sum w_c * Q2_c / L -> C1, C2."""
     grp = tl.program_id(0)
     b_idx = grp // G
     r = tl.arange(0, BLOCK_R)
     ch = (grp % G) * Cg + r
     r_mask = r < Cg
     L = Cg * S
-    if BWD:
-        w = 1.0
-        if HAS_W:
-            w = tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[None, :]
     acc1 = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
     for p0 in range(0, n_spans, BLOCK_P):
@@ -561,14 +558,22 @@ def group_norm_staged_finalize_kernel(
         offs = (b_idx * n_spans + p).to(tl.int64)[:, None] * C + ch[None, :]
         a = tl.load(P1 + offs, mask=mask, other=0.0)
         if BWD:
-            acc1 += a * w
-            acc2 += tl.load(P2 + offs, mask=mask, other=0.0) * w
+            acc1 += a
+            acc2 += tl.load(P2 + offs, mask=mask, other=0.0)
         else:
             n_j = tl.minimum(tl.maximum(S - p * SPAN, 0), SPAN) * 1.0
             acc1 += a * n_j[:, None]
     if BWD:
-        _store_group_stat(C1, grp, tl.sum(tl.sum(acc1, axis=1), axis=0) / L, 0)
-        _store_group_stat(C2, grp, tl.sum(tl.sum(acc2, axis=1), axis=0) / L, 0)
+        q1 = tl.sum(acc1, axis=0)
+        q2 = tl.sum(acc2, axis=0)
+        tl.store(Q1 + b_idx.to(tl.int64) * C + ch, q1, mask=r_mask)
+        tl.store(Q2 + b_idx.to(tl.int64) * C + ch, q2, mask=r_mask)
+        if HAS_W:
+            w = tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)
+            q1 = q1 * w
+            q2 = q2 * w
+        _store_group_stat(C1, grp, tl.sum(q1, axis=0) / L, 0)
+        _store_group_stat(C2, grp, tl.sum(q2, axis=0) / L, 0)
     else:
         mean = tl.sum(tl.sum(acc1, axis=1), axis=0) / L
         for p0 in range(0, n_spans, BLOCK_P):
