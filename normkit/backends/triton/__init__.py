@@ -520,7 +520,8 @@ def _staged_plan(direction: str, x, cg: int):
 
 
 def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):
-    """The staged path: stats, finalize, apply (group_norm.py). Forward (dy None): out = y, and
+    """The staged path: stats, finalize (in the stats launch when cfg.fused_p), apply
+    (group_norm.py). Forward (dy None): out = y, and
     mean/rstd are written. Backward: out = dx; returns the per-sample channel sums of g*xhat and g
     ([B, C] fp32, from the finalize), which are the weight gradients' partials."""
     B, C, S = x.shape
@@ -535,18 +536,23 @@ def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups,
     k = _kernels()
     flags = dict(BWD=bwd, HAS_W=weight is not None, HAS_B=bias is not None, ACT=k.act_codes[activation])
     stats_flags = flags if bwd else dict(BWD=False, HAS_W=False, HAS_B=False, ACT=0)
-    k.gn_stats((B * n_cb * n_spans,), (x, dy, weight, bias, mean, rstd, p1, p2, C, S, num_groups, cg, n_cb, n_sb,
-                                       n_spans) + strides,
-               dict(**stats_flags, BLOCK_C=stats_c, BLOCK_S=stats_s, N_SUB=cfg.n_sub, SLOTS=cfg.slots),
-               cfg.stats_options, device_index)
     c1 = _empty((B, num_groups), dtype=torch.float32, device=x.device)  # forward: the shifted means
     c2 = _empty((B, num_groups), dtype=torch.float32, device=x.device) if bwd else None
     q1 = _empty((B, C), dtype=torch.float32, device=x.device) if bwd else None
     q2 = _empty((B, C), dtype=torch.float32, device=x.device) if bwd else None
-    k.gn_finalize((B * num_groups,), (x, p1, p2, weight if bwd else None, None if bwd else mean, None if bwd else rstd,
-                                      c1, c2, q1, q2, C, S, num_groups, cg, n_spans, strides[0], strides[1], eps),
-                  dict(BWD=bwd, HAS_W=bwd and weight is not None, SPAN=cfg.n_sub * stats_s, BLOCK_P=cfg.block_p,
-                       BLOCK_R=cfg.block_r), (4, 1), device_index)
+    span = cfg.n_sub * stats_s
+    # the fused finalize's arrival counters: the kernel leaves them zero (shared with split rows)
+    sync = _sync_buffer(x.device, B) if cfg.fused_p else None
+    k.gn_stats((B * n_cb * n_spans,), (x, dy, weight, bias, mean, rstd, p1, p2, c1, c2, q1, q2, sync, C, S,
+                                       num_groups, cg, n_cb, n_sb, n_spans) + strides + (eps,),
+               dict(**stats_flags, BLOCK_C=stats_c, BLOCK_S=stats_s, N_SUB=cfg.n_sub, SLOTS=cfg.slots,
+                    FUSED=cfg.fused_p > 0, SPAN=span, FIN_P=max(cfg.fused_p, 1), FIN_G=max(cfg.fused_g, 1),
+                    FIN_R=cfg.block_r), cfg.stats_options, device_index)
+    if not cfg.fused_p:
+        k.gn_finalize((B * num_groups,), (x, p1, p2, weight if bwd else None, mean, rstd, c1, c2, q1, q2, C, S,
+                                          num_groups, cg, n_spans, strides[0], strides[1], eps),
+                      dict(BWD=bwd, HAS_W=bwd and weight is not None, SPAN=span, BLOCK_P=cfg.block_p,
+                           BLOCK_R=cfg.block_r), (4, 1), device_index)
     n_cb, n_sb = -(-C // cfg.block_c), -(-S // cfg.block_s)
     k.gn_apply((B * n_cb * n_sb,), (x, dy, out, weight, bias, mean, rstd, c1, c2, C, S, num_groups, cg, n_cb, n_sb)
                + strides, dict(**flags, BLOCK_C=cfg.block_c, BLOCK_S=cfg.block_s), cfg.options, device_index)

@@ -227,9 +227,17 @@ GN_STAGED_STATS_TILE = {2: (4096, 4), 4: (2048, 4)}
 # stats accumulate per element slot over a span's tiles (forward: Welford per slot; backward: sums)
 # and reduce across the slots once per program, instead of two cross-thread reductions per tile
 GN_STAGED_SLOTS = {"fwd": True, "bwd": True}
-GN_STAGED_MAX_SUB = 8  # tiles per stats program: the partials are at most 1/(2 * BLOCK_S) of the data
-GN_STAGED_PROGRAMS_PER_SM = 4  # stats programs aimed for, before grouping tiles into spans
+GN_STAGED_MAX_SUB = 1 << 16  # most tiles per stats program (a span)
+# stats programs resident per SM: the spans are cut so that the stats grid is one wave of these.
+# ncu (H100, run S8-1): the slot stats kernel takes 128 registers forward, 150 backward at 4 warps,
+# so 4 / 3 programs per SM; a grid of 1.2-1.6 waves (session 7's spans) ran its last wave mostly empty
+GN_STAGED_PROGRAMS_PER_SM = {"fwd": 4, "bwd": 3}
 GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
+# the finalize folded into the stats launch: the last stats program of each sample finalizes all
+# its groups from [spans, G, Cg] partial tiles of at most GN_STAGED_FUSED_TILE elements (padded) per
+# step, when one span of the sample's groups fits (G * Cg padded to powers of two, at most the tile)
+GN_STAGED_FUSED_FINALIZE = {"fwd": True, "bwd": True}
+GN_STAGED_FUSED_TILE = 4096
 
 
 @dataclass(frozen=True)
@@ -244,6 +252,8 @@ class StagedConfig:
     stats_block_s: int = 0
     stats_warps: int = 0
     slots: bool = False  # stats accumulate per element slot (GN_STAGED_SLOTS)
+    fused_p: int = 0  # spans per step of the finalize in the stats launch (0: a finalize launch)
+    fused_g: int = 0  # the sample's groups, padded
 
     @property
     def options(self):
@@ -283,9 +293,14 @@ def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
     stats_tile, stats_warps = GN_STAGED_STATS_TILE[eb]
     stats_c, stats_s = _staged_tile(stats_tile, c, s, channels_last)
     n_cb, n_sb = -(-c // stats_c), -(-s // stats_s)
-    n_sub = max(1, min(GN_STAGED_MAX_SUB, n_sb, int(b * n_cb * n_sb / max(GN_STAGED_PROGRAMS_PER_SM * sms, 1e-9))))
+    spans = max(1, int(GN_STAGED_PROGRAMS_PER_SM[direction] * sms) // (b * n_cb))  # per (sample, channel block)
+    n_sub = max(1, min(GN_STAGED_MAX_SUB, n_sb, -(-n_sb // spans)))
     n_spans = -(-n_sb // n_sub)
     block_r = triton.next_power_of_2(cg)
     block_p = max(1, min(triton.next_power_of_2(n_spans), GN_STAGED_FINALIZE_TILE // block_r))
+    fused_g = triton.next_power_of_2(c // cg)
+    fused_p = 0
+    if GN_STAGED_FUSED_FINALIZE[direction] and fused_g * block_r <= GN_STAGED_FUSED_TILE:
+        fused_p = min(triton.next_power_of_2(n_spans), GN_STAGED_FUSED_TILE // (fused_g * block_r))
     return StagedConfig(block_c, block_s, n_sub, GN_STAGED_WARPS, block_p, block_r, stats_c, stats_s, stats_warps,
-                        GN_STAGED_SLOTS[direction])
+                        GN_STAGED_SLOTS[direction], fused_p, fused_g)

@@ -423,14 +423,18 @@ def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
 
 @triton.jit
 def group_norm_staged_stats_kernel(
-    X, DY, W, B, MEAN, RSTD, P1, P2, C, S, G, Cg, n_cb, n_sb, n_spans, stride_b, stride_c, stride_s,
+    X, DY, W, B, MEAN, RSTD, P1, P2, C1, C2, Q1, Q2, SYNC, C, S, G, Cg, n_cb, n_sb, n_spans,
+    stride_b, stride_c, stride_s, eps,
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr, SLOTS: tl.constexpr,
+    FUSED: tl.constexpr, SPAN: tl.constexpr, FIN_P: tl.constexpr, FIN_G: tl.constexpr, FIN_R: tl.constexpr,
 ):
     """Program (b, kc, span j): per channel of block kc over the span's positions, forward: mean and
     M2; backward: sum of g*xhat and of g, which are also the weight-gradient partials (row
     b * n_spans + j of [B * n_spans, C]). SLOTS: accumulated per element slot (_staged_stats_slots);
-    else each tile's exact two-pass values, Chan-merged per tile."""
+    else each tile's exact two-pass values, Chan-merged per tile. FUSED: the last program of each
+    sample to finish (an arrival counter in SYNC, reset by that program) runs the finalize for all
+    the sample's groups ([FIN_P, FIN_G, FIN_R] tiles), which saves the finalize launch."""
     pid = tl.program_id(0)
     j = pid % n_spans
     bc = pid // n_spans  # b * n_cb + kc
@@ -440,10 +444,18 @@ def group_norm_staged_stats_kernel(
     else:
         p1, p2 = _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c,
                                      stride_s, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S, N_SUB)
+    b_idx = bc // n_cb
     ch = (bc % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
-    part = ((bc // n_cb) * n_spans + j).to(tl.int64) * C + ch
+    part = (b_idx * n_spans + j).to(tl.int64) * C + ch
     tl.store(P1 + part, p1, mask=ch < C)
     tl.store(P2 + part, p2, mask=ch < C)
+    if FUSED:
+        tl.debug_barrier()  # every thread's partials are stored before the release below
+        arrived = tl.atomic_add(SYNC + b_idx, 1, sem="acq_rel")
+        if arrived == n_cb * n_spans - 1:
+            tl.atomic_xchg(SYNC + b_idx, 0)  # left zero for the next launch
+            _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, 0, C, S, G, Cg, n_spans,
+                             stride_b, stride_c, eps, BWD, HAS_W, SPAN, FIN_P, FIN_G, FIN_R)
 
 
 @triton.jit
@@ -539,53 +551,69 @@ def group_norm_staged_finalize_kernel(
     X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, C, S, G, Cg, n_spans, stride_b, stride_c, eps,
     BWD: tl.constexpr, HAS_W: tl.constexpr, SPAN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Program (b, g): the group's [spans, Cg] partials. Forward (partials of x minus the group's
-    first element): mean = sum n_j mean_j / L and M2 = sum M2_j + sum n_j (mean_j - mean)^2
-    (exact, no cancellation) -> MEAN, RSTD. Backward: per channel the sums over the spans of
-    g*xhat and g -> Q1, Q2 [B, C] (the weight gradients' per-sample partials: col_sum then adds
-    B rows instead of B * spans), and c1 = sum w_c * Q1_c / L, c2 = sum w_c * Q2_c / L -> C1, C2."""
+    """Program (b, g): _staged_finalize of one group."""
     grp = tl.program_id(0)
-    b_idx = grp // G
+    _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, grp // G, grp % G, C, S, G, Cg, n_spans,
+                     stride_b, stride_c, eps, BWD, HAS_W, SPAN, BLOCK_P, 1, BLOCK_R)
+
+
+@triton.jit
+def _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, g0, C, S, G, Cg, n_spans, stride_b, stride_c,
+                     eps, BWD: tl.constexpr, HAS_W: tl.constexpr, SPAN: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Groups g0 .. g0 + BLOCK_G - 1 of sample b from their [spans, Cg] partials, read as
+    [BLOCK_P, BLOCK_G, BLOCK_R] tiles (volatile: the stats launch's last program reads partials other
+    programs of the same launch wrote). Forward (partials of x minus the group's first element): each
+    tile's group mean and M2 (M2 = sum M2_j + sum n_j (mean_j - mean)^2: exact, no cancellation),
+    Chan-merged over the tiles -> MEAN, RSTD, and the shifted mean -> C1. Backward: per channel the
+    sums over the spans of g*xhat and g -> Q1, Q2 [B, C] (the weight gradients' per-sample partials:
+    col_sum then adds B rows instead of B * spans), and c1 = sum w_c * Q1_c / L,
+    c2 = sum w_c * Q2_c / L -> C1, C2."""
+    p = tl.arange(0, BLOCK_P)[:, None, None]
+    gi = g0 + tl.arange(0, BLOCK_G)
     r = tl.arange(0, BLOCK_R)
-    ch = (grp % G) * Cg + r
-    r_mask = r < Cg
+    g_mask = gi < G
+    ch = gi[:, None] * Cg + r[None, :]  # [BLOCK_G, BLOCK_R]
+    c_mask = g_mask[:, None] & (r < Cg)[None, :]
     L = Cg * S
-    acc1 = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_P, BLOCK_G, BLOCK_R], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_G, BLOCK_R], dtype=tl.float32)
+    mean = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_G], dtype=tl.float32)
+    count = tl.zeros([BLOCK_G], dtype=tl.float32)
     for p0 in range(0, n_spans, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        mask = (p < n_spans)[:, None] & r_mask[None, :]
-        offs = (b_idx * n_spans + p).to(tl.int64)[:, None] * C + ch[None, :]
-        a = tl.load(P1 + offs, mask=mask, other=0.0)
+        mask = ((p0 + p) < n_spans) & c_mask[None, :, :]
+        offs = (b_idx * n_spans + p0 + p).to(tl.int64) * C + ch[None, :, :]
+        a1 = tl.load(P1 + offs, mask=mask, other=0.0, volatile=True)
+        a2 = tl.load(P2 + offs, mask=mask, other=0.0, volatile=True)
         if BWD:
-            acc1 += a
-            acc2 += tl.load(P2 + offs, mask=mask, other=0.0)
+            acc1 += a1
+            acc2 += a2
         else:
-            n_j = tl.minimum(tl.maximum(S - p * SPAN, 0), SPAN) * 1.0
-            acc1 += a * n_j[:, None]
+            n_j = tl.where(mask, tl.minimum(tl.maximum(S - (p0 + p) * SPAN, 0), SPAN) * 1.0, 0.0)
+            n_t = tl.sum(tl.sum(n_j, axis=2), axis=0)
+            m_t = tl.sum(tl.sum(n_j * a1, axis=2), axis=0) / tl.maximum(n_t, 1.0)
+            d = a1 - m_t[None, :, None]
+            q_t = tl.sum(tl.sum(tl.where(mask, a2 + n_j * d * d, 0.0), axis=2), axis=0)
+            mean, m2, count = _chan_merge(mean, m2, count, m_t, q_t, n_t)
+    grp = b_idx * G + gi
     if BWD:
         q1 = tl.sum(acc1, axis=0)
         q2 = tl.sum(acc2, axis=0)
-        tl.store(Q1 + b_idx.to(tl.int64) * C + ch, q1, mask=r_mask)
-        tl.store(Q2 + b_idx.to(tl.int64) * C + ch, q2, mask=r_mask)
+        tl.store(Q1 + b_idx.to(tl.int64) * C + ch, q1, mask=c_mask)
+        tl.store(Q2 + b_idx.to(tl.int64) * C + ch, q2, mask=c_mask)
         if HAS_W:
-            w = tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)
+            w = tl.load(W + ch, mask=c_mask, other=0.0).to(tl.float32)
             q1 = q1 * w
             q2 = q2 * w
-        _store_group_stat(C1, grp, tl.sum(q1, axis=0) / L, 0)
-        _store_group_stat(C2, grp, tl.sum(q2, axis=0) / L, 0)
+        tl.store(C1 + grp, tl.sum(q1, axis=1) / L, mask=g_mask)
+        tl.store(C2 + grp, tl.sum(q2, axis=1) / L, mask=g_mask)
     else:
-        mean = tl.sum(tl.sum(acc1, axis=1), axis=0) / L
-        for p0 in range(0, n_spans, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            mask = (p < n_spans)[:, None] & r_mask[None, :]
-            offs = (b_idx * n_spans + p).to(tl.int64)[:, None] * C + ch[None, :]
-            n_j = (tl.minimum(tl.maximum(S - p * SPAN, 0), SPAN) * 1.0)[:, None]
-            d = tl.load(P1 + offs, mask=mask, other=0.0) - mean
-            acc2 += tl.where(mask, tl.load(P2 + offs, mask=mask, other=0.0) + n_j * d * d, 0.0)
-        _store_group_stat(MEAN, grp, _group_shift(X, b_idx, grp % G, Cg, stride_b, stride_c) + mean, 0)
-        _store_group_stat(C1, grp, mean, 0)  # the shifted mean, for apply: x - shift - mean keeps the digits
-        _store_group_stat(RSTD, grp, tl.rsqrt(tl.sum(tl.sum(acc2, axis=1), axis=0) / L + eps), 0)
+        shift = tl.load(X + b_idx.to(tl.int64) * stride_b + (gi * Cg).to(tl.int64) * stride_c, mask=g_mask,
+                        other=0.0).to(tl.float32)
+        tl.store(MEAN + grp, shift + mean, mask=g_mask)
+        tl.store(C1 + grp, mean, mask=g_mask)  # the shifted mean, for apply: x - shift - mean keeps the digits
+        tl.store(RSTD + grp, tl.rsqrt(m2 / L + eps), mask=g_mask)
 
 
 @triton.jit
