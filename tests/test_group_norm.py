@@ -66,6 +66,9 @@ FORCED_PATHS = {
     # finalize in its own launch (not by the last stats program of each sample)
     "staged-tiles": {**STAGED_ALL, "GN_STAGED_SLOTS": {"fwd": False, "bwd": False},
                      "GN_STAGED_FUSED_FINALIZE": {"fwd": False, "bwd": False}},
+    # staged with one stats program per sample, which the interpreter (programs one after another)
+    # needs to take the apply into the stats launch: on a GPU every staged path with a resident grid does
+    "staged-one": {**STAGED_ALL, "GN_STAGED_MAX_SUB": 1 << 10},
     # staged with a narrow weight-gradient reduction over several programs (4 x 4 blocks, 1 warp)
     "staged-colsum": {**STAGED_ALL, "GN_COL_SUM": (4, 4, 1)},
     # two-kernel split (a program per slice: partials, then merge and apply) on 16-element
@@ -97,7 +100,8 @@ def _assert_path_taken(path, x, dtype, act):
         if path.startswith("staged"):
             assert staged is not None and staged.n_sub > 1 and staged.block_p == 1
             fused = path != "staged-tiles"
-            assert staged.slots == fused and staged.fused_p == (1 if fused else 0)
+            assert staged.slots == fused and staged.fused_p == (1 if fused else 0) and staged.fused_apply
+            assert (staged.n_sub * staged.stats_tile[1] >= 35) == (path == "staged-one")  # one span per sample
             continue
         cfg = _gn_plan(direction, 3, 35, dtype, x.device, (True, True, act, extra), 12, not x.is_contiguous())[0]
         assert staged is None and (cfg.block_r, cfg.block_s) == (1, 16)

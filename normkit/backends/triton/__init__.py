@@ -520,8 +520,9 @@ def _staged_plan(direction: str, x, cg: int):
 
 
 def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):
-    """The staged path: stats, finalize (in the stats launch when cfg.fused_p), apply
-    (group_norm.py). Forward (dy None): out = y, and
+    """The staged path: stats, finalize (in the stats launch when cfg.fused_p), apply (in the stats
+    launch too when cfg.fused_apply and the grid is resident at once) (group_norm.py). Forward
+    (dy None): out = y, and
     mean/rstd are written. Backward: out = dx; returns the per-sample channel sums of g*xhat and g
     ([B, C] fp32, from the finalize), which are the weight gradients' partials."""
     B, C, S = x.shape
@@ -541,13 +542,22 @@ def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups,
     q1 = _empty((B, C), dtype=torch.float32, device=x.device) if bwd else None
     q2 = _empty((B, C), dtype=torch.float32, device=x.device) if bwd else None
     span = cfg.n_sub * stats_s
-    # the fused finalize's arrival counters: the kernel leaves them zero (shared with split rows)
+    programs = B * n_cb * n_spans
+    # the fused finalize's arrival (and the fused apply's exit) counters: the kernel leaves them zero
     sync = _sync_buffer(x.device, B) if cfg.fused_p else None
-    k.gn_stats((B * n_cb * n_spans,), (x, dy, weight, bias, mean, rstd, p1, p2, c1, c2, q1, q2, sync, C, S,
-                                       num_groups, cg, n_cb, n_sb, n_spans) + strides + (eps,),
-               dict(**stats_flags, BLOCK_C=stats_c, BLOCK_S=stats_s, N_SUB=cfg.n_sub, SLOTS=cfg.slots,
-                    FUSED=cfg.fused_p > 0, SPAN=span, FIN_P=max(cfg.fused_p, 1), FIN_G=max(cfg.fused_g, 1),
-                    FIN_R=cfg.block_r), cfg.stats_options, device_index)
+    stats_args = (x, dy, out, weight, bias, mean, rstd, p1, p2, c1, c2, q1, q2, sync, B, C, S, num_groups, cg,
+                  n_cb, n_sb, n_spans) + strides + (eps,)
+    fused = dict(FUSED=cfg.fused_p > 0, SPAN=span, FIN_P=max(cfg.fused_p, 1), FIN_G=max(cfg.fused_g, 1),
+                 FIN_R=cfg.block_r)
+    stats_constexprs = dict(**stats_flags, BLOCK_C=stats_c, BLOCK_S=stats_s, N_SUB=cfg.n_sub, SLOTS=cfg.slots,
+                            **fused, APPLY=False)
+    if cfg.fused_p and cfg.fused_apply:
+        apply_constexprs = dict(stats_constexprs, **flags, APPLY=True)
+        if _stats_grid_resident(k.gn_stats, stats_args, apply_constexprs, cfg, programs, n_cb * n_spans,
+                                device_index):
+            k.gn_stats((programs,), stats_args, apply_constexprs, cfg.stats_options, device_index)
+            return q1, q2
+    k.gn_stats((programs,), stats_args, stats_constexprs, cfg.stats_options, device_index)
     if not cfg.fused_p:
         k.gn_finalize((B * num_groups,), (x, p1, p2, weight if bwd else None, mean, rstd, c1, c2, q1, q2, C, S,
                                           num_groups, cg, n_spans, strides[0], strides[1], eps),
@@ -557,6 +567,19 @@ def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups,
     k.gn_apply((B * n_cb * n_sb,), (x, dy, out, weight, bias, mean, rstd, c1, c2, C, S, num_groups, cg, n_cb, n_sb)
                + strides, dict(**flags, BLOCK_C=cfg.block_c, BLOCK_S=cfg.block_s), cfg.options, device_index)
     return q1, q2
+
+
+def _stats_grid_resident(kernel, args, constexprs, cfg, programs: int, per_sample: int, device_index: int) -> bool:
+    """Whether the stats launch with the apply fused in may run: its programs wait for their
+    sample's finalize, so all must be resident at once (from the compiled kernel's registers and
+    shared memory); under the interpreter, which runs programs one after another, only with one
+    program per sample (it finalizes itself)."""
+    if kernel.interpreted:
+        return per_sample == 1
+    from .launch import resident_programs_per_sm
+    compiled = kernel.compiled(args, constexprs, cfg.stats_options, device_index)
+    return programs <= _device_facts(args[0].device)[2] * resident_programs_per_sm(
+        compiled, cfg.stats_options[0], device_index)
 
 
 def _split2(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):

@@ -238,6 +238,10 @@ GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
 # step, when one span of the sample's groups fits (G * Cg padded to powers of two, at most the tile)
 GN_STAGED_FUSED_FINALIZE = {"fwd": True, "bwd": True}
 GN_STAGED_FUSED_TILE = 4096
+# and the apply too (with the fused finalize): every stats program waits for its sample's finalize,
+# then normalizes its own span's tiles from L2; taken only when the whole stats grid is resident at
+# once (the host checks the compiled kernel), else the apply is its own launch
+GN_STAGED_FUSED_APPLY = {"fwd": True, "bwd": True}
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,7 @@ class StagedConfig:
     slots: bool = False  # stats accumulate per element slot (GN_STAGED_SLOTS)
     fused_p: int = 0  # spans per step of the finalize in the stats launch (0: a finalize launch)
     fused_g: int = 0  # the sample's groups, padded
+    fused_apply: bool = False  # the apply in the stats launch too (GN_STAGED_FUSED_APPLY)
 
     @property
     def options(self):
@@ -303,4 +308,4 @@ def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
     if GN_STAGED_FUSED_FINALIZE[direction] and fused_g * block_r <= GN_STAGED_FUSED_TILE:
         fused_p = min(triton.next_power_of_2(n_spans), GN_STAGED_FUSED_TILE // (fused_g * block_r))
     return StagedConfig(block_c, block_s, n_sub, GN_STAGED_WARPS, block_p, block_r, stats_c, stats_s, stats_warps,
-                        GN_STAGED_SLOTS[direction], fused_p, fused_g)
+                        GN_STAGED_SLOTS[direction], fused_p, fused_g, GN_STAGED_FUSED_APPLY[direction])

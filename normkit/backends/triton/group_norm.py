@@ -423,18 +423,23 @@ def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
 
 @triton.jit
 def group_norm_staged_stats_kernel(
-    X, DY, W, B, MEAN, RSTD, P1, P2, C1, C2, Q1, Q2, SYNC, C, S, G, Cg, n_cb, n_sb, n_spans,
+    X, DY, Y, W, B, MEAN, RSTD, P1, P2, C1, C2, Q1, Q2, SYNC, Bn, C, S, G, Cg, n_cb, n_sb, n_spans,
     stride_b, stride_c, stride_s, eps,
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr, SLOTS: tl.constexpr,
     FUSED: tl.constexpr, SPAN: tl.constexpr, FIN_P: tl.constexpr, FIN_G: tl.constexpr, FIN_R: tl.constexpr,
+    APPLY: tl.constexpr,
 ):
     """Program (b, kc, span j): per channel of block kc over the span's positions, forward: mean and
     M2; backward: sum of g*xhat and of g, which are also the weight-gradient partials (row
     b * n_spans + j of [B * n_spans, C]). SLOTS: accumulated per element slot (_staged_stats_slots);
     else each tile's exact two-pass values, Chan-merged per tile. FUSED: the last program of each
     sample to finish (an arrival counter in SYNC, reset by that program) runs the finalize for all
-    the sample's groups ([FIN_P, FIN_G, FIN_R] tiles), which saves the finalize launch."""
+    the sample's groups ([FIN_P, FIN_G, FIN_R] tiles), which saves the finalize launch. APPLY (with
+    FUSED; the host launches it only when the whole grid is resident at once): every program then
+    waits for its sample's finalize and writes Y (y, or dx) for its own span's tiles, last first
+    (it read them just before: from L2), which saves the apply launch; HAS_W / HAS_B / ACT are the
+    forward's then too (the forward's statistics never read them)."""
     pid = tl.program_id(0)
     j = pid % n_spans
     bc = pid // n_spans  # b * n_cb + kc
@@ -450,12 +455,34 @@ def group_norm_staged_stats_kernel(
     tl.store(P1 + part, p1, mask=ch < C)
     tl.store(P2 + part, p2, mask=ch < C)
     if FUSED:
+        n_prog = n_cb * n_spans  # stats programs of the sample
         tl.debug_barrier()  # every thread's partials are stored before the release below
         arrived = tl.atomic_add(SYNC + b_idx, 1, sem="acq_rel")
-        if arrived == n_cb * n_spans - 1:
-            tl.atomic_xchg(SYNC + b_idx, 0)  # left zero for the next launch
+        if arrived == n_prog - 1:
             _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, 0, C, S, G, Cg, n_spans,
                              stride_b, stride_c, eps, BWD, HAS_W, SPAN, FIN_P, FIN_G, FIN_R)
+            if APPLY:
+                tl.debug_barrier()  # the finalize's stores are done before the release below
+                tl.atomic_add(SYNC + b_idx, 1, sem="release")  # n_prog + 1: finalized
+            else:
+                tl.atomic_xchg(SYNC + b_idx, 0)  # left zero for the next launch
+        if APPLY:
+            done = tl.atomic_add(SYNC + b_idx, 0, sem="acquire")
+            while done < n_prog + 1:
+                done = tl.atomic_add(SYNC + b_idx, 0, sem="acquire")
+            c_mask = ch < C
+            for i in range(0, N_SUB):
+                s = (j * N_SUB + N_SUB - 1 - i) * BLOCK_S + tl.arange(0, BLOCK_S)
+                mask = c_mask[:, None] & (s < S)[None, :]
+                offs = (b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c
+                        + s.to(tl.int64)[None, :] * stride_s)
+                _staged_apply(X, DY, Y, W, B, MEAN, RSTD, C1, C2, b_idx, ch, c_mask, offs, mask, G, Cg,
+                              stride_b, stride_c, BWD, HAS_W, HAS_B, ACT, True)
+            tl.debug_barrier()
+            left = tl.atomic_add(SYNC + Bn + b_idx, 1, sem="acq_rel")
+            if left == n_prog - 1:  # the sample's last program out leaves both counters zero
+                tl.atomic_xchg(SYNC + b_idx, 0)
+                tl.atomic_xchg(SYNC + Bn + b_idx, 0)
 
 
 @triton.jit
@@ -622,24 +649,33 @@ def group_norm_staged_apply_kernel(
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """One tile per program, last tile first. Forward: Y = act(xhat * w + b) (C1: the shifted means);
-    backward:
-    Y (= dx) = rstd * (w*g - xhat * c1 - c2), with the group values gathered per channel."""
+    """One tile per program, last tile first (_staged_apply)."""
     last = tl.num_programs(0) - 1
     b_idx, kc, ks, offs, mask, ch, c_mask = _staged_tile(last - tl.program_id(0), C, S, n_cb, n_sb,
                                                          stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
+    _staged_apply(X, DY, Y, W, B, MEAN, RSTD, C1, C2, b_idx, ch, c_mask, offs, mask, G, Cg, stride_b, stride_c,
+                  BWD, HAS_W, HAS_B, ACT, False)
+
+
+@triton.jit
+def _staged_apply(X, DY, Y, W, B, MEAN, RSTD, C1, C2, b_idx, ch, c_mask, offs, mask, G, Cg, stride_b, stride_c,
+                  BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                  VOLATILE: tl.constexpr):
+    """One [BLOCK_C, BLOCK_S] tile. Forward: Y = act(xhat * w + b) (C1: the shifted means); backward:
+    Y (= dx) = rstd * (w*g - xhat * c1 - c2), with the group values gathered per channel (VOLATILE:
+    from L2, when this launch's own finalize wrote them)."""
     grp = b_idx * G + ch // Cg
-    mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
-    rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0)[:, None]
+    mean = tl.load(MEAN + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
+    rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if BWD:
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         xhat, _, wg = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
-        c1 = tl.load(C1 + grp, mask=c_mask, other=0.0)[:, None]
-        c2 = tl.load(C2 + grp, mask=c_mask, other=0.0)[:, None]
+        c1 = tl.load(C1 + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
+        c2 = tl.load(C2 + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
         tl.store(Y + offs, ((wg - (xhat * c1 + c2)) * rstd).to(Y.dtype.element_ty), mask=mask)
     else:  # C1 holds the mean of x minus the group's first element
         shift = tl.load(X + b_idx.to(tl.int64) * stride_b + ((ch // Cg) * Cg).to(tl.int64) * stride_c,
                         mask=c_mask, other=0.0).to(tl.float32)[:, None]
-        mean_s = tl.load(C1 + grp, mask=c_mask, other=0.0)[:, None]
+        mean_s = tl.load(C1 + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
         _store_y(Y, W, B, offs, mask, ch, c_mask, ((x - shift) - mean_s) * rstd, HAS_W, HAS_B, ACT)
