@@ -101,7 +101,8 @@ def _assert_path_taken(path, x, dtype, act):
             assert staged is not None and staged.n_sub > 1 and staged.block_p == 1
             fused = path != "staged-tiles"
             assert staged.slots == fused and staged.fused_p == (1 if fused else 0) and staged.fused_apply
-            assert (staged.n_sub * staged.stats_tile[1] >= 35) == (path == "staged-one")  # one span per sample
+            if path == "staged-one":  # one span per sample
+                assert staged.n_sub * staged.stats_tile[1] >= 35
             continue
         cfg = _gn_plan(direction, 3, 35, dtype, x.device, (True, True, act, extra), 12, not x.is_contiguous())[0]
         assert staged is None and (cfg.block_r, cfg.block_s) == (1, 16)
