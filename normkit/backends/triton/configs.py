@@ -283,6 +283,13 @@ def _staged_tile(tile: int, c: int, s: int, channels_last: bool) -> tuple:
     return max(1, min(triton.next_power_of_2(c), tile // block_s)), block_s
 
 
+def staged_tiles_per_span(n_sb: int, blocks: int, programs: float) -> int:
+    """Stats tiles per program for `blocks` (sample, channel block) pairs of n_sb tiles each, so
+    that the stats grid is at most `programs` (one wave) where it can be."""
+    spans = max(1, int(programs) // blocks)  # per (sample, channel block)
+    return max(1, min(GN_STAGED_MAX_SUB, n_sb, -(-n_sb // spans)))
+
+
 @functools.lru_cache(maxsize=None)
 def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: int, channels_last: bool, sms: int):
     """The staged path's tiles for x = [b, c, s] with groups of cg channels, or None when the
@@ -298,8 +305,7 @@ def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
     stats_tile, stats_warps = GN_STAGED_STATS_TILE[eb]
     stats_c, stats_s = _staged_tile(stats_tile, c, s, channels_last)
     n_cb, n_sb = -(-c // stats_c), -(-s // stats_s)
-    spans = max(1, int(GN_STAGED_PROGRAMS_PER_SM[direction] * sms) // (b * n_cb))  # per (sample, channel block)
-    n_sub = max(1, min(GN_STAGED_MAX_SUB, n_sb, -(-n_sb // spans)))
+    n_sub = staged_tiles_per_span(n_sb, b * n_cb, GN_STAGED_PROGRAMS_PER_SM[direction] * sms)
     n_spans = -(-n_sb // n_sub)
     block_r = triton.next_power_of_2(cg)
     block_p = max(1, min(triton.next_power_of_2(n_spans), GN_STAGED_FINALIZE_TILE // block_r))

@@ -405,7 +405,7 @@ def group_norm_split_apply_kernel(
 # ----------------------------------------------------------------------------- staged path
 # For channels_last (and groups too few for a program each): three launches instead of programs
 # that wait on each other. `stats` reduces [BLOCK_C, BLOCK_S] tiles (channel block kc, spatial
-# span j of N_SUB tiles) to per-channel partials in P1/P2 ([B, spans, C] fp32); `finalize` merges
+# span j of n_sub tiles) to per-channel partials in P1/P2 ([B, spans, C] fp32); `finalize` merges
 # a group's partials into its statistics (forward) or its two dx sums (backward); `apply` walks the
 # tiles again, last first (the stats pass read them most recently, so they are likeliest in L2).
 # Channel blocks need not align with groups: tile rows pick their group's values by index.
@@ -423,11 +423,11 @@ def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
 
 @triton.jit
 def group_norm_staged_stats_kernel(
-    X, DY, Y, W, B, MEAN, RSTD, P1, P2, C1, C2, Q1, Q2, SYNC, Bn, C, S, G, Cg, n_cb, n_sb, n_spans,
+    X, DY, Y, W, B, MEAN, RSTD, P1, P2, C1, C2, Q1, Q2, SYNC, Bn, C, S, G, Cg, n_cb, n_sb, n_spans, n_sub, span,
     stride_b, stride_c, stride_s, eps,
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr, SLOTS: tl.constexpr,
-    FUSED: tl.constexpr, SPAN: tl.constexpr, FIN_P: tl.constexpr, FIN_G: tl.constexpr, FIN_R: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr,
+    FUSED: tl.constexpr, FIN_P: tl.constexpr, FIN_G: tl.constexpr, FIN_R: tl.constexpr,
     APPLY: tl.constexpr,
 ):
     """Program (b, kc, span j): per channel of block kc over the span's positions, forward: mean and
@@ -445,10 +445,10 @@ def group_norm_staged_stats_kernel(
     bc = pid // n_spans  # b * n_cb + kc
     if SLOTS:
         p1, p2 = _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, stride_b, stride_c,
-                                     stride_s, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S, N_SUB)
+                                     stride_s, n_sub, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S)
     else:
         p1, p2 = _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c,
-                                     stride_s, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S, N_SUB)
+                                     stride_s, n_sub, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S)
     b_idx = bc // n_cb
     ch = (bc % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
     part = (b_idx * n_spans + j).to(tl.int64) * C + ch
@@ -460,7 +460,7 @@ def group_norm_staged_stats_kernel(
         arrived = tl.atomic_add(SYNC + b_idx, 1, sem="acq_rel")
         if arrived == n_prog - 1:
             _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, 0, C, S, G, Cg, n_spans,
-                             stride_b, stride_c, eps, BWD, HAS_W, SPAN, FIN_P, FIN_G, FIN_R)
+                             stride_b, stride_c, eps, span, BWD, HAS_W, FIN_P, FIN_G, FIN_R)
             if APPLY:
                 tl.debug_barrier()  # the finalize's stores are done before the release below
                 tl.atomic_add(SYNC + b_idx, 1, sem="release")  # n_prog + 1: finalized
@@ -471,8 +471,8 @@ def group_norm_staged_stats_kernel(
             while done < n_prog + 1:
                 done = tl.atomic_add(SYNC + b_idx, 0, sem="acquire")
             c_mask = ch < C
-            for i in range(0, N_SUB):
-                s = (j * N_SUB + N_SUB - 1 - i) * BLOCK_S + tl.arange(0, BLOCK_S)
+            for i in range(0, n_sub):
+                s = (j * n_sub + n_sub - 1 - i) * BLOCK_S + tl.arange(0, BLOCK_S)
                 mask = c_mask[:, None] & (s < S)[None, :]
                 offs = (b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c
                         + s.to(tl.int64)[None, :] * stride_s)
@@ -486,15 +486,15 @@ def group_norm_staged_stats_kernel(
 
 
 @triton.jit
-def _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c, stride_s,
+def _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c, stride_s, n_sub,
                         BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr):
+                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """The stats program reducing each tile across threads: per-channel (p1, p2) of span j."""
     acc1 = tl.zeros([BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_C], dtype=tl.float32)
     count = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for i in range(0, N_SUB):
-        ks = j * N_SUB + i
+    for i in range(0, n_sub):
+        ks = j * n_sub + i
         b_idx, kc, _, offs, mask, ch, c_mask = _staged_tile(bc * n_sb + ks, C, S, n_cb, n_sb,
                                                              stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
         # the last span may hold fewer tiles; a tile past it decodes to the next (batch, channel
@@ -523,9 +523,9 @@ def _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb,
 
 
 @triton.jit
-def _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, stride_b, stride_c, stride_s,
+def _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, stride_b, stride_c, stride_s, n_sub,
                         BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr):
+                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """The stats program with per-slot accumulators: each of the [BLOCK_C, BLOCK_S] element slots
     keeps its own running values over the span's tiles (forward: Welford mean and M2 of x minus the
     group's first element; backward: sums of g*xhat and g), so a tile costs its loads and a few
@@ -545,8 +545,8 @@ def _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, strid
     acc2 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
     cnt = tl.zeros([BLOCK_S], dtype=tl.float32)
     base = b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c
-    for i in range(0, N_SUB):
-        s = (j * N_SUB + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+    for i in range(0, n_sub):
+        s = (j * n_sub + i) * BLOCK_S + tl.arange(0, BLOCK_S)
         s_ok = s < S  # also false past the last tile of a short last span
         mask = c_mask[:, None] & s_ok[None, :]
         offs = base + s.to(tl.int64)[None, :] * stride_s
@@ -575,18 +575,18 @@ def _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, strid
 
 @triton.jit
 def group_norm_staged_finalize_kernel(
-    X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, C, S, G, Cg, n_spans, stride_b, stride_c, eps,
-    BWD: tl.constexpr, HAS_W: tl.constexpr, SPAN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+    X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, C, S, G, Cg, n_spans, span, stride_b, stride_c, eps,
+    BWD: tl.constexpr, HAS_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Program (b, g): _staged_finalize of one group."""
     grp = tl.program_id(0)
     _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, grp // G, grp % G, C, S, G, Cg, n_spans,
-                     stride_b, stride_c, eps, BWD, HAS_W, SPAN, BLOCK_P, 1, BLOCK_R)
+                     stride_b, stride_c, eps, span, BWD, HAS_W, BLOCK_P, 1, BLOCK_R)
 
 
 @triton.jit
 def _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, g0, C, S, G, Cg, n_spans, stride_b, stride_c,
-                     eps, BWD: tl.constexpr, HAS_W: tl.constexpr, SPAN: tl.constexpr, BLOCK_P: tl.constexpr,
+                     eps, span, BWD: tl.constexpr, HAS_W: tl.constexpr, BLOCK_P: tl.constexpr,
                      BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr):
     """Groups g0 .. g0 + BLOCK_G - 1 of sample b from their [spans, Cg] partials, read as
     [BLOCK_P, BLOCK_G, BLOCK_R] tiles (volatile: the stats launch's last program reads partials other
@@ -617,7 +617,7 @@ def _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, g0, C, S, 
             acc1 += a1
             acc2 += a2
         else:
-            n_j = tl.where(mask, tl.minimum(tl.maximum(S - (p0 + p) * SPAN, 0), SPAN) * 1.0, 0.0)
+            n_j = tl.where(mask, tl.minimum(tl.maximum(S - (p0 + p) * span, 0), span) * 1.0, 0.0)
             n_t = tl.sum(tl.sum(n_j, axis=2), axis=0)
             m_t = tl.sum(tl.sum(n_j * a1, axis=2), axis=0) / tl.maximum(n_t, 1.0)
             d = a1 - m_t[None, :, None]
