@@ -47,11 +47,17 @@ VARIANTS = {  # module attribute -> value; "default" is the committed table
     "staged-tile-2x": {"GN_STAGED_TILE": {2: 8192, 4: 4096}, "GN_STAGED_WARPS": 8},
     "staged-cl-all": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": NEVER, "bwd": NEVER}},
     # session 8: the stats launch without per-slot accumulation (session 7's), and the slot stats' tile/span
-    "staged-tiles": {"GN_STAGED_SLOTS": {"fwd": False, "bwd": False}, "GN_STAGED_MAX_SUB": 8},
+    "staged-tiles": {"GN_STAGED_SLOTS": {"fwd": False, "bwd": False}, "GN_STAGED_MAX_SUB": 8,
+                     "GN_STAGED_FUSED_FINALIZE": {"fwd": False, "bwd": False}},
     "stats-2k": {"GN_STAGED_STATS_TILE": {2: (2048, 4), 4: (1024, 4)}},
     "stats-8k": {"GN_STAGED_STATS_TILE": {2: (8192, 8), 4: (4096, 8)}},
     "stats-2waves": {"GN_STAGED_PROGRAMS_PER_SM": {"fwd": 8, "bwd": 6}},
     "stats-half": {"GN_STAGED_PROGRAMS_PER_SM": {"fwd": 2, "bwd": 1.5}},
+    "no-fuse": {"GN_STAGED_FUSED_FINALIZE": {"fwd": False, "bwd": False}},
+    "fuse-all": {"GN_STAGED_FUSED_STEPS": NEVER},
+    "fused-apply": {"GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": {"fwd": True, "bwd": True}},
+    "fused-apply-2k": {"GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": {"fwd": True, "bwd": True},
+                       "GN_STAGED_STATS_TILE": {2: (2048, 4), 4: (1024, 4)}},
 }
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 

@@ -51,7 +51,8 @@ STAGED_ALL = {"GN_STAGED_MIN_NUMEL": 0, "GN_STAGED_NCHW_MAX_GROUPS_PER_SM": floa
               "GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": 1 << 30, "bwd": 1 << 30},
               "GN_STAGED_TILE": {2: 16, 4: 16}, "GN_STAGED_STATS_TILE": {2: (16, 4), 4: (16, 4)},
               "GN_STAGED_MAX_SUB": 2, "GN_STAGED_PROGRAMS_PER_SM": {"fwd": 1e-3, "bwd": 1e-3}, "GN_STAGED_FINALIZE_TILE": 1,
-              "GN_STAGED_FUSED_TILE": 16}
+              "GN_STAGED_FUSED_TILE": 16, "GN_STAGED_FUSED_STEPS": 1 << 10,
+              "GN_STAGED_FUSED_FINALIZE": {"fwd": True, "bwd": True}, "GN_STAGED_FUSED_APPLY": {"fwd": True, "bwd": True}}
 FORCED_PATHS = {
     # looped (a program per group walking tiles; forward and backward) on tiles of 16 elements:
     # 3 x 3 tiles per group with ragged edges on both axes, whatever the group count

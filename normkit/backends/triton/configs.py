@@ -236,12 +236,17 @@ GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
 # the finalize folded into the stats launch: the last stats program of each sample finalizes all
 # its groups from [spans, G, Cg] partial tiles of at most GN_STAGED_FUSED_TILE elements (padded) per
 # step, when one span of the sample's groups fits (G * Cg padded to powers of two, at most the tile)
+# and the steps (one L2 round trip each, at the end of the launch) are at most GN_STAGED_FUSED_STEPS.
+# ptxas (sm_90, triton 3.9 offline): a 2048-element tile keeps the stats kernel at its 120-128
+# registers at 4 warps; 4096 takes it to 181-193 (3 programs per SM instead of 4)
 GN_STAGED_FUSED_FINALIZE = {"fwd": True, "bwd": True}
-GN_STAGED_FUSED_TILE = 4096
+GN_STAGED_FUSED_TILE = 2048
+GN_STAGED_FUSED_STEPS = 4
 # and the apply too (with the fused finalize): every stats program waits for its sample's finalize,
 # then normalizes its own span's tiles from L2; taken only when the whole stats grid is resident at
-# once (the host checks the compiled kernel), else the apply is its own launch
-GN_STAGED_FUSED_APPLY = {"fwd": True, "bwd": True}
+# once (the host checks the compiled kernel, re-cutting the spans to it), else the apply is its own
+# launch. Off: ptxas puts the fused kernel at 168 registers (3 programs per SM) for 8x320x64x64
+GN_STAGED_FUSED_APPLY = {"fwd": False, "bwd": False}
 
 
 @dataclass(frozen=True)
@@ -313,5 +318,6 @@ def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
     fused_p = 0
     if GN_STAGED_FUSED_FINALIZE[direction] and fused_g * block_r <= GN_STAGED_FUSED_TILE:
         fused_p = min(triton.next_power_of_2(n_spans), GN_STAGED_FUSED_TILE // (fused_g * block_r))
+        fused_p = fused_p if -(-n_spans // fused_p) <= GN_STAGED_FUSED_STEPS else 0
     return StagedConfig(block_c, block_s, n_sub, GN_STAGED_WARPS, block_p, block_r, stats_c, stats_s, stats_warps,
                         GN_STAGED_SLOTS[direction], fused_p, fused_g, GN_STAGED_FUSED_APPLY[direction])

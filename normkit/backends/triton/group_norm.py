@@ -603,30 +603,32 @@ def _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, g0, C, S, 
     ch = gi[:, None] * Cg + r[None, :]  # [BLOCK_G, BLOCK_R]
     c_mask = g_mask[:, None] & (r < Cg)[None, :]
     L = Cg * S
-    acc1 = tl.zeros([BLOCK_P, BLOCK_G, BLOCK_R], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_P, BLOCK_G, BLOCK_R], dtype=tl.float32)
+    # 32-bit offsets inside a [BLOCK_P, C] slab of partial rows (registers: one per element)
+    offs = p * C + ch[None, :, :]
+    acc1 = tl.zeros([BLOCK_G, BLOCK_R], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_G, BLOCK_R], dtype=tl.float32)
     mean = tl.zeros([BLOCK_G], dtype=tl.float32)
     m2 = tl.zeros([BLOCK_G], dtype=tl.float32)
     count = tl.zeros([BLOCK_G], dtype=tl.float32)
     for p0 in range(0, n_spans, BLOCK_P):
         mask = ((p0 + p) < n_spans) & c_mask[None, :, :]
-        offs = (b_idx * n_spans + p0 + p).to(tl.int64) * C + ch[None, :, :]
-        a1 = tl.load(P1 + offs, mask=mask, other=0.0, volatile=True)
-        a2 = tl.load(P2 + offs, mask=mask, other=0.0, volatile=True)
+        row = (b_idx * n_spans + p0).to(tl.int64) * C
+        a1 = tl.load(P1 + row + offs, mask=mask, other=0.0, volatile=True)
+        a2 = tl.load(P2 + row + offs, mask=mask, other=0.0, volatile=True)
         if BWD:
-            acc1 += a1
-            acc2 += a2
-        else:
-            n_j = tl.where(mask, tl.minimum(tl.maximum(S - (p0 + p) * span, 0), span) * 1.0, 0.0)
-            n_t = tl.sum(tl.sum(n_j, axis=2), axis=0)
-            m_t = tl.sum(tl.sum(n_j * a1, axis=2), axis=0) / tl.maximum(n_t, 1.0)
+            acc1 += tl.sum(a1, axis=0)
+            acc2 += tl.sum(a2, axis=0)
+        else:  # every group has Cg channels of n_j elements in span j
+            n_j = tl.minimum(tl.maximum(S - (p0 + p) * span, 0), span) * 1.0  # [BLOCK_P, 1, 1], 0 past the end
+            n_t = tl.sum(n_j, axis=0) * Cg  # [1, 1]
+            m_t = tl.sum(tl.sum(n_j * a1, axis=2), axis=0) / tl.reshape(n_t, [1])
             d = a1 - m_t[None, :, None]
             q_t = tl.sum(tl.sum(tl.where(mask, a2 + n_j * d * d, 0.0), axis=2), axis=0)
-            mean, m2, count = _chan_merge(mean, m2, count, m_t, q_t, n_t)
+            mean, m2, count = _chan_merge(mean, m2, count, m_t, q_t, tl.reshape(n_t, [1]))
     grp = b_idx * G + gi
     if BWD:
-        q1 = tl.sum(acc1, axis=0)
-        q2 = tl.sum(acc2, axis=0)
+        q1 = acc1
+        q2 = acc2
         tl.store(Q1 + b_idx.to(tl.int64) * C + ch, q1, mask=c_mask)
         tl.store(Q2 + b_idx.to(tl.int64) * C + ch, q2, mask=c_mask)
         if HAS_W:
