@@ -33,6 +33,7 @@ WARM_MS, REP_MS = 10, 30
 RING_BYTES = 4 * 50 * 2**20  # 4x the H100's L2
 NO_SPLIT2 = {"GN_SPLIT2_LAYOUTS": {k: () for k in configs.GN_SPLIT2_LAYOUTS}}
 S2 = configs.GN_SPLIT2_TILE
+FUSE = {"fwd": True, "bwd": True}
 VARIANTS = {  # module attribute -> value; "default" is the committed table
     "default": {},
     "old": NO_SPLIT2,  # session 3's choice: looped / split with waits / staged
@@ -53,10 +54,10 @@ VARIANTS = {  # module attribute -> value; "default" is the committed table
     "stats-8k": {"GN_STAGED_STATS_TILE": {2: (8192, 8), 4: (4096, 8)}},
     "stats-2waves": {"GN_STAGED_PROGRAMS_PER_SM": {"fwd": 8, "bwd": 6}},
     "stats-half": {"GN_STAGED_PROGRAMS_PER_SM": {"fwd": 2, "bwd": 1.5}},
-    "no-fuse": {"GN_STAGED_FUSED_FINALIZE": {"fwd": False, "bwd": False}},
-    "fuse-all": {"GN_STAGED_FUSED_STEPS": NEVER},
-    "fused-apply": {"GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": {"fwd": True, "bwd": True}},
-    "fused-apply-2k": {"GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": {"fwd": True, "bwd": True},
+    "fuse": {"GN_STAGED_FUSED_FINALIZE": FUSE},
+    "fuse-all": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER},
+    "fused-apply": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE},
+    "fused-apply-2k": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE,
                        "GN_STAGED_STATS_TILE": {2: (2048, 4), 4: (1024, 4)}},
 }
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look

@@ -70,8 +70,9 @@ FORCED_PATHS = {
     # staged with one stats program per sample, which the interpreter (programs one after another)
     # needs to take the apply into the stats launch: on a GPU every staged path with a resident grid does
     "staged-one": {**STAGED_ALL, "GN_STAGED_MAX_SUB": 1 << 10},
-    # staged with a narrow weight-gradient reduction over several programs (4 x 4 blocks, 1 warp)
-    "staged-colsum": {**STAGED_ALL, "GN_COL_SUM": (4, 4, 1)},
+    # staged with a narrow weight-gradient reduction over several programs (4 x 4 blocks, 1 warp),
+    # slot stats and the finalize in its own launch
+    "staged-colsum": {**STAGED_ALL, "GN_COL_SUM": (4, 4, 1), "GN_STAGED_FUSED_FINALIZE": {"fwd": False, "bwd": False}},
     # two-kernel split (a program per slice: partials, then merge and apply) on 16-element
     # slices: 3 x 3 slices per group (35 positions: a ragged last slice), whatever the group count
     "split2": {"GN_SPLIT2_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
@@ -100,8 +101,8 @@ def _assert_path_taken(path, x, dtype, act):
         staged = _staged_plan(direction, x3, 3)[0]
         if path.startswith("staged"):
             assert staged is not None and staged.n_sub > 1 and staged.block_p == 1
-            fused = path != "staged-tiles"
-            assert staged.slots == fused and staged.fused_p == (1 if fused else 0) and staged.fused_apply
+            assert staged.slots == (path != "staged-tiles") and staged.fused_apply
+            assert staged.fused_p == (0 if path in ("staged-tiles", "staged-colsum") else 1)
             if path == "staged-one":  # one span per sample
                 assert staged.n_sub * staged.stats_tile[1] >= 35
             continue
