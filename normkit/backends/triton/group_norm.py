@@ -12,10 +12,12 @@ is a [BLOCK_R] vector broadcast along the spatial axis. Four paths (configs.py p
 * two-kernel split (groups of several tiles): a program per slice in two launches, partials then
   merge-and-apply (see its section): no waits, and every slice's loads in flight at once;
 * staged (channels_last with small groups): three launches over [channel block, spatial block]
-  tiles that read whole rows of channels (see the section at the end of this file).
+  tiles that read whole rows of channels, or fewer with the finalize (and apply) folded into the
+  stats launch (see the section at the end of this file).
 
-Backward writes per-channel fp32 partial sums of dweight/dbias for each (batch, spatial slice) to
-a [B * KS, C] buffer that col_sum_kernel reduces in a fixed order: deterministic, no atomics.
+Backward writes per-channel fp32 partial sums of dweight/dbias for each (batch, spatial slice) (the
+staged path: for each batch) to a buffer that col_sum_kernel reduces in a fixed order:
+deterministic, no float atomics (the only atomics are the integer counters programs meet at).
 """
 import triton
 import triton.language as tl
@@ -409,6 +411,9 @@ def group_norm_split_apply_kernel(
 # a group's partials into its statistics (forward) or its two dx sums (backward); `apply` walks the
 # tiles again, last first (the stats pass read them most recently, so they are likeliest in L2).
 # Channel blocks need not align with groups: tile rows pick their group's values by index.
+# Optionally (configs.GN_STAGED_FUSED_*) the last stats program of each sample runs the finalize,
+# and then every stats program applies its own span: one launch, which waits on the others only
+# when the host has checked that the whole grid is resident at once.
 
 @triton.jit
 def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
