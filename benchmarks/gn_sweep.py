@@ -8,7 +8,8 @@ point equals one already timed there is not timed again (its row says which it e
 For choosing the table's values; the bench (`normkit bench --ops gn`) is what reports them.
 Run on a GPU:
   PYTHONPATH=. python benchmarks/gn_sweep.py --out DIR [--dtypes bf16,fp32] [--variants a,b]
-      [--acts -,silu] [--act-variants default,old] [--peers torch,compile] [--profile]
+      [--acts -,silu] [--act-variants default,old] [--peers torch,compile] [--layouts nchw,cl]
+      [--profile [--profile-variants default,old]]
 Writes DIR/gn_sweep.csv (one row per point, implementation, activation, direction) and prints a
 short table of fractions of copy last."""
 import argparse
@@ -32,6 +33,7 @@ WARM_MS, REP_MS = 10, 30
 RING_BYTES = 4 * 50 * 2**20  # 4x the H100's L2
 NO_SPLIT2 = {"GN_SPLIT2_LAYOUTS": {k: () for k in configs.GN_SPLIT2_LAYOUTS}}
 S2 = configs.GN_SPLIT2_TILE
+FUSE = {"fwd": True, "bwd": True}
 VARIANTS = {  # module attribute -> value; "default" is the committed table
     "default": {},
     "old": NO_SPLIT2,  # session 3's choice: looped / split with waits / staged
@@ -45,17 +47,31 @@ VARIANTS = {  # module attribute -> value; "default" is the committed table
     "staged-sub1": {"GN_STAGED_MAX_SUB": 1},
     "staged-tile-2x": {"GN_STAGED_TILE": {2: 8192, 4: 4096}, "GN_STAGED_WARPS": 8},
     "staged-cl-all": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": NEVER, "bwd": NEVER}},
+    # session 8: the stats launch without per-slot accumulation (session 7's), and the slot stats' tile/span
+    "staged-tiles": {"GN_STAGED_SLOTS": {"fwd": False, "bwd": False}, "GN_STAGED_MAX_SUB": 8,
+                     "GN_STAGED_FUSED_FINALIZE": {"fwd": False, "bwd": False}},
+    "stats-2k": {"GN_STAGED_STATS_TILE": {2: (2048, 4), 4: (1024, 4)}},
+    "stats-8k": {"GN_STAGED_STATS_TILE": {2: (8192, 8), 4: (4096, 8)}},
+    "stats-2waves": {"GN_STAGED_PROGRAMS_PER_SM": {"fwd": 8, "bwd": 6}},
+    "stats-half": {"GN_STAGED_PROGRAMS_PER_SM": {"fwd": 2, "bwd": 1.5}},
+    "fuse": {"GN_STAGED_FUSED_FINALIZE": FUSE},
+    "fuse-all": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER},
+    "fused-apply": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE},
+    "fused-apply-2k": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE,
+                       "GN_STAGED_STATS_TILE": {2: (2048, 4), 4: (1024, 4)}},
 }
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
 
-def shapes():
-    """Each shape NCHW then channels_last, the suite's first (the bigger ones, then batch 1 last)."""
+def shapes(layouts=("nchw", "cl")):
+    """Each shape NCHW then channels_last (of those asked for), the suite's first (the bigger ones,
+    then batch 1 last)."""
     suite = [(tuple(s), g) for s, g, *cl in SUITES["gn-2d"].shapes if not (cl and cl[0])]
     order = sorted(suite + list(EXTRA_SHAPES), key=lambda sg: (sg[0][0] == 1, sg in EXTRA_SHAPES))
     for shape, groups in order:
         for cl in (False, True):
-            yield shape, groups, cl
+            if ("cl" if cl else "nchw") in layouts:
+                yield shape, groups, cl
 
 
 def log(*a):
@@ -185,7 +201,9 @@ def main():
     ap.add_argument("--act-variants", default="default,old")
     ap.add_argument("--peers", default="torch,compile")
     ap.add_argument("--peer-acts", default="-", help="activations the peers are timed with")
-    ap.add_argument("--profile", action="store_true", help="per-kernel times of default/old/compile on 2 shapes")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of --profile-variants on 3 shapes")
+    ap.add_argument("--profile-variants", default="default,old")
+    ap.add_argument("--layouts", default="nchw,cl")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; stop starting new points after it")
     args = ap.parse_args()
     t_start = time.time()
@@ -204,7 +222,7 @@ def main():
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname]
         eb = torch.empty((), dtype=dtype).element_size()
-        for shape, G, cl in shapes():
+        for shape, G, cl in shapes(args.layouts.split(",")):
             if time.time() - t_start > args.budget:
                 log(f"budget reached: stopping before {dname} {shape}")
                 break
@@ -262,7 +280,7 @@ def main():
                     for r in here))
             if args.profile and label in ("8x320x64x64/g32", "8x320x64x64/g32/cl", "4x128x128x128/g32/cl") \
                     and dname == "bf16":
-                for name in ("default", "old"):
+                for name in args.profile_variants.split(","):
                     with Overrides(VARIANTS[name]):
                         fwd, bwd = nk_impls(G, None, dtype)
                         profile(sets, [(f"{name} fwd", fwd), (f"{name} bwd", bwd)], label)

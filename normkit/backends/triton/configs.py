@@ -252,25 +252,81 @@ def _split2_tile(direction: str, cg: int, s: int, elem_bytes: int) -> tuple:
 GN_STAGED_MIN_NUMEL = 1 << 18
 GN_STAGED_CL_MAX_GROUP_CHANNELS = {"fwd": 32, "bwd": 1 << 30}
 GN_STAGED_NCHW_MAX_GROUPS_PER_SM = 0.0  # 0: NCHW never takes the staged path
-GN_STAGED_TILE = {2: 4096, 4: 2048}  # elements of a [BLOCK_C, BLOCK_S] tile, per element bytes
+GN_STAGED_TILE = {2: 4096, 4: 2048}  # elements of an apply [BLOCK_C, BLOCK_S] tile, per element bytes
 GN_STAGED_WARPS = 4
-GN_STAGED_MAX_SUB = 8  # tiles per stats program: the partials are at most 1/(2 * BLOCK_S) of the data
-GN_STAGED_PROGRAMS_PER_SM = 4  # stats programs aimed for, before grouping tiles into spans
+# the stats launch's own tile: (elements, num_warps) per element bytes (its channel blocks need not
+# be apply's: the partials are per channel)
+GN_STAGED_STATS_TILE = {2: (4096, 4), 4: (2048, 4)}
+# stats accumulate per element slot over a span's tiles (forward: Welford per slot; backward: sums)
+# and reduce across the slots once per program, instead of two cross-thread reductions per tile
+GN_STAGED_SLOTS = {"fwd": True, "bwd": True}
+GN_STAGED_MAX_SUB = 1 << 16  # most tiles per stats program (a span)
+# stats programs resident per SM: the spans are cut so that the stats grid is one wave of these.
+# ncu (H100, run S8-1): the slot stats kernel takes 128 registers forward, 150 backward at 4 warps,
+# so 4 / 3 programs per SM; a grid of 1.2-1.6 waves (session 7's spans) ran its last wave mostly empty
+GN_STAGED_PROGRAMS_PER_SM = {"fwd": 4, "bwd": 3}
 GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
+# the finalize folded into the stats launch: the last stats program of each sample finalizes all
+# its groups from [spans, G, Cg] partial tiles of at most GN_STAGED_FUSED_TILE elements (padded) per
+# step, when one span of the sample's groups fits (G * Cg padded to powers of two, at most the tile)
+# and the steps (one L2 round trip each, at the end of the launch) are at most GN_STAGED_FUSED_STEPS.
+# ptxas (sm_90, triton 3.9 offline): a 2048-element tile keeps the stats kernel at its 120-128
+# registers at 4 warps; 4096 takes it to 181-193 (3 programs per SM instead of 4)
+GN_STAGED_FUSED_FINALIZE = {"fwd": False, "bwd": False}  # off until measured (session 8 had no device time left)
+GN_STAGED_FUSED_TILE = 2048
+GN_STAGED_FUSED_STEPS = 4
+# and the apply too (with the fused finalize): every stats program waits for its sample's finalize,
+# then normalizes its own span's tiles from L2; taken only when the whole stats grid is resident at
+# once (the host checks the compiled kernel, re-cutting the spans to it), else the apply is its own
+# launch. Off until measured: ptxas puts the fused kernel at 168 registers (3 programs per SM) for
+# 8x320x64x64 (the stats alone: 120-128)
+GN_STAGED_FUSED_APPLY = {"fwd": False, "bwd": False}
 
 
 @dataclass(frozen=True)
 class StagedConfig:
-    block_c: int  # channels per tile (need not divide into groups)
-    block_s: int  # spatial positions per tile
-    n_sub: int  # tiles per stats program (a span)
-    num_warps: int
+    block_c: int  # apply: channels per tile (need not divide into groups)
+    block_s: int  # apply: spatial positions per tile
+    n_sub: int  # stats tiles per stats program (a span)
+    num_warps: int  # apply
     block_p: int  # spans per step of the finalize program
     block_r: int  # channels of a group, padded
+    stats_block_c: int = 0  # the stats tile (0: apply's)
+    stats_block_s: int = 0
+    stats_warps: int = 0
+    slots: bool = False  # stats accumulate per element slot (GN_STAGED_SLOTS)
+    fused_p: int = 0  # spans per step of the finalize in the stats launch (0: a finalize launch)
+    fused_g: int = 0  # the sample's groups, padded
+    fused_apply: bool = False  # the apply in the stats launch too (GN_STAGED_FUSED_APPLY)
 
     @property
     def options(self):
         return self.num_warps, 1
+
+    @property
+    def stats_options(self):
+        return self.stats_warps or self.num_warps, 1
+
+    @property
+    def stats_tile(self):
+        return self.stats_block_c or self.block_c, self.stats_block_s or self.block_s
+
+
+def _staged_tile(tile: int, c: int, s: int, channels_last: bool) -> tuple:
+    """(block_c, block_s) of a staged tile of `tile` elements."""
+    if channels_last:  # contiguous along channels: the channel block with the fewest padded lanes
+        block_c = min((128, 64, 32, 16), key=lambda bc: (-(-c // bc) * bc - c, -bc))
+        block_c = min(block_c, triton.next_power_of_2(c))
+        return block_c, max(1, tile // block_c)
+    block_s = min(triton.next_power_of_2(s), 1024, tile)  # contiguous along positions
+    return max(1, min(triton.next_power_of_2(c), tile // block_s)), block_s
+
+
+def staged_tiles_per_span(n_sb: int, blocks: int, programs: float) -> int:
+    """Stats tiles per program for `blocks` (sample, channel block) pairs of n_sb tiles each, so
+    that the stats grid is at most `programs` (one wave) where it can be."""
+    spans = max(1, int(programs) // blocks)  # per (sample, channel block)
+    return max(1, min(GN_STAGED_MAX_SUB, n_sb, -(-n_sb // spans)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,17 +339,19 @@ def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
         wanted = b * (c // cg) / sms < GN_STAGED_NCHW_MAX_GROUPS_PER_SM
     if not wanted or b * c * s < GN_STAGED_MIN_NUMEL:
         return None
-    tile = GN_STAGED_TILE[2 if elem_bytes <= 2 else 4]
-    if channels_last:  # contiguous along channels: the channel block with the fewest padded lanes
-        block_c = min((128, 64, 32, 16), key=lambda bc: (-(-c // bc) * bc - c, -bc))
-        block_c = min(block_c, triton.next_power_of_2(c))
-        block_s = max(1, tile // block_c)
-    else:  # contiguous along positions
-        block_s = min(triton.next_power_of_2(s), 1024, tile)
-        block_c = max(1, min(triton.next_power_of_2(c), tile // block_s))
-    n_cb, n_sb = -(-c // block_c), -(-s // block_s)
-    n_sub = max(1, min(GN_STAGED_MAX_SUB, n_sb, int(b * n_cb * n_sb / max(GN_STAGED_PROGRAMS_PER_SM * sms, 1e-9))))
+    eb = 2 if elem_bytes <= 2 else 4
+    block_c, block_s = _staged_tile(GN_STAGED_TILE[eb], c, s, channels_last)
+    stats_tile, stats_warps = GN_STAGED_STATS_TILE[eb]
+    stats_c, stats_s = _staged_tile(stats_tile, c, s, channels_last)
+    n_cb, n_sb = -(-c // stats_c), -(-s // stats_s)
+    n_sub = staged_tiles_per_span(n_sb, b * n_cb, GN_STAGED_PROGRAMS_PER_SM[direction] * sms)
     n_spans = -(-n_sb // n_sub)
     block_r = triton.next_power_of_2(cg)
     block_p = max(1, min(triton.next_power_of_2(n_spans), GN_STAGED_FINALIZE_TILE // block_r))
-    return StagedConfig(block_c, block_s, n_sub, GN_STAGED_WARPS, block_p, block_r)
+    fused_g = triton.next_power_of_2(c // cg)
+    fused_p = 0
+    if GN_STAGED_FUSED_FINALIZE[direction] and fused_g * block_r <= GN_STAGED_FUSED_TILE:
+        fused_p = min(triton.next_power_of_2(n_spans), GN_STAGED_FUSED_TILE // (fused_g * block_r))
+        fused_p = fused_p if -(-n_spans // fused_p) <= GN_STAGED_FUSED_STEPS else 0
+    return StagedConfig(block_c, block_s, n_sub, GN_STAGED_WARPS, block_p, block_r, stats_c, stats_s, stats_warps,
+                        GN_STAGED_SLOTS[direction], fused_p, fused_g, GN_STAGED_FUSED_APPLY[direction])

@@ -12,10 +12,12 @@ is a [BLOCK_R] vector broadcast along the spatial axis. Four paths (configs.py p
 * two-kernel split (groups of several tiles): a program per slice in two launches, partials then
   merge-and-apply (see its section): no waits, and every slice's loads in flight at once;
 * staged (channels_last with small groups): three launches over [channel block, spatial block]
-  tiles that read whole rows of channels (see the section at the end of this file).
+  tiles that read whole rows of channels, or fewer with the finalize (and apply) folded into the
+  stats launch (see the section at the end of this file).
 
-Backward writes per-channel fp32 partial sums of dweight/dbias for each (batch, spatial slice) to
-a [B * KS, C] buffer that col_sum_kernel reduces in a fixed order: deterministic, no atomics.
+Backward writes per-channel fp32 partial sums of dweight/dbias for each (batch, spatial slice) (the
+staged path: for each batch) to a buffer that col_sum_kernel reduces in a fixed order:
+deterministic, no float atomics (the only atomics are the integer counters programs meet at).
 """
 import triton
 import triton.language as tl
@@ -405,10 +407,13 @@ def group_norm_split_apply_kernel(
 # ----------------------------------------------------------------------------- staged path
 # For channels_last (and groups too few for a program each): three launches instead of programs
 # that wait on each other. `stats` reduces [BLOCK_C, BLOCK_S] tiles (channel block kc, spatial
-# span j of N_SUB tiles) to per-channel partials in P1/P2 ([B, spans, C] fp32); `finalize` merges
+# span j of n_sub tiles) to per-channel partials in P1/P2 ([B, spans, C] fp32); `finalize` merges
 # a group's partials into its statistics (forward) or its two dx sums (backward); `apply` walks the
 # tiles again, last first (the stats pass read them most recently, so they are likeliest in L2).
 # Channel blocks need not align with groups: tile rows pick their group's values by index.
+# Optionally (configs.GN_STAGED_FUSED_*) the last stats program of each sample runs the finalize,
+# and then every stats program applies its own span: one launch, which waits on the others only
+# when the host has checked that the whole grid is resident at once.
 
 @triton.jit
 def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
@@ -423,21 +428,78 @@ def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
 
 @triton.jit
 def group_norm_staged_stats_kernel(
-    X, DY, W, B, MEAN, RSTD, P1, P2, C, S, G, Cg, n_cb, n_sb, n_spans, stride_b, stride_c, stride_s,
+    X, DY, Y, W, B, MEAN, RSTD, P1, P2, C1, C2, Q1, Q2, SYNC, Bn, C, S, G, Cg, n_cb, n_sb, n_spans, n_sub, span,
+    stride_b, stride_c, stride_s, eps,
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, N_SUB: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr,
+    FUSED: tl.constexpr, FIN_P: tl.constexpr, FIN_G: tl.constexpr, FIN_R: tl.constexpr,
+    APPLY: tl.constexpr,
 ):
     """Program (b, kc, span j): per channel of block kc over the span's positions, forward: mean and
-    M2 (each tile's exact two-pass values, Chan-merged); backward: sum of g*xhat and of g, which are
-    also the weight-gradient partials (row b * n_spans + j of [B * n_spans, C])."""
+    M2; backward: sum of g*xhat and of g, which are also the weight-gradient partials (row
+    b * n_spans + j of [B * n_spans, C]). SLOTS: accumulated per element slot (_staged_stats_slots);
+    else each tile's exact two-pass values, Chan-merged per tile. FUSED: the last program of each
+    sample to finish (an arrival counter in SYNC, reset by that program) runs the finalize for all
+    the sample's groups ([FIN_P, FIN_G, FIN_R] tiles), which saves the finalize launch. APPLY (with
+    FUSED; the host launches it only when the whole grid is resident at once): every program then
+    waits for its sample's finalize and writes Y (y, or dx) for its own span's tiles, last first
+    (it read them just before: from L2), which saves the apply launch; HAS_W / HAS_B / ACT are the
+    forward's then too (the forward's statistics never read them)."""
     pid = tl.program_id(0)
     j = pid % n_spans
     bc = pid // n_spans  # b * n_cb + kc
+    if SLOTS:
+        p1, p2 = _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, stride_b, stride_c,
+                                     stride_s, n_sub, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S)
+    else:
+        p1, p2 = _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c,
+                                     stride_s, n_sub, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S)
+    b_idx = bc // n_cb
+    ch = (bc % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+    part = (b_idx * n_spans + j).to(tl.int64) * C + ch
+    tl.store(P1 + part, p1, mask=ch < C)
+    tl.store(P2 + part, p2, mask=ch < C)
+    if FUSED:
+        n_prog = n_cb * n_spans  # stats programs of the sample
+        tl.debug_barrier()  # every thread's partials are stored before the release below
+        arrived = tl.atomic_add(SYNC + b_idx, 1, sem="acq_rel")
+        if arrived == n_prog - 1:
+            _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, 0, C, S, G, Cg, n_spans,
+                             stride_b, stride_c, eps, span, BWD, HAS_W, FIN_P, FIN_G, FIN_R)
+            if APPLY:
+                tl.debug_barrier()  # the finalize's stores are done before the release below
+                tl.atomic_add(SYNC + b_idx, 1, sem="release")  # n_prog + 1: finalized
+            else:
+                tl.atomic_xchg(SYNC + b_idx, 0)  # left zero for the next launch
+        if APPLY:
+            done = tl.atomic_add(SYNC + b_idx, 0, sem="acquire")
+            while done < n_prog + 1:
+                done = tl.atomic_add(SYNC + b_idx, 0, sem="acquire")
+            c_mask = ch < C
+            for i in range(0, n_sub):
+                s = (j * n_sub + n_sub - 1 - i) * BLOCK_S + tl.arange(0, BLOCK_S)
+                mask = c_mask[:, None] & (s < S)[None, :]
+                offs = (b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c
+                        + s.to(tl.int64)[None, :] * stride_s)
+                _staged_apply(X, DY, Y, W, B, MEAN, RSTD, C1, C2, b_idx, ch, c_mask, offs, mask, G, Cg,
+                              stride_b, stride_c, BWD, HAS_W, HAS_B, ACT, True)
+            tl.debug_barrier()
+            left = tl.atomic_add(SYNC + Bn + b_idx, 1, sem="acq_rel")
+            if left == n_prog - 1:  # the sample's last program out leaves both counters zero
+                tl.atomic_xchg(SYNC + b_idx, 0)
+                tl.atomic_xchg(SYNC + Bn + b_idx, 0)
+
+
+@triton.jit
+def _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c, stride_s, n_sub,
+                        BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The stats program reducing each tile across threads: per-channel (p1, p2) of span j."""
     acc1 = tl.zeros([BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_C], dtype=tl.float32)
     count = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for i in range(0, N_SUB):
-        ks = j * N_SUB + i
+    for i in range(0, n_sub):
+        ks = j * n_sub + i
         b_idx, kc, _, offs, mask, ch, c_mask = _staged_tile(bc * n_sb + ks, C, S, n_cb, n_sb,
                                                              stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
         # the last span may hold fewer tiles; a tile past it decodes to the next (batch, channel
@@ -462,60 +524,130 @@ def group_norm_staged_stats_kernel(
             t_mean = tl.sum(xs, axis=1) / tl.maximum(n_t, 1.0)
             d = tl.where(mask, xs - t_mean[:, None], 0.0)
             acc1, acc2, count = _chan_merge(acc1, acc2, count, t_mean, tl.sum(d * d, axis=1), n_t)
+    return acc1, acc2
+
+
+@triton.jit
+def _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, stride_b, stride_c, stride_s, n_sub,
+                        BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The stats program with per-slot accumulators: each of the [BLOCK_C, BLOCK_S] element slots
+    keeps its own running values over the span's tiles (forward: Welford mean and M2 of x minus the
+    group's first element; backward: sums of g*xhat and g), so a tile costs its loads and a few
+    FMAs, and the slots are reduced across threads once, at the end (forward: Chan's exact merge).
+    Per-channel (p1, p2) of span j."""
     b_idx = bc // n_cb
     ch = (bc % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
-    part = (b_idx * n_spans + j).to(tl.int64) * C + ch
-    tl.store(P1 + part, acc1, mask=ch < C)
-    tl.store(P2 + part, acc2, mask=ch < C)
+    c_mask = ch < C
+    grp = b_idx * G + ch // Cg
+    if BWD:
+        mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
+        rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0)[:, None]
+    else:
+        shift = tl.load(X + b_idx.to(tl.int64) * stride_b + ((ch // Cg) * Cg).to(tl.int64) * stride_c,
+                        mask=c_mask, other=0.0).to(tl.float32)[:, None]
+    acc1 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    cnt = tl.zeros([BLOCK_S], dtype=tl.float32)
+    base = b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c
+    for i in range(0, n_sub):
+        s = (j * n_sub + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+        s_ok = s < S  # also false past the last tile of a short last span
+        mask = c_mask[:, None] & s_ok[None, :]
+        offs = base + s.to(tl.int64)[None, :] * stride_s
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if BWD:
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            xhat, gr, _ = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+            acc1 += gr * xhat
+            acc2 += gr
+        else:
+            ok = s_ok.to(tl.float32)
+            cnt += ok
+            xs = x - shift
+            delta = xs - acc1
+            acc1 += delta * (ok / tl.maximum(cnt, 1.0))[None, :]
+            acc2 += tl.where(mask, delta * (xs - acc1), 0.0)
+    if BWD:
+        p1 = tl.sum(acc1, axis=1)
+        p2 = tl.sum(acc2, axis=1)
+    else:
+        p1 = tl.sum(acc1 * cnt[None, :], axis=1) / tl.maximum(tl.sum(cnt, axis=0), 1.0)
+        d = acc1 - p1[:, None]
+        p2 = tl.sum(acc2 + cnt[None, :] * d * d, axis=1)
+    return p1, p2
 
 
 @triton.jit
 def group_norm_staged_finalize_kernel(
-    X, P1, P2, W, MEAN, RSTD, C1, C2, C, S, G, Cg, n_spans, stride_b, stride_c, eps,
-    BWD: tl.constexpr, HAS_W: tl.constexpr, SPAN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+    X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, C, S, G, Cg, n_spans, span, stride_b, stride_c, eps,
+    BWD: tl.constexpr, HAS_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Program (b, g): the group's [spans, Cg] partials. Forward (partials of x minus the group's
-    first element): mean = sum n_j mean_j / L and M2 = sum M2_j + sum n_j (mean_j - mean)^2
-    (exact, no cancellation) -> MEAN, RSTD. Backward:
-    c1 = sum w_c * sum g*xhat / L and c2 = sum w_c * sum g / L -> C1, C2."""
+    """Program (b, g): _staged_finalize of one group."""
     grp = tl.program_id(0)
-    b_idx = grp // G
+    _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, grp // G, grp % G, C, S, G, Cg, n_spans,
+                     stride_b, stride_c, eps, span, BWD, HAS_W, BLOCK_P, 1, BLOCK_R)
+
+
+@triton.jit
+def _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, g0, C, S, G, Cg, n_spans, stride_b, stride_c,
+                     eps, span, BWD: tl.constexpr, HAS_W: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Groups g0 .. g0 + BLOCK_G - 1 of sample b from their [spans, Cg] partials, read as
+    [BLOCK_P, BLOCK_G, BLOCK_R] tiles (volatile: the stats launch's last program reads partials other
+    programs of the same launch wrote). Forward (partials of x minus the group's first element): each
+    tile's group mean and M2 (M2 = sum M2_j + sum n_j (mean_j - mean)^2: exact, no cancellation),
+    Chan-merged over the tiles -> MEAN, RSTD, and the shifted mean -> C1. Backward: per channel the
+    sums over the spans of g*xhat and g -> Q1, Q2 [B, C] (the weight gradients' per-sample partials:
+    col_sum then adds B rows instead of B * spans), and c1 = sum w_c * Q1_c / L,
+    c2 = sum w_c * Q2_c / L -> C1, C2."""
+    p = tl.arange(0, BLOCK_P)[:, None, None]
+    gi = g0 + tl.arange(0, BLOCK_G)
     r = tl.arange(0, BLOCK_R)
-    ch = (grp % G) * Cg + r
-    r_mask = r < Cg
+    g_mask = gi < G
+    ch = gi[:, None] * Cg + r[None, :]  # [BLOCK_G, BLOCK_R]
+    c_mask = g_mask[:, None] & (r < Cg)[None, :]
     L = Cg * S
-    if BWD:
-        w = 1.0
-        if HAS_W:
-            w = tl.load(W + ch, mask=r_mask, other=0.0).to(tl.float32)[None, :]
-    acc1 = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
+    # 32-bit offsets inside a [BLOCK_P, C] slab of partial rows (registers: one per element)
+    offs = p * C + ch[None, :, :]
+    acc1 = tl.zeros([BLOCK_G, BLOCK_R], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_G, BLOCK_R], dtype=tl.float32)
+    mean = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_G], dtype=tl.float32)
+    count = tl.zeros([BLOCK_G], dtype=tl.float32)
     for p0 in range(0, n_spans, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        mask = (p < n_spans)[:, None] & r_mask[None, :]
-        offs = (b_idx * n_spans + p).to(tl.int64)[:, None] * C + ch[None, :]
-        a = tl.load(P1 + offs, mask=mask, other=0.0)
+        mask = ((p0 + p) < n_spans) & c_mask[None, :, :]
+        row = (b_idx * n_spans + p0).to(tl.int64) * C
+        a1 = tl.load(P1 + row + offs, mask=mask, other=0.0, volatile=True)
+        a2 = tl.load(P2 + row + offs, mask=mask, other=0.0, volatile=True)
         if BWD:
-            acc1 += a * w
-            acc2 += tl.load(P2 + offs, mask=mask, other=0.0) * w
-        else:
-            n_j = tl.minimum(tl.maximum(S - p * SPAN, 0), SPAN) * 1.0
-            acc1 += a * n_j[:, None]
+            acc1 += tl.sum(a1, axis=0)
+            acc2 += tl.sum(a2, axis=0)
+        else:  # every group has Cg channels of n_j elements in span j
+            n_j = tl.minimum(tl.maximum(S - (p0 + p) * span, 0), span) * 1.0  # [BLOCK_P, 1, 1], 0 past the end
+            n_t = tl.sum(n_j, axis=0) * Cg  # [1, 1]
+            m_t = tl.sum(tl.sum(n_j * a1, axis=2), axis=0) / tl.reshape(n_t, [1])
+            d = a1 - m_t[None, :, None]
+            q_t = tl.sum(tl.sum(tl.where(mask, a2 + n_j * d * d, 0.0), axis=2), axis=0)
+            mean, m2, count = _chan_merge(mean, m2, count, m_t, q_t, tl.reshape(n_t, [1]))
+    grp = b_idx * G + gi
     if BWD:
-        _store_group_stat(C1, grp, tl.sum(tl.sum(acc1, axis=1), axis=0) / L, 0)
-        _store_group_stat(C2, grp, tl.sum(tl.sum(acc2, axis=1), axis=0) / L, 0)
+        q1 = acc1
+        q2 = acc2
+        tl.store(Q1 + b_idx.to(tl.int64) * C + ch, q1, mask=c_mask)
+        tl.store(Q2 + b_idx.to(tl.int64) * C + ch, q2, mask=c_mask)
+        if HAS_W:
+            w = tl.load(W + ch, mask=c_mask, other=0.0).to(tl.float32)
+            q1 = q1 * w
+            q2 = q2 * w
+        tl.store(C1 + grp, tl.sum(q1, axis=1) / L, mask=g_mask)
+        tl.store(C2 + grp, tl.sum(q2, axis=1) / L, mask=g_mask)
     else:
-        mean = tl.sum(tl.sum(acc1, axis=1), axis=0) / L
-        for p0 in range(0, n_spans, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            mask = (p < n_spans)[:, None] & r_mask[None, :]
-            offs = (b_idx * n_spans + p).to(tl.int64)[:, None] * C + ch[None, :]
-            n_j = (tl.minimum(tl.maximum(S - p * SPAN, 0), SPAN) * 1.0)[:, None]
-            d = tl.load(P1 + offs, mask=mask, other=0.0) - mean
-            acc2 += tl.where(mask, tl.load(P2 + offs, mask=mask, other=0.0) + n_j * d * d, 0.0)
-        _store_group_stat(MEAN, grp, _group_shift(X, b_idx, grp % G, Cg, stride_b, stride_c) + mean, 0)
-        _store_group_stat(C1, grp, mean, 0)  # the shifted mean, for apply: x - shift - mean keeps the digits
-        _store_group_stat(RSTD, grp, tl.rsqrt(tl.sum(tl.sum(acc2, axis=1), axis=0) / L + eps), 0)
+        shift = tl.load(X + b_idx.to(tl.int64) * stride_b + (gi * Cg).to(tl.int64) * stride_c, mask=g_mask,
+                        other=0.0).to(tl.float32)
+        tl.store(MEAN + grp, shift + mean, mask=g_mask)
+        tl.store(C1 + grp, mean, mask=g_mask)  # the shifted mean, for apply: x - shift - mean keeps the digits
+        tl.store(RSTD + grp, tl.rsqrt(m2 / L + eps), mask=g_mask)
 
 
 @triton.jit
@@ -524,24 +656,33 @@ def group_norm_staged_apply_kernel(
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """One tile per program, last tile first. Forward: Y = act(xhat * w + b) (C1: the shifted means);
-    backward:
-    Y (= dx) = rstd * (w*g - xhat * c1 - c2), with the group values gathered per channel."""
+    """One tile per program, last tile first (_staged_apply)."""
     last = tl.num_programs(0) - 1
     b_idx, kc, ks, offs, mask, ch, c_mask = _staged_tile(last - tl.program_id(0), C, S, n_cb, n_sb,
                                                          stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
+    _staged_apply(X, DY, Y, W, B, MEAN, RSTD, C1, C2, b_idx, ch, c_mask, offs, mask, G, Cg, stride_b, stride_c,
+                  BWD, HAS_W, HAS_B, ACT, False)
+
+
+@triton.jit
+def _staged_apply(X, DY, Y, W, B, MEAN, RSTD, C1, C2, b_idx, ch, c_mask, offs, mask, G, Cg, stride_b, stride_c,
+                  BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                  VOLATILE: tl.constexpr):
+    """One [BLOCK_C, BLOCK_S] tile. Forward: Y = act(xhat * w + b) (C1: the shifted means); backward:
+    Y (= dx) = rstd * (w*g - xhat * c1 - c2), with the group values gathered per channel (VOLATILE:
+    from L2, when this launch's own finalize wrote them)."""
     grp = b_idx * G + ch // Cg
-    mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
-    rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0)[:, None]
+    mean = tl.load(MEAN + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
+    rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if BWD:
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         xhat, _, wg = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
-        c1 = tl.load(C1 + grp, mask=c_mask, other=0.0)[:, None]
-        c2 = tl.load(C2 + grp, mask=c_mask, other=0.0)[:, None]
+        c1 = tl.load(C1 + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
+        c2 = tl.load(C2 + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
         tl.store(Y + offs, ((wg - (xhat * c1 + c2)) * rstd).to(Y.dtype.element_ty), mask=mask)
     else:  # C1 holds the mean of x minus the group's first element
         shift = tl.load(X + b_idx.to(tl.int64) * stride_b + ((ch // Cg) * Cg).to(tl.int64) * stride_c,
                         mask=c_mask, other=0.0).to(tl.float32)[:, None]
-        mean_s = tl.load(C1 + grp, mask=c_mask, other=0.0)[:, None]
+        mean_s = tl.load(C1 + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
         _store_y(Y, W, B, offs, mask, ch, c_mask, ((x - shift) - mean_s) * rstd, HAS_W, HAS_B, ACT)
