@@ -278,11 +278,15 @@ def test_backends_without_the_gate_say_so():
         assert "gate=" in str(info.value) and f"backend={name!r}" in str(info.value)
 
 
-def test_host_path_declines_gated_calls(host_path_refuses):
-    """The C++ host path knows no gate: a gated call never reaches it."""
+def test_host_path_gets_the_gate(host_path_calls):
+    """Gated calls reach the host path with their gate (its argument 19); the Python path runs the
+    calls it declines."""
     x, g, w, _ = _inputs((2, 3, 16), (16,), grad=False)
-    normkit.rms_norm(x, 16, w, gate=g)
+    y = normkit.rms_norm(x, 16, w, gate=g)
+    assert ref.rel_err(y, ref.rms_norm(x, (16,), w, gate=g)[0]) <= TOL[FP32]
     normkit.layer_norm(x, 16, w, gate=g)
+    # each call asks twice: first as the user passed it, then with its arguments checked (functional._row_norm)
+    assert len(host_path_calls) == 4 and all(len(a) == 19 and a[18] is g for a in host_path_calls)
 
 
 def test_module_takes_the_gate():

@@ -2,7 +2,8 @@
 
 `fast` is None (every call takes the Python path in normkit.functional) or an object whose
     row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend[, residual, prenorm,
-             residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast])
+             residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast[, mod_scale,
+             mod_shift, gate]])
     group_norm(x, num_groups, weight, bias, eps, activation, backend)
 return the output (row_norm: y, or (y[, h][, amax]) as the public functions return it), or None for
 a call they do not serve (then the Python path runs, and raises the errors for bad arguments).
