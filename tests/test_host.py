@@ -772,7 +772,7 @@ def test_op_kernel_reads_calls_as_the_eager_path_does(ext):
 @pytest.mark.parametrize("case", ["float64", "backend torch", "backend cuda", "bad activation", "ndim 0",
                                   "rows need three strides", "weight shape", "residual dtype without residual",
                                   "fp8 without scale", "both scales", "per-token mod_scale", "gate with mod_shift",
-                                  "an argument past the gate", "gn groups", "gn layout", "gn float64"])
+                                  "an argument the kernels do not read", "gn groups", "gn layout", "gn float64"])
 def test_op_kernel_leaves_calls_to_python(ext, case):
     x, w = torch.randn(4, 6, 8), torch.randn(8)
     name, args = "row_norm_fwd", _op_row(x, 1, w)
@@ -804,8 +804,18 @@ def test_op_kernel_leaves_calls_to_python(ext, case):
         name, args = "row_norm_fused_fwd", args + fused_tail + [x[:1], None, None]
     elif case == "gate with mod_shift":
         name, args = "row_norm_fused_fwd", args + fused_tail + [None, torch.randn(4, 8), x]
-    elif case == "an argument past the gate":  # an option added later, which the plans do not know: Python's
-        name, args = "row_norm_fused_fwd", args + fused_tail + [None, None, None, torch.randn(4, 8)]
+    elif case == "an argument the kernels do not read":  # an option added to normkit._row_args later
+        from normkit._row_args import ROW_FUSED_FWD
+
+        args = args + fused_tail + [None, None, None]
+        assert ext._parse_op("row_norm_fused_fwd", *args, None) is not None
+        ext._set_row_op_args(ROW_FUSED_FWD.names + ("new_option",))
+        try:
+            assert ext._parse_op("row_norm_fused_fwd", *args, None) is not None  # None: as without it
+            assert ext._parse_op("row_norm_fused_fwd", *args, torch.randn(4, 8)) is None
+        finally:
+            ext._set_row_op_args(ROW_FUSED_FWD.names)
+        return
     elif case.startswith("gn"):
         name = "group_norm_fwd"
         xg = torch.randn(2, 6, 4, 4)

@@ -73,9 +73,14 @@ def load_extension():
         from ..functional import _autocast_upcasts
         from ..reference import ACTIVATIONS
 
+        from .._row_args import ROW_FUSED_FWD
+
         ext = build.load()
         _forget_plans_when_configs_change()
-        ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")))
+        # the op kernels read the row ops' arguments by name (row_norm_fwd's lead the fused op's, by
+        # construction): their positions come from the ops' one definition
+        ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")),
+                   ROW_FUSED_FWD.names)
         global _ops_handle
         _ops_handle = ext._register_ops(op_impls(), "CUDA")
         dispatch_changed()

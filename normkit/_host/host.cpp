@@ -1385,45 +1385,76 @@ bool iv_dtype(const c10::IValue& v, std::initializer_list<at::ScalarType> allowe
   return false;
 }
 
-// row_norm_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?) and
-// row_norm_fused_fwd(..., residual?, residual_dtype?, weight_offset, out_dtype?, out_scale?,
-// out_scale_value?, want_amax, mod_scale?, mod_shift?, gate?): a[0..n) as the op's arguments; false
-// where this path leaves the call to Python. Arguments past those (any added later) are options the
-// plans do not know: a call that passes one is left to Python.
-constexpr size_t kRowFusedArgs = 18;
-bool parse_row_op(const c10::IValue* a, size_t n, bool fused, RowCall& c) {
-  if (!a[0].isTensor() || !iv_backend(a[7])) return false;
-  for (size_t i = fused ? kRowFusedArgs : 8; i < n; i++)
-    if (!a[i].isNone()) return false;
-  if (fused && n >= kRowFusedArgs) {
-    for (size_t i = 15; i < 18; i++)
-      if (!a[i].isNone() && !a[i].isTensor()) return false;
-    c.ms = iv_tensor(a[15]);
-    c.mt = iv_tensor(a[16]);
-    c.g = iv_tensor(a[17]);
+// The positions of row_norm_fused_fwd's arguments (row_norm_fwd's are its first eight), from the ops'
+// one definition, normkit._row_args, handed over once by _setup: the op kernels read arguments by
+// name. An argument this file does not read (an option added there later) must be None for a call
+// to be served: the plans do not know it.
+struct RowOpArgs {
+  int x, ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset, out_dtype,
+      out_scale, out_scale_value, want_amax, mod_scale, mod_shift, gate;
+  std::vector<int> unread;
+};
+RowOpArgs op_args{};
+
+void set_row_op_args(py::sequence names) {
+  RowOpArgs r{};
+  const std::pair<const char*, int*> fields[] = {
+      {"x", &r.x}, {"normalized_ndim", &r.ndim}, {"weight", &r.weight}, {"bias", &r.bias}, {"eps", &r.eps},
+      {"rms", &r.rms}, {"activation", &r.activation}, {"backend", &r.backend}, {"residual", &r.residual},
+      {"residual_dtype", &r.residual_dtype}, {"weight_offset", &r.weight_offset}, {"out_dtype", &r.out_dtype},
+      {"out_scale", &r.out_scale}, {"out_scale_value", &r.out_scale_value}, {"want_amax", &r.want_amax},
+      {"mod_scale", &r.mod_scale}, {"mod_shift", &r.mod_shift}, {"gate", &r.gate}};
+  for (const auto& f : fields) *f.second = -1;
+  const int n = static_cast<int>(py::len(names));
+  for (int i = 0; i < n; i++) {
+    const std::string name = py::cast<std::string>(names[i]);
+    bool known = false;
+    for (const auto& f : fields)
+      if (name == f.first) *f.second = i, known = true;
+    if (!known) r.unread.push_back(i);
   }
-  c.x = a[0].toTensor();
-  c.w = iv_tensor(a[2]);
-  c.b = iv_tensor(a[3]);
-  c.rms = a[5].toBool();
-  c.act = iv_activation(a[6]);
-  c.eps = a[4].toDouble();
-  c.ndim = a[1].toInt();
+  for (const auto& f : fields)
+    TORCH_CHECK(*f.second >= 0, "normkit host path: row_norm_fused_fwd has no argument ", f.first);
+  op_args = std::move(r);
+}
+
+// row_norm_fwd and row_norm_fused_fwd (normkit._row_args): a[0..n) as the op's arguments (one that is
+// not there: None, its default); false where this path leaves the call to Python.
+bool parse_row_op(const c10::IValue* a, size_t n, bool fused, RowCall& c) {
+  static const c10::IValue none;
+  const RowOpArgs& p = op_args;
+  auto arg = [&](int i) -> const c10::IValue& { return static_cast<size_t>(i) < n ? a[i] : none; };
+  if (!arg(p.x).isTensor() || !iv_backend(arg(p.backend))) return false;
+  for (int i : p.unread)
+    if (!arg(i).isNone()) return false;
+  c.x = arg(p.x).toTensor();
+  c.w = iv_tensor(arg(p.weight));
+  c.b = iv_tensor(arg(p.bias));
+  c.rms = arg(p.rms).toBool();
+  c.act = iv_activation(arg(p.activation));
+  c.eps = arg(p.eps).toDouble();
+  c.ndim = arg(p.ndim).toInt();
   if (c.act < 0 || (c.rms && c.b.defined()) || !std::isfinite(c.eps) || c.eps < 0) return false;
   if (c.ndim < 1 || c.ndim > 16 || c.ndim > c.x.dim()) return false;
   std::optional<at::ScalarType> r_dtype;
   if (fused) {
-    c.r = iv_tensor(a[8]);
-    c.scale = iv_tensor(a[12]);
-    c.weight_offset = a[10].toDouble();
-    c.amax = a[14].toBool();
-    if (!iv_dtype(a[9], {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
-        !iv_dtype(a[11], {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2}, c.out_dtype) ||
+    for (int i : {p.residual, p.out_scale, p.mod_scale, p.mod_shift, p.gate})
+      if (!arg(i).isNone() && !arg(i).isTensor()) return false;
+    c.r = iv_tensor(arg(p.residual));
+    c.scale = iv_tensor(arg(p.out_scale));
+    c.ms = iv_tensor(arg(p.mod_scale));
+    c.mt = iv_tensor(arg(p.mod_shift));
+    c.g = iv_tensor(arg(p.gate));
+    c.weight_offset = arg(p.weight_offset).isNone() ? 0.0 : arg(p.weight_offset).toDouble();
+    c.amax = !arg(p.want_amax).isNone() && arg(p.want_amax).toBool();
+    if (!iv_dtype(arg(p.residual_dtype), {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
+        !iv_dtype(arg(p.out_dtype), {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2},
+                  c.out_dtype) ||
         !std::isfinite(c.weight_offset))
       return false;
-    if (!a[13].isNone()) {
+    if (!arg(p.out_scale_value).isNone()) {
       if (c.scale.defined()) return false;  // both a tensor and a float scale: Python says what it makes of it
-      c.scale_value = a[13].toDouble();
+      c.scale_value = arg(p.out_scale_value).toDouble();
       c.float_scale = true;
       if (!std::isfinite(c.scale_value)) return false;
     }
@@ -1589,7 +1620,7 @@ py::object parse_op(const std::string& name, py::args args) {
   }
   if (name == "row_norm_fwd" || name == "row_norm_fused_fwd") {
     const bool fused = name == "row_norm_fused_fwd";
-    TORCH_CHECK(fused ? a.size() >= 15u : a.size() == 8u, "parse_op: arguments");
+    TORCH_CHECK(a.size() >= 8u && (fused || a.size() == 8u), "parse_op: arguments");
     RowCall c;
     if (!parse_row_op(a.data(), a.size(), fused, c)) return py::none();
     return py::cast(row_fwd_key(c, true, c.r.defined()).list());
@@ -1618,7 +1649,8 @@ PyMethodDef fast_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 // What needs no GPU: the tensor types, key sets and the activation names (at import).
-void setup(py::tuple activations, py::tuple autocast_upcasts) {
+void setup(py::tuple activations, py::tuple autocast_upcasts, py::sequence row_op_args) {
+  set_row_op_args(row_op_args);
   upcasts[0] = py::cast<bool>(autocast_upcasts[0]);  // layer_norm
   upcasts[1] = py::cast<bool>(autocast_upcasts[1]);  // rms_norm
   tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
@@ -1674,6 +1706,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_rows_view", &rows_view_py);
   m.def("_gn_layout", [](const Tensor& t) { return gn_layout(t); });
   m.def("_register_ops", &register_ops);
+  m.def("_set_row_op_args", &set_row_op_args);  // _setup's; tests add an argument the kernels do not read
   m.def("_parse_op", &parse_op);
   m.def("_set_ops_enabled", [](bool on) { ops_enabled = on; });
   m.def("_ops_enabled", []() { return ops_enabled.load(); });
