@@ -11,7 +11,8 @@ same backend entry points with less host overhead and carry the torch.func rules
 The ops mutate nothing. A backward that autograd records (create_graph=True) is taken through the
 differentiable backward of _autograd.py, as in eager.
 
-Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims stay visible:
+Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims stay visible (the row
+ops' argument lists are defined once, in normkit._row_args, which their schemas come from):
   row_norm_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?) -> (y, mean, rstd)
   row_norm_bwd(dy, x, normalized_ndim, weight?, bias?, mean, rstd, rms, activation?,
                dweight_dtype?, dbias_dtype?, backend?) -> (dx, dweight, dbias)

@@ -8,6 +8,7 @@ Each op's arguments are a table of (name, schema type, default), in order. From 
   Python implementations, fakes and autograd), handed to the C++ host path once when it loads
   (normkit._host.load_extension -> host.cpp's RowOpArgs), so its op kernels read arguments by name.
 A new option is a row here (and its use where it is computed); no list of positions elsewhere.
+HOST_ROW (below) is the same for the C++ host path's eager entry.
 
 A default also goes into the schema for the arguments after the last one without a default (as
 Python's parameters take them), so a caller may leave the trailing options out.
@@ -101,3 +102,13 @@ ROW_BWD = RowOpArgs("row_norm_bwd", _ROW_BWD, "(Tensor, Tensor, Tensor)")
 ROW_FUSED_BWD = RowOpArgs("row_norm_fused_bwd", _ROW_BWD + _FUSED_BWD,
                           "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 OPS = {a.op: a for a in (ROW_FWD, ROW_FUSED_FWD, ROW_BWD, ROW_FUSED_BWD)}
+
+# The C++ host path's eager entry, normkit._host.fast.row_norm, in the order normkit.functional._via_host
+# passes its arguments (the public functions' own: normalized_shape as given, out_scale a float or a
+# tensor, autocast whether to apply torch's contract): a call passes the first HOST_ROW_LENGTHS[0]
+# (a plain call), the first [1] (fused options), or all (the modulation or a gate). host.cpp reads
+# them by these positions (handed over at load); tests/test_host.py checks _via_host's order.
+HOST_ROW = ("x", "normalized_shape", "weight", "bias", "eps", "rms", "activation", "backend", "residual", "prenorm",
+            "residual_dtype", "weight_offset", "out_dtype", "out_scale", "return_amax", "autocast", "mod_scale",
+            "mod_shift", "gate")
+HOST_ROW_LENGTHS = (8, 16, 19)

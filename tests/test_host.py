@@ -332,6 +332,41 @@ def test_modulated_and_gated_calls_it_leaves_to_python(ext, case):
     assert ext._parse_row(*_fused(x, N, w, b, **kw)) is None
 
 
+def test_via_host_passes_the_entry_arguments_in_their_order(host_path_calls):
+    """functional._via_host calls the eager entry positionally: in normkit._row_args.HOST_ROW's order,
+    whose positions host.cpp reads, and as long as HOST_ROW_LENGTHS says."""
+    from normkit import functional
+    from normkit._row_args import HOST_ROW, HOST_ROW_LENGTHS
+
+    token = {name: object() for name in HOST_ROW}
+    functional._via_host(**token)
+    functional._via_host(**dict(token, mod_scale=None, mod_shift=None, gate=None))
+    assert host_path_calls[0] == tuple(token[n] for n in HOST_ROW) and len(HOST_ROW) == HOST_ROW_LENGTHS[2]
+    assert host_path_calls[1] == tuple(token[n] for n in HOST_ROW[: HOST_ROW_LENGTHS[1]])
+
+
+@pytest.mark.parametrize("case", ["unknown name", "misplaced", "lengths"])
+def test_setup_refuses_an_entry_it_does_not_read(ext, case):
+    """An eager-entry argument host.cpp does not read, or one out of its place, fails the load (the
+    Python path then serves every call) instead of being dropped; a failed _setup changes nothing."""
+    from normkit._row_args import HOST_ROW, HOST_ROW_LENGTHS, ROW_FUSED_FWD
+    from normkit.functional import _autocast_upcasts
+    from normkit.reference import ACTIVATIONS
+
+    names, lengths = HOST_ROW, HOST_ROW_LENGTHS
+    if case == "unknown name":
+        names, lengths = HOST_ROW + ("new_option",), lengths[:2] + (lengths[2] + 1,)
+    elif case == "misplaced":  # the gate among the plain call's arguments
+        names = ("gate",) + HOST_ROW[1:-1] + ("x",)
+    else:
+        lengths = (8, 15, 19)
+    upcasts = (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda"))
+    with pytest.raises(RuntimeError, match="eager entry"):
+        ext._setup(ACTIVATIONS, upcasts, ROW_FUSED_FWD.names, names, lengths)
+    x = torch.randn(4, 8)
+    assert ext._parse_row(*_fused(x, 8, None, None, scale=torch.randn(4, 8))) is not None
+
+
 def test_row_view_mirrors_the_python_layout(ext):
     """Served exactly where the Python path reads the rows in place (normkit._layout.row_view makes
     a view, not a copy), for x and, walked with x's rows, the residual."""

@@ -73,14 +73,14 @@ def load_extension():
         from ..functional import _autocast_upcasts
         from ..reference import ACTIVATIONS
 
-        from .._row_args import ROW_FUSED_FWD
+        from .._row_args import HOST_ROW, HOST_ROW_LENGTHS, ROW_FUSED_FWD
 
         ext = build.load()
         _forget_plans_when_configs_change()
-        # the op kernels read the row ops' arguments by name (row_norm_fwd's lead the fused op's, by
-        # construction): their positions come from the ops' one definition
+        # the op kernels and the eager entry read their arguments by name (row_norm_fwd's lead the fused
+        # op's, by construction): their positions come from normkit._row_args
         ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")),
-                   ROW_FUSED_FWD.names)
+                   ROW_FUSED_FWD.names, HOST_ROW, HOST_ROW_LENGTHS)
         global _ops_handle
         _ops_handle = ext._register_ops(op_impls(), "CUDA")
         dispatch_changed()

@@ -897,51 +897,96 @@ bool finish_row(RowCall& c, const int64_t* dims, bool autocast, const std::optio
   return !c.extra || finish_extra(c, shape);
 }
 
-// Recognises a call this path serves: (x, normalized_shape, weight, bias, eps, rms, activation,
-// backend[, residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax,
-// autocast[, mod_scale, mod_shift, gate]]) as normkit.functional passes them (autocast: apply torch's
-// autocast contract, as the public functions do; False where the caller has applied it or wants
-// none); false for anything else (the Python path runs, and raises the errors for bad arguments).
+// The positions of the eager entry's arguments, from normkit._row_args.HOST_ROW (the order in which
+// functional._via_host passes them), handed over once by _setup: a call passes the first `plain` of
+// them, the first `fused`, or all `all`. Every name there must be one this file reads (else _setup
+// fails, and the Python path serves every call: an option the plans do not know is never dropped).
+struct HostRowArgs {
+  int x, shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype, weight_offset,
+      out_dtype, out_scale, return_amax, autocast, mod_scale, mod_shift, gate;
+  Py_ssize_t plain, fused, all;
+};
+HostRowArgs host_args{};
+
+void set_host_row_args(py::sequence names, py::tuple lengths) {
+  HostRowArgs h{};
+  // by tier: the plain call's arguments, the fused options, then the modulation and the gate
+  const std::pair<const char*, int*> fields[] = {
+      {"x", &h.x}, {"normalized_shape", &h.shape}, {"weight", &h.weight}, {"bias", &h.bias}, {"eps", &h.eps},
+      {"rms", &h.rms}, {"activation", &h.activation}, {"backend", &h.backend}, {"residual", &h.residual},
+      {"prenorm", &h.prenorm}, {"residual_dtype", &h.residual_dtype}, {"weight_offset", &h.weight_offset},
+      {"out_dtype", &h.out_dtype}, {"out_scale", &h.out_scale}, {"return_amax", &h.return_amax},
+      {"autocast", &h.autocast}, {"mod_scale", &h.mod_scale}, {"mod_shift", &h.mod_shift}, {"gate", &h.gate}};
+  h.plain = py::cast<Py_ssize_t>(lengths[0]);
+  h.fused = py::cast<Py_ssize_t>(lengths[1]);
+  h.all = py::cast<Py_ssize_t>(lengths[2]);
+  const Py_ssize_t tiers[3] = {h.plain, h.fused, h.all};
+  TORCH_CHECK(py::len(names) == static_cast<size_t>(h.all) && h.plain <= h.fused && h.fused <= h.all,
+              "normkit host path: the eager entry's argument list and its lengths disagree");
+  for (const auto& f : fields) *f.second = -1;
+  for (Py_ssize_t i = 0; i < h.all; i++) {
+    const std::string name = py::cast<std::string>(names[i]);
+    bool known = false;
+    for (const auto& f : fields)
+      if (name == f.first) *f.second = static_cast<int>(i), known = true;
+    TORCH_CHECK(known, "normkit host path: the eager entry passes ", name, ", which it does not read");
+  }
+  for (size_t k = 0; k < std::size(fields); k++)  // each field within its tier: 8 plain, 8 fused, 3 more
+    TORCH_CHECK(*fields[k].second >= 0 && *fields[k].second < tiers[k < 8 ? 0 : k < 16 ? 1 : 2],
+                "normkit host path: the eager entry's argument ", fields[k].first, " is missing or misplaced");
+  host_args = h;
+}
+
+// Recognises a call this path serves: the eager entry's arguments (HOST_ROW: x, normalized_shape,
+// weight, bias, eps, rms, activation, backend[, residual, prenorm, residual_dtype, weight_offset,
+// out_dtype, out_scale, return_amax, autocast[, mod_scale, mod_shift, gate]]) as normkit.functional
+// passes them (autocast: apply torch's autocast contract, as the public functions do; False where the
+// caller has applied it or wants none); false for anything else (the Python path runs, and raises the
+// errors for bad arguments).
 bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCall& c) {
-  if ((nargs != 8 && nargs != 16 && nargs != 19) || (kwnames && PyTuple_GET_SIZE(kwnames))) return false;
-  PyObject *pw = args[2], *pb = args[3], *prms = args[5];
-  if (!plain_args(args[0], pw, pb) || !backend_ok(args[7]) || (prms != Py_True && prms != Py_False)) return false;
+  const HostRowArgs& h = host_args;
+  if ((nargs != h.plain && nargs != h.fused && nargs != h.all) || (kwnames && PyTuple_GET_SIZE(kwnames)))
+    return false;
+  PyObject *pw = args[h.weight], *pb = args[h.bias], *prms = args[h.rms];
+  if (!plain_args(args[h.x], pw, pb) || !backend_ok(args[h.backend]) || (prms != Py_True && prms != Py_False))
+    return false;
   c.rms = prms == Py_True;
-  c.act = activation_code(args[6]);
+  c.act = activation_code(args[h.activation]);
   if (c.act < 0 || (c.rms && pb != Py_None)) return false;
-  if (c.rms && args[4] == Py_None) {
+  if (c.rms && args[h.eps] == Py_None) {
     c.eps = 1.1920928955078125e-07;  // torch.finfo(float32).eps, F.rms_norm's default for these dtypes
-  } else if (!read_eps(args[4], c.eps)) {
+  } else if (!read_eps(args[h.eps], c.eps)) {
     return false;
   }
   PyObject *pr = Py_None, *pscale = Py_None;
   bool autocast = true;
   std::optional<at::ScalarType> r_dtype;
-  if (nargs >= 16) {
-    pr = args[8];
-    pscale = args[13];
+  if (nargs >= h.fused) {
+    pr = args[h.residual];
+    pscale = args[h.out_scale];
     if (pr != Py_None && !plain_tensor(pr)) return false;
     if (pscale != Py_None && !plain_tensor(pscale)) {
       if (!read_real(pscale, c.scale_value)) return false;
       c.float_scale = true;
     }
-    if (!read_bool(args[9], c.prenorm) || !read_bool(args[14], c.amax) || !read_bool(args[15], autocast) ||
-        !read_dtype(args[10], {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
-        !read_real(args[11], c.weight_offset) ||
-        !read_dtype(args[12], {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2},
+    if (!read_bool(args[h.prenorm], c.prenorm) || !read_bool(args[h.return_amax], c.amax) ||
+        !read_bool(args[h.autocast], autocast) ||
+        !read_dtype(args[h.residual_dtype], {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
+        !read_real(args[h.weight_offset], c.weight_offset) ||
+        !read_dtype(args[h.out_dtype], {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2},
                     c.out_dtype))
       return false;
   }
-  if (nargs == 19) {
-    for (int i = 16; i < 19; i++)
+  if (nargs == h.all) {
+    for (int i : {h.mod_scale, h.mod_shift, h.gate})
       if (args[i] != Py_None && !plain_tensor(args[i])) return false;
-    if (args[16] != Py_None) c.ms = THPVariable_Unpack(args[16]);
-    if (args[17] != Py_None) c.mt = THPVariable_Unpack(args[17]);
-    if (args[18] != Py_None) c.g = THPVariable_Unpack(args[18]);
+    if (args[h.mod_scale] != Py_None) c.ms = THPVariable_Unpack(args[h.mod_scale]);
+    if (args[h.mod_shift] != Py_None) c.mt = THPVariable_Unpack(args[h.mod_shift]);
+    if (args[h.gate] != Py_None) c.g = THPVariable_Unpack(args[h.gate]);
   }
   int64_t dims[16];
-  if (!read_shape(args[1], dims, c.ndim)) return false;
-  c.x = THPVariable_Unpack(args[0]);
+  if (!read_shape(args[h.shape], dims, c.ndim)) return false;
+  c.x = THPVariable_Unpack(args[h.x]);
   if (pw != Py_None) c.w = THPVariable_Unpack(pw);
   if (pb != Py_None) c.b = THPVariable_Unpack(pb);
   if (pr != Py_None) c.r = THPVariable_Unpack(pr);
@@ -1649,8 +1694,10 @@ PyMethodDef fast_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 // What needs no GPU: the tensor types, key sets and the activation names (at import).
-void setup(py::tuple activations, py::tuple autocast_upcasts, py::sequence row_op_args) {
+void setup(py::tuple activations, py::tuple autocast_upcasts, py::sequence row_op_args, py::sequence host_row_args,
+           py::tuple host_row_lengths) {
   set_row_op_args(row_op_args);
+  set_host_row_args(host_row_args, host_row_lengths);
   upcasts[0] = py::cast<bool>(autocast_upcasts[0]);  // layer_norm
   upcasts[1] = py::cast<bool>(autocast_upcasts[1]);  // rms_norm
   tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
