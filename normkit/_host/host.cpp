@@ -897,6 +897,23 @@ bool finish_row(RowCall& c, const int64_t* dims, bool autocast, const std::optio
   return !c.extra || finish_extra(c, shape);
 }
 
+// Sets each field (name, where its position goes) to its name's position in `names` (-1: not there);
+// returns the positions of the names no field has.
+template <size_t K>
+std::vector<int> positions(py::sequence names, const std::pair<const char*, int*> (&fields)[K]) {
+  for (const auto& f : fields) *f.second = -1;
+  std::vector<int> unread;
+  const int n = static_cast<int>(py::len(names));
+  for (int i = 0; i < n; i++) {
+    const std::string name = py::cast<std::string>(names[i]);
+    bool known = false;
+    for (const auto& f : fields)
+      if (name == f.first) *f.second = i, known = true;
+    if (!known) unread.push_back(i);
+  }
+  return unread;
+}
+
 // The positions of the eager entry's arguments, from normkit._row_args.HOST_ROW (the order in which
 // functional._via_host passes them), handed over once by _setup: a call passes the first `plain` of
 // them, the first `fused`, or all `all`. Every name there must be one this file reads (else _setup
@@ -923,14 +940,9 @@ void set_host_row_args(py::sequence names, py::tuple lengths) {
   const Py_ssize_t tiers[3] = {h.plain, h.fused, h.all};
   TORCH_CHECK(py::len(names) == static_cast<size_t>(h.all) && h.plain <= h.fused && h.fused <= h.all,
               "normkit host path: the eager entry's argument list and its lengths disagree");
-  for (const auto& f : fields) *f.second = -1;
-  for (Py_ssize_t i = 0; i < h.all; i++) {
-    const std::string name = py::cast<std::string>(names[i]);
-    bool known = false;
-    for (const auto& f : fields)
-      if (name == f.first) *f.second = static_cast<int>(i), known = true;
-    TORCH_CHECK(known, "normkit host path: the eager entry passes ", name, ", which it does not read");
-  }
+  for (int i : positions(names, fields))
+    TORCH_CHECK(false, "normkit host path: the eager entry passes ", py::cast<std::string>(names[i]),
+                ", which it does not read");
   for (size_t k = 0; k < std::size(fields); k++)  // each field within its tier: 8 plain, 8 fused, 3 more
     TORCH_CHECK(*fields[k].second >= 0 && *fields[k].second < tiers[k < 8 ? 0 : k < 16 ? 1 : 2],
                 "normkit host path: the eager entry's argument ", fields[k].first, " is missing or misplaced");
@@ -1449,15 +1461,7 @@ void set_row_op_args(py::sequence names) {
       {"residual_dtype", &r.residual_dtype}, {"weight_offset", &r.weight_offset}, {"out_dtype", &r.out_dtype},
       {"out_scale", &r.out_scale}, {"out_scale_value", &r.out_scale_value}, {"want_amax", &r.want_amax},
       {"mod_scale", &r.mod_scale}, {"mod_shift", &r.mod_shift}, {"gate", &r.gate}};
-  for (const auto& f : fields) *f.second = -1;
-  const int n = static_cast<int>(py::len(names));
-  for (int i = 0; i < n; i++) {
-    const std::string name = py::cast<std::string>(names[i]);
-    bool known = false;
-    for (const auto& f : fields)
-      if (name == f.first) *f.second = i, known = true;
-    if (!known) r.unread.push_back(i);
-  }
+  r.unread = positions(names, fields);
   for (const auto& f : fields)
     TORCH_CHECK(*f.second >= 0, "normkit host path: row_norm_fused_fwd has no argument ", f.first);
   op_args = std::move(r);
