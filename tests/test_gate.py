@@ -289,6 +289,21 @@ def test_host_path_gets_the_gate(host_path_calls):
     assert len(host_path_calls) == 4 and all(len(a) == 19 and a[18] is g for a in host_path_calls)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wanted", ["x", "weight", "x weight"])
+def test_gradients_with_a_gate_that_wants_none(backend, wanted):
+    """The gate does not require grad (dgate not asked, though the kernels write it): the other
+    gradients are the oracle's (the Triton path once failed to set the unwanted dgate aside)."""
+    x, g, w, _ = _inputs((2, 3, 16), (16,), grad=False)
+    leaves = [p.requires_grad_() for p, name in ((x, "x"), (w, "weight")) if name in wanted.split()]
+    y = normkit.rms_norm(x, 16, w, EPS, gate=g, backend=backend)
+    dy = randn(*y.shape, gen=torch.Generator().manual_seed(1), device=DEVICE)
+    dx64, dw64, _ = ref.rms_norm_backward(dy, x, (16,), w, EPS, gate=g)
+    want = [t for t, name in ((dx64, "x"), (dw64, "weight")) if name in wanted.split()]
+    for got, exp in zip(torch.autograd.grad(y, leaves, dy), want, strict=True):
+        assert ref.rel_err(got, exp) <= 2e-5
+
+
 def test_module_takes_the_gate():
     x, g, w, _ = _inputs((2, 3, 16), (16,), grad=False)
     m = normkit.RMSNorm(16, eps=EPS).to(DEVICE)
