@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+import normkit
 from normkit import _host
 from normkit._host import plans
 from normkit.backends import triton as tb
@@ -365,6 +366,75 @@ def test_setup_refuses_an_entry_it_does_not_read(ext, case):
         ext._setup(ACTIVATIONS, upcasts, ROW_FUSED_FWD.names, names, lengths)
     x = torch.randn(4, 8)
     assert ext._parse_row(*_fused(x, 8, None, None, scale=torch.randn(4, 8))) is not None
+
+
+@pytest.fixture
+def cpu_calls(ext, monkeypatch):
+    """The extension serving row calls on CPU tensors through its eager entry and autograd node,
+    each call running the Python host functions (no plans: those need a GPU)."""
+    ext._serve_cpu_calls(_host._callbacks(), True)
+    monkeypatch.setattr(_host, "fast", ext)
+    yield ext
+    ext._serve_cpu_calls(_host._callbacks(), False)
+
+
+def _cpu_cases():
+    B, T, C = 2, 3, 32
+    g = torch.Generator().manual_seed(0)
+    t = lambda *s, dtype=torch.float32: (torch.randn(s, generator=g) * 0.7 + 0.2).to(dtype)  # noqa: E731
+    x, w, b, sc, sh, gate, emb = t(B, T, C), t(C), t(C), t(B, C), t(B, 1, C), t(B, T, C), t(B, 3 * C)
+    tb_ = dict(backend="triton")  # both paths on the Triton backend (interpreted), so bitwise alike
+    return {
+        "ln scale shift": ((x, w, b, sc, sh), lambda x, w, b, s, h: normkit.layer_norm(x, C, w, b, scale=s, shift=h,
+                                                                                       **tb_)),
+        "ln silu embedding chunks": ((x, w, b, emb), lambda x, w, b, e: normkit.layer_norm(
+            x, C, w, b, scale=e[:, C:2 * C], shift=e[:, :C], activation="silu", **tb_)),
+        "rms shift": ((x, w, sh), lambda x, w, h: normkit.rms_norm(x, C, w, shift=h, **tb_)),
+        "ln scale is shift": ((x, sc), lambda x, s: normkit.layer_norm(x, C, scale=s, shift=s, **tb_)),
+        "rms gate": ((x, gate, w), lambda x, g, w: normkit.rms_norm(x, C, w, gate=g, **tb_)),
+        "rms gate groups": ((x, gate, t(4, C // 4)), lambda x, g, w: normkit.rms_norm(
+            x.view(B, T, 4, C // 4), C // 4, w, gate=g.view(B, T, 4, C // 4), **tb_)),
+        "ln bf16 gate": ((x, gate.bfloat16(), w, b), lambda x, g, w, b: normkit.layer_norm(x, C, w, b, gate=g, **tb_)),
+    }
+
+
+def _grads_of(fn, inputs, wanted, create_graph=False):
+    leaves = [v.detach().clone().requires_grad_(i in wanted) for i, v in enumerate(inputs)]
+    y = fn(*leaves)
+    if not wanted:
+        return [y]
+    chosen = [leaves[i] for i in sorted(wanted)]
+    grads = torch.autograd.grad(y, chosen, (y.detach() * 0.7 + 0.3).cos(), create_graph=create_graph)
+    if create_graph:  # double backward: the node hands the backward to the differentiable torch ops
+        grads = torch.autograd.grad(sum((g * g).sum() for g in grads), chosen, allow_unused=True)
+    return [y, *grads]
+
+
+@pytest.mark.parametrize("name", list(_cpu_cases()))
+def test_modulated_and_gated_calls_through_the_cpp_node(cpu_calls, name):
+    """The eager entry and the C++ autograd node (seven edges: dscale, dshift, dgate) give the Python
+    path's outputs and gradients bit for bit, for every requires_grad subset of one and two inputs and
+    all of them, and with create_graph (the differentiable backward, called from C++)."""
+    import itertools
+
+    inputs, fn = _cpu_cases()[name]
+    n = len(inputs)
+    subsets = [set()] + [set(c) for k in (1, 2, n) for c in itertools.combinations(range(n), k)]
+    for wanted in subsets:
+        for create_graph in (False, True) if len(wanted) == n else (False,):
+            with _host.python_path():
+                want = _grads_of(fn, inputs, wanted, create_graph)
+            s0 = cpu_calls._stats()
+            got = _grads_of(fn, inputs, wanted, create_graph)
+            s1 = cpu_calls._stats()
+            what = (name, sorted(wanted), create_graph)
+            assert s1["python_runs"] - s0["python_runs"] == (1 if not wanted or create_graph else 2), what
+            assert (s1["differentiable_backwards"] > s0["differentiable_backwards"]) == create_graph, what
+            assert len(got) == len(want), what
+            for a, e in zip(got, want):
+                assert (a is None) == (e is None), what
+                if a is not None:
+                    assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e), what
 
 
 def test_row_view_mirrors_the_python_layout(ext):

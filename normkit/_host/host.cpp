@@ -398,6 +398,9 @@ struct Callbacks {
   py::object row_fwd, row_bwd, gn_fwd, gn_bwd, row_vjp, gn_vjp;
 };
 Callbacks* callbacks = nullptr;   // set by _init, never freed (lives as long as the process)
+// Tests without a GPU: row calls on CPU tensors take the eager entry and the autograd node too, each
+// running the Python host functions (never a plan). Off outside those tests (_serve_cpu_calls).
+bool cpu_calls = false;
 PyObject* act_names[8] = {};      // activation code -> name (code 0: None)
 int n_acts = 0;
 PyObject* triton_name = nullptr;
@@ -579,7 +582,7 @@ template <class Make, class Python>
 void run(const Key& key, const Tensor* inputs, int n_inputs, c10::Device dev, Make&& make, Python&& python,
          Tensor (&outs)[kMaxOuts], int n_out = 3) {
   PlanPtr plan;
-  Action action = lookup(key, plan);
+  Action action = dev.is_cuda() ? lookup(key, plan) : Action::kPython;  // CPU: the tests' cpu_calls, no plans
   if (action == Action::kReplay && replay(*plan, inputs, dev, make, outs)) return;
   const bool record = action == Action::kRecord;
   n_python++;
@@ -1089,7 +1092,7 @@ bool row_grad(const RowCall& c) {
 PyObject* py_row_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
   RowCall c;
-  if (!callbacks || !parse_row(args, nargs, kwnames, c) || !c.x.is_cuda()) Py_RETURN_NONE;
+  if (!callbacks || !parse_row(args, nargs, kwnames, c) || (!c.x.is_cuda() && !cpu_calls)) Py_RETURN_NONE;
   const bool grad = row_grad(c);
   if (grad && c.out_dtype && is_fp8(*c.out_dtype)) Py_RETURN_NONE;  // a float8 y's gradient: the Python path
   const bool store_h = c.r.defined() && (grad || c.prenorm);  // with grad the backward normalizes h again
@@ -1724,12 +1727,19 @@ void setup(py::tuple activations, py::tuple autocast_upcasts, py::sequence row_o
 }
 
 // What needs the driver and a CUDA device: called on the first CUDA call. "" or why it cannot run.
+void set_callbacks(py::dict cbs);
+
 std::string init(py::dict cbs) {
   std::string why = cu::load();
   if (!why.empty()) return why;
   // torch's CUDA caching allocator (or the one configured in its place), as at::empty uses it
   cuda_allocator = at::empty({1}, at::TensorOptions().device(at::kCUDA)).storage().allocator();
   if (!cuda_allocator) return "torch's CUDA tensors have no allocator to share";
+  set_callbacks(cbs);
+  return "";
+}
+
+void set_callbacks(py::dict cbs) {
   auto* c = new Callbacks();
   c->row_fwd = cbs["row_fwd"];
   c->row_bwd = cbs["row_bwd"];
@@ -1738,7 +1748,6 @@ std::string init(py::dict cbs) {
   c->row_vjp = cbs["row_vjp"];
   c->gn_vjp = cbs["gn_vjp"];
   callbacks = c;
-  return "";
 }
 
 }  // namespace
@@ -1758,6 +1767,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_gn_layout", [](const Tensor& t) { return gn_layout(t); });
   m.def("_register_ops", &register_ops);
   m.def("_set_row_op_args", &set_row_op_args);  // _setup's; tests add an argument the kernels do not read
+  m.def("_serve_cpu_calls", [](py::dict cbs, bool on) {  // tests without a GPU (cpu_calls)
+    if (!callbacks) set_callbacks(cbs);
+    cpu_calls = on;
+  });
   m.def("_parse_op", &parse_op);
   m.def("_set_ops_enabled", [](bool on) { ops_enabled = on; });
   m.def("_ops_enabled", []() { return ops_enabled.load(); });
