@@ -284,7 +284,7 @@ def _row_norm_backward(ctx, dy, *grads):
     if ctx.fused:
         given.update(residual=dres, mod_scale=ds if mod_needs[0] else None, mod_shift=dt if mod_needs[1] else None,
                      gate=dg if need_dg else None)
-    return A.grads(len(ctx.needs_input_grad), **given)
+    return A.by_position(len(ctx.needs_input_grad), **given)
 
 
 _row_norm_fwd.register_autograd(_row_norm_backward, setup_context=_row_norm_setup)
@@ -441,55 +441,67 @@ def _register_sharding() -> None:
     def p(t):  # an optional parameter: replicated, or no placement when absent
         return None if t is None else Replicate()
 
+    # the row ops' rules read their arguments and place their inputs by name (normkit._row_args)
     @register_sharding(torch.ops.normkit.row_norm_fwd.default)
-    def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend):
-        rules = [([Replicate()] * 3, [Replicate(), None, p(weight), p(bias), None, None, None, None])]
-        for d in range(x.ndim - normalized_ndim):
-            rules.append(([Shard(d), rep_or(Shard(d), not rms), Shard(d)],
-                          [Shard(d), None, p(weight), p(bias), None, None, None, None]))
+    def _(*args):
+        a = A_FWD.read(*args)
+
+        def inputs(xp):
+            return list(A_FWD.by_position(len(args), x=xp, weight=p(a.weight), bias=p(a.bias)))
+
+        rules = [([Replicate()] * 3, inputs(Replicate()))]
+        for d in range(a.x.ndim - a.normalized_ndim):
+            rules.append(([Shard(d), rep_or(Shard(d), not a.rms), Shard(d)], inputs(Shard(d))))
         return rules
 
     @register_sharding(torch.ops.normkit.row_norm_bwd.default)
-    def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dw_dtype, db_dtype, backend):
-        tail = [None, None, None, None, None]
-        rules = [([Replicate()] * 3,
-                  [Replicate(), Replicate(), None, p(weight), p(bias), Replicate(), Replicate()] + tail)]
-        for d in range(x.ndim - normalized_ndim):
-            rules.append(([Shard(d), rep_or(Partial(), dw_dtype is not None), rep_or(Partial(), db_dtype is not None)],
-                          [Shard(d), Shard(d), None, p(weight), p(bias), rep_or(Shard(d), not rms), Shard(d)] + tail))
+    def _(*args):
+        a = A_BWD.read(*args)
+
+        def inputs(xp, stat):
+            return list(A_BWD.by_position(len(args), dy=xp, x=xp, weight=p(a.weight), bias=p(a.bias), mean=stat,
+                                          rstd=xp))
+
+        rules = [([Replicate()] * 3, inputs(Replicate(), Replicate()))]
+        for d in range(a.x.ndim - a.normalized_ndim):
+            rules.append(([Shard(d), rep_or(Partial(), a.dweight_dtype is not None),
+                           rep_or(Partial(), a.dbias_dtype is not None)], inputs(Shard(d), rep_or(Shard(d), not a.rms))))
         return rules
 
     @register_sharding(torch.ops.normkit.row_norm_fused_fwd.default)
-    def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset,
-          out_dtype, out_scale, out_scale_value, want_amax, mod_scale=None, mod_shift=None, gate=None):
+    def _(*args):
+        a = A_FUSED.read(*args)
+
         # outputs (y, h, mean, rstd, amax): the amax of row shards is their max (a Partial max)
         def inputs(xp):
-            return [xp, None, p(weight), p(bias), None, None, None, None, None if residual is None else xp,
-                    None, None, None, p(out_scale), None, None, p(mod_scale), p(mod_shift),
-                    None if gate is None else xp]
+            return list(A_FUSED.by_position(len(args), x=xp, weight=p(a.weight), bias=p(a.bias),
+                                            residual=None if a.residual is None else xp, out_scale=p(a.out_scale),
+                                            mod_scale=p(a.mod_scale), mod_shift=p(a.mod_shift),
+                                            gate=None if a.gate is None else xp))
 
         rules = [([Replicate()] * 5, inputs(Replicate()))]
         # modulation (per-sample tables): replicated only
-        for d in range(x.ndim - normalized_ndim if mod_scale is None and mod_shift is None else 0):
-            rules.append(([Shard(d), rep_or(Shard(d), residual is not None), rep_or(Shard(d), not rms), Shard(d),
-                           rep_or(Partial("max"), want_amax)], inputs(Shard(d))))
+        for d in range(a.x.ndim - a.normalized_ndim if a.mod_scale is None and a.mod_shift is None else 0):
+            rules.append(([Shard(d), rep_or(Shard(d), a.residual is not None), rep_or(Shard(d), not a.rms), Shard(d),
+                           rep_or(Partial("max"), a.want_amax)], inputs(Shard(d))))
         return rules
 
     @register_sharding(torch.ops.normkit.row_norm_fused_bwd.default)
-    def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dw_dtype, db_dtype, backend,
-          weight_offset, dh, dx_dtype, dres_dtype, mod_scale=None, mod_shift=None, ds_dtype=None, dt_dtype=None,
-          gate=None):
-        def inputs(xp):
-            return [xp, xp, None, p(weight), p(bias), Replicate() if rms else xp, xp, None, None, None, None, None,
-                    None, None if dh is None else xp, None, None, p(mod_scale), p(mod_shift), None, None,
-                    None if gate is None else xp]
+    def _(*args):
+        a = A_FUSED_BWD.read(*args)
 
-        dres = dres_dtype is not None and dres_dtype != dx_dtype
+        def inputs(xp):
+            return list(A_FUSED_BWD.by_position(len(args), dy=xp, x=xp, weight=p(a.weight), bias=p(a.bias),
+                                                mean=Replicate() if a.rms else xp, rstd=xp,
+                                                dh=None if a.dh is None else xp, mod_scale=p(a.mod_scale),
+                                                mod_shift=p(a.mod_shift), gate=None if a.gate is None else xp))
+
+        dres = a.dres_dtype is not None and a.dres_dtype != a.dx_dtype
         rules = [([Replicate()] * 7, inputs(Replicate()))]
-        for d in range(x.ndim - normalized_ndim if mod_scale is None and mod_shift is None else 0):
-            rules.append(([Shard(d), rep_or(Shard(d), dres), rep_or(Partial(), dw_dtype is not None),
-                           rep_or(Partial(), db_dtype is not None), Replicate(), Replicate(),
-                           rep_or(Shard(d), gate is not None)], inputs(Shard(d))))
+        for d in range(a.x.ndim - a.normalized_ndim if a.mod_scale is None and a.mod_shift is None else 0):
+            rules.append(([Shard(d), rep_or(Shard(d), dres), rep_or(Partial(), a.dweight_dtype is not None),
+                           rep_or(Partial(), a.dbias_dtype is not None), Replicate(), Replicate(),
+                           rep_or(Shard(d), a.gate is not None)], inputs(Shard(d))))
         return rules
 
     @register_sharding(torch.ops.normkit.group_norm_fwd.default)

@@ -62,16 +62,16 @@ class RowOpArgs:
                 out.append(default)
         return tuple(out)
 
-    def grads(self, n: int, **by_name) -> tuple:
-        """The autograd formula's return for a call that passed the first n arguments (the trailing
-        defaults may be left out): the given gradients by name, None elsewhere."""
+    def by_position(self, n: int, **by_name) -> tuple:
+        """One value per argument a call passed (the first n: the trailing defaults may be left out),
+        given by name, None elsewhere: an autograd formula's gradients, a sharding rule's placements."""
         out = [None] * n
         for name, g in by_name.items():
             i = self.index[name]
             if i < n:
                 out[i] = g
             elif g is not None:
-                raise RuntimeError(f"{self.op}: a gradient for {name}, which the call did not pass")
+                raise RuntimeError(f"{self.op}: a value for {name}, which the call did not pass")
         return tuple(out)
 
 
