@@ -788,8 +788,8 @@ int64_t param_rows_of(const Tensor& p, c10::Device dev, c10::IntArrayRef shape, 
   return 0;
 }
 
-// A modulation table or a gate: a float tensor (float64 too: the kernels read it as they read x's
-// neighbours, in fp32) on x's device, plain (as tensor_ok).
+// A modulation table or a gate: a floating tensor on x's device, plain (as tensor_ok); float64 too,
+// which the Python path takes for them (any float dtype) with x of another dtype.
 bool aux_ok(const Tensor& t, c10::Device dev) {
   if (t.device() != dev || t.layout() != c10::kStrided) return false;
   const at::ScalarType s = t.scalar_type();
