@@ -433,8 +433,9 @@ def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized
             _rows(backend, dy, shape, rows), rows, param_rows(weight, shape), mean_rows, rstd.reshape(-1), rms,
             dw_dtype, db_dtype, bias=param_rows(bias, shape), activation=activation, weight_offset=weight_offset,
             dh=None if dh is None else _rows(backend, dh, shape, rows), dx_dtype=first, dres_dtype=second, **mod)
-        if gate is not None:
-            dgate = fresh(dmod.pop().view(x.shape)) if need_dgate else None
+        if gate is not None:  # the backend writes dgate whether or not it is wanted: always its last output
+            dgate = dmod.pop()
+            dgate = fresh(dgate.view(x.shape)) if need_dgate else None
         dmod = tuple(dmod) or (None, None)
         dmod = tuple(None if d is None else fresh(d.view(t.shape)) for d, t in zip(dmod, (mod_scale, mod_shift)))
     dx = fresh(dx.view(x.shape))

@@ -11,7 +11,8 @@ same backend entry points with less host overhead and carry the torch.func rules
 The ops mutate nothing. A backward that autograd records (create_graph=True) is taken through the
 differentiable backward of _autograd.py, as in eager.
 
-Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims stay visible:
+Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims stay visible (the row
+ops' argument lists are defined once, in normkit._row_args, which their schemas come from):
   row_norm_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?) -> (y, mean, rstd)
   row_norm_bwd(dy, x, normalized_ndim, weight?, bias?, mean, rstd, rms, activation?,
                dweight_dtype?, dbias_dtype?, backend?) -> (dx, dweight, dbias)
@@ -45,7 +46,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _autograd, _host, backends
+from . import _autograd, _host, _row_args, backends
 from ._layout import bcs, fresh, from_bcs, is_channels_last
 
 __all__ = ["needed", "row_norm", "row_norm_fused", "row_norm_with_stats", "row_norm_grads", "group_norm"]
@@ -91,6 +92,22 @@ def _present(t: Tensor):
 
 
 # ----------------------------------------------------------------------------- row norm (LN / RMS)
+# The four ops' arguments are defined once, in normkit._row_args: their schemas come from there, and
+# their Python implementations, fakes and autograd read a call's arguments by name (`A.read(*args)`).
+
+A_FWD, A_FUSED, A_BWD, A_FUSED_BWD = _row_args.ROW_FWD, _row_args.ROW_FUSED_FWD, _row_args.ROW_BWD, \
+    _row_args.ROW_FUSED_BWD
+
+
+def _row_op(args: "_row_args.RowOpArgs", impl):
+    return torch.library.custom_op(f"normkit::{args.op}", impl, mutates_args=(), schema=args.schema())
+
+
+def _options(a):
+    """The fused forward's RowOptions from its arguments (a: A_FUSED.read)."""
+    return _autograd.RowOptions(a.residual_dtype, a.weight_offset, a.out_dtype, a.out_scale_value, a.want_amax,
+                                a.mod_scale is not None, a.mod_shift is not None, a.gate is not None)
+
 
 def _fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual=None, scale=None,
          opts=_autograd.PLAIN, mod_scale=None, mod_shift=None, gate=None):
@@ -114,59 +131,57 @@ def _fwd_fake(x, normalized_ndim, weight, bias, eps, rms, residual=None, opts=_a
     return x.new_empty(x.shape, dtype=opts.out_dtype or x.dtype), h, mean, rstd, amax
 
 
-@torch.library.custom_op("normkit::row_norm_fwd", mutates_args=())
-def _row_norm_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                  rms: bool, activation: Optional[str], backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
-    y, _, mean, rstd, _ = _fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend)
+def _row_norm_fwd_impl(*args):
+    a = A_FWD.read(*args)
+    y, _, mean, rstd, _ = _fwd(a.x, a.normalized_ndim, a.weight, a.bias, a.eps, a.rms, a.activation, a.backend)
     return y, mean, rstd
 
 
-@_row_norm_fwd.register_fake
-def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend):
-    y, _, mean, rstd, _ = _fwd_fake(x, normalized_ndim, weight, bias, eps, rms)
+def _row_norm_fwd_fake(*args):
+    a = A_FWD.read(*args)
+    y, _, mean, rstd, _ = _fwd_fake(a.x, a.normalized_ndim, a.weight, a.bias, a.eps, a.rms)
     return y, mean, rstd
 
 
-@torch.library.custom_op("normkit::row_norm_fused_fwd", mutates_args=())
-def _row_norm_fused_fwd(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                        rms: bool, activation: Optional[str], backend: Optional[str], residual: Optional[Tensor],
-                        residual_dtype: Optional[torch.dtype], weight_offset: float, out_dtype: Optional[torch.dtype],
-                        out_scale: Optional[Tensor], out_scale_value: Optional[float],
-                        want_amax: bool, mod_scale: Optional[Tensor] = None,
-                        mod_shift: Optional[Tensor] = None,
-                        gate: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    opts = _autograd.RowOptions(residual_dtype, weight_offset, out_dtype, out_scale_value, want_amax,
-                                mod_scale is not None, mod_shift is not None, gate is not None)
-    return _fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, out_scale, opts,
-                mod_scale, mod_shift, gate)
+def _row_norm_fused_fwd_impl(*args):
+    a = A_FUSED.read(*args)
+    return _fwd(a.x, a.normalized_ndim, a.weight, a.bias, a.eps, a.rms, a.activation, a.backend, a.residual,
+                a.out_scale, _options(a), a.mod_scale, a.mod_shift, a.gate)
 
 
-@_row_norm_fused_fwd.register_fake
-def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset,
-      out_dtype, out_scale, out_scale_value, want_amax, mod_scale=None, mod_shift=None, gate=None):
-    opts = _autograd.RowOptions(residual_dtype, weight_offset, out_dtype, out_scale_value, want_amax)
-    return _fwd_fake(x, normalized_ndim, weight, bias, eps, rms, residual, opts)
+def _row_norm_fused_fwd_fake(*args):
+    a = A_FUSED.read(*args)
+    return _fwd_fake(a.x, a.normalized_ndim, a.weight, a.bias, a.eps, a.rms, a.residual, _options(a))
 
 
-def _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend,
-         weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
-         dmod_dtypes=(None, None), gate=None):
-    """Both backward ops: (dx, dres or absent, dweight or absent, dbias or absent, dscale or absent,
-    dshift or absent, dgate or absent)."""
-    be = _resolve(backend, x, "rms_norm backward" if rms else "layer_norm backward", backward=True)
-    dx_dtype = dx_dtype or x.dtype
-    dres_dtype = None if dres_dtype == dx_dtype else dres_dtype  # then dres is dx: the caller uses dx
+_row_norm_fwd = _row_op(A_FWD, _row_norm_fwd_impl)
+_row_norm_fwd.register_fake(_row_norm_fwd_fake)
+_row_norm_fused_fwd = _row_op(A_FUSED, _row_norm_fused_fwd_impl)
+_row_norm_fused_fwd.register_fake(_row_norm_fused_fwd_fake)
+
+
+def _bwd(a):
+    """Both backward ops (a: A_BWD.read or A_FUSED_BWD.read): (dx, dres or absent, dweight or absent,
+    dbias or absent, dscale or absent, dshift or absent, dgate or absent)."""
+    x, rms = a.x, a.rms
+    f = a if isinstance(a, A_FUSED_BWD.read) else A_FUSED_BWD.read(*a, weight_offset=0.0, dh=None, dx_dtype=None,
+                                                                     dres_dtype=None)  # the plain op: no options
+    be = _resolve(a.backend, x, "rms_norm backward" if rms else "layer_norm backward", backward=True)
+    dx_dtype = f.dx_dtype or x.dtype
+    dres_dtype = None if f.dres_dtype == dx_dtype else f.dres_dtype  # then dres is dx: the caller uses dx
+    mod_scale, mod_shift, gate = f.mod_scale, f.mod_shift, f.gate
+    dmod_dtypes = (f.dscale_dtype, f.dshift_dtype)
     if mod_scale is not None or mod_shift is not None or gate is not None:
         _autograd.check_backend(be, _autograd.RowOptions(mod_scale=mod_scale is not None,
                                                          mod_shift=mod_shift is not None, gate=gate is not None), None)
     dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_backward_fused(
-        be, dy, x, weight, bias, None if rms else mean, rstd, normalized_ndim,
-        rms, activation, (True, dweight_dtype is not None, dbias_dtype is not None, dres_dtype is not None),
-        weight_offset=weight_offset, dh=dh, x_dtype=dx_dtype, residual_dtype=dres_dtype,
-        param_dtypes=(dweight_dtype, dbias_dtype), mod_scale=mod_scale, mod_shift=mod_shift, mod_dtypes=dmod_dtypes,
-        gate=gate, need_dgate=gate is not None)
-    dw = _absent(x, dweight_dtype) if dw is None else fresh(dw)
-    db = _absent(x, dbias_dtype) if db is None else fresh(db)
+        be, a.dy, x, a.weight, a.bias, None if rms else a.mean, a.rstd, a.normalized_ndim,
+        rms, a.activation, (True, a.dweight_dtype is not None, a.dbias_dtype is not None, dres_dtype is not None),
+        weight_offset=f.weight_offset, dh=f.dh, x_dtype=dx_dtype, residual_dtype=dres_dtype,
+        param_dtypes=(a.dweight_dtype, a.dbias_dtype), mod_scale=mod_scale, mod_shift=mod_shift,
+        mod_dtypes=dmod_dtypes, gate=gate, need_dgate=gate is not None)
+    dw = _absent(x, a.dweight_dtype) if dw is None else fresh(dw)
+    db = _absent(x, a.dbias_dtype) if db is None else fresh(db)
     ds = _absent(x, dmod_dtypes[0]) if ds is None else ds
     dt = _absent(x, dmod_dtypes[1]) if dt is None else dt
     dg = _absent(x) if dg is None else dg
@@ -186,59 +201,45 @@ def _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_d
     return (x.new_empty(x.shape, dtype=dx_dtype), dres, dw, db) + dmod + (dg,)
 
 
-@torch.library.custom_op("normkit::row_norm_bwd", mutates_args=())
-def _row_norm_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor],
-                  mean: Tensor, rstd: Tensor, rms: bool, activation: Optional[str],
-                  dweight_dtype: Optional[torch.dtype], dbias_dtype: Optional[torch.dtype],
-                  backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
-    dx, _, dw, db, _, _, _ = _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype,
-                                  dbias_dtype, backend)
+def _row_norm_bwd_impl(*args):
+    dx, _, dw, db, _, _, _ = _bwd(A_BWD.read(*args))
     return dx, dw, db
 
 
-@_row_norm_bwd.register_fake
-def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend):
-    dx, _, dw, db, _, _, _ = _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype)
+def _row_norm_bwd_fake(*args):
+    a = A_BWD.read(*args)
+    dx, _, dw, db, _, _, _ = _bwd_fake(a.x, a.normalized_ndim, a.weight, a.bias, a.dweight_dtype, a.dbias_dtype)
     return dx, dw, db
 
 
-@torch.library.custom_op("normkit::row_norm_fused_bwd", mutates_args=())
-def _row_norm_fused_bwd(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bias: Optional[Tensor],
-                        mean: Tensor, rstd: Tensor, rms: bool, activation: Optional[str],
-                        dweight_dtype: Optional[torch.dtype], dbias_dtype: Optional[torch.dtype],
-                        backend: Optional[str], weight_offset: float, dh: Optional[Tensor], dx_dtype: torch.dtype,
-                        dres_dtype: Optional[torch.dtype], mod_scale: Optional[Tensor] = None,
-                        mod_shift: Optional[Tensor] = None, dscale_dtype: Optional[torch.dtype] = None,
-                        dshift_dtype: Optional[torch.dtype] = None, gate: Optional[Tensor] = None
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype,
-                backend, weight_offset, dh, dx_dtype, dres_dtype, mod_scale, mod_shift, (dscale_dtype, dshift_dtype),
-                gate)
+def _row_norm_fused_bwd_fake(*args):
+    a = A_FUSED_BWD.read(*args)
+    return _bwd_fake(a.x, a.normalized_ndim, a.weight, a.bias, a.dweight_dtype, a.dbias_dtype, a.dx_dtype,
+                     a.dres_dtype, a.mod_scale, a.mod_shift, (a.dscale_dtype, a.dshift_dtype), a.gate)
 
 
-@_row_norm_fused_bwd.register_fake
-def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend,
-      weight_offset, dh, dx_dtype, dres_dtype, mod_scale=None, mod_shift=None, dscale_dtype=None, dshift_dtype=None,
-      gate=None):
-    return _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_dtype, dres_dtype, mod_scale,
-                     mod_shift, (dscale_dtype, dshift_dtype), gate)
+_row_norm_bwd = _row_op(A_BWD, _row_norm_bwd_impl)
+_row_norm_bwd.register_fake(_row_norm_bwd_fake)
+def _row_norm_fused_bwd_impl(*args):
+    return _bwd(A_FUSED_BWD.read(*args))
+
+
+_row_norm_fused_bwd = _row_op(A_FUSED_BWD, _row_norm_fused_bwd_impl)
+_row_norm_fused_bwd.register_fake(_row_norm_fused_bwd_fake)
 
 
 def _row_norm_setup(ctx, inputs, output):
-    x, normalized_ndim, weight, bias, eps, rms, activation, backend = inputs[:8]
-    residual, opts, mod_scale, mod_shift, gate = None, _autograd.PLAIN, None, None, None
-    if len(inputs) > 8:  # the fused op
-        residual = inputs[8]
-        mod_scale, mod_shift, gate = (tuple(inputs[15:18]) + (None, None, None))[:3]
-        opts = _autograd.RowOptions(*inputs[9:12], inputs[13], inputs[14], mod_scale is not None,
-                                    mod_shift is not None, gate is not None)
-    if len(inputs) > 8:
+    ctx.fused = len(output) == 5  # the fused op (its inputs may leave the trailing defaults out)
+    a = (A_FUSED if ctx.fused else A_FWD).read(*inputs)
+    if ctx.fused:
+        residual, opts, mod_scale, mod_shift, gate = a.residual, _options(a), a.mod_scale, a.mod_shift, a.gate
         _, h, mean, rstd, _ = output
     else:
+        residual, opts, mod_scale, mod_shift, gate = None, _autograd.PLAIN, None, None, None
         (_, mean, rstd), h = output, None
-    ctx.save_for_backward(x if residual is None else h, weight, bias, mean, rstd, mod_scale, mod_shift, gate)
-    ctx.args = (normalized_ndim, eps, rms, activation, backend, opts, x.dtype, None if residual is None else residual.dtype)
-    ctx.fused = len(inputs) > 8
+    ctx.save_for_backward(a.x if residual is None else h, a.weight, a.bias, mean, rstd, mod_scale, mod_shift, gate)
+    ctx.args = (a.normalized_ndim, a.eps, a.rms, a.activation, a.backend, opts, a.x.dtype,
+                None if residual is None else residual.dtype)
 
 
 def _row_norm_backward(ctx, dy, *grads):
@@ -246,10 +247,11 @@ def _row_norm_backward(ctx, dy, *grads):
     z, weight, bias, mean, rstd, mod_scale, mod_shift, gate = ctx.saved_tensors
     normalized_ndim, eps, rms, activation, backend, opts, x_dtype, r_dtype = ctx.args
     dh = grads[0] if ctx.fused and r_dtype is not None else None  # an absent h (empty) has an empty gradient
-    n = ctx.needs_input_grad
-    needs = (n[0], n[2], n[3], ctx.fused and n[8])
-    mod_needs = (ctx.fused and len(n) > 15 and n[15], ctx.fused and len(n) > 16 and n[16])
-    need_dg = ctx.fused and len(n) > 17 and n[17]
+    A = A_FUSED if ctx.fused else A_FWD
+    n = dict(zip(A.names, ctx.needs_input_grad))  # by argument name
+    needs = (n["x"], n["weight"], n["bias"], n.get("residual", False))
+    mod_needs = (n.get("mod_scale", False), n.get("mod_shift", False))
+    need_dg = n.get("gate", False)
     ds = dt = dg = None
     if dy is None and dh is None:
         dx = dres = dw = db = None
@@ -266,22 +268,23 @@ def _row_norm_backward(ctx, dy, *grads):
             first = x_dtype if needs[0] or r_dtype is None else r_dtype  # no residual: dx unused, x dtype
             mod_dtypes = tuple(t.dtype if t is not None and need else None
                                for t, need in zip((mod_scale, mod_shift), mod_needs))
-            dx, dres, dw, db, ds, dt, dg = _row_norm_fused_bwd(dy, z, normalized_ndim, weight, act_bias, mean, rstd,
-                                                               rms, activation, w_dtype, b_dtype, backend,
-                                                               opts.weight_offset, dh, first,
-                                                               r_dtype if needs[0] and needs[3] else None,
-                                                               mod_scale, mod_shift, *mod_dtypes, gate)
+            dx, dres, dw, db, ds, dt, dg = _row_norm_fused_bwd(*A_FUSED_BWD.call(
+                dy=dy, x=z, normalized_ndim=normalized_ndim, weight=weight, bias=act_bias, mean=mean, rstd=rstd,
+                rms=rms, activation=activation, dweight_dtype=w_dtype, dbias_dtype=b_dtype, backend=backend,
+                weight_offset=opts.weight_offset, dh=dh, dx_dtype=first,
+                dres_dtype=r_dtype if needs[0] and needs[3] else None, mod_scale=mod_scale, mod_shift=mod_shift,
+                dscale_dtype=mod_dtypes[0], dshift_dtype=mod_dtypes[1], gate=gate))
             dres = _present(dres) if needs[0] else dx
             dres = (dres if dres is not None else dx) if needs[3] else None
         else:
             dx, dw, db = _row_norm_bwd(dy, z, normalized_ndim, weight, act_bias, mean, rstd, rms, activation, w_dtype,
                                        b_dtype, backend)
             dres = None
-    grads = [dx if needs[0] else None, None, dw if needs[1] else None, db if needs[2] else None] + [None] * 4
+    given = dict(x=dx if needs[0] else None, weight=dw if needs[1] else None, bias=db if needs[2] else None)
     if ctx.fused:
-        grads += [dres] + [None] * 6 + [ds if mod_needs[0] else None, dt if mod_needs[1] else None]
-        grads = grads[: len(n)] + ([dg if need_dg else None] if len(n) > 17 else [])
-    return tuple(grads)
+        given.update(residual=dres, mod_scale=ds if mod_needs[0] else None, mod_shift=dt if mod_needs[1] else None,
+                     gate=dg if need_dg else None)
+    return A.by_position(len(ctx.needs_input_grad), **given)
 
 
 _row_norm_fwd.register_autograd(_row_norm_backward, setup_context=_row_norm_setup)
@@ -301,12 +304,11 @@ def row_norm_fused(x: Tensor, normalized_ndim: int, weight: Optional[Tensor], bi
                    mod_shift: Optional[Tensor] = None, gate: Optional[Tensor] = None) -> tuple:
     """The fused forward through the op: (y, h, mean, rstd, amax), None where absent. scale: the
     float8 output's scale tensor; mod_scale / mod_shift: the adaLN modulation; gate: the gated norm's."""
-    mod = () if mod_scale is None and mod_shift is None else (mod_scale, mod_shift)
-    if gate is not None:
-        mod = (mod_scale, mod_shift, gate)
-    y, h, mean, rstd, amax = _row_norm_fused_fwd(x, normalized_ndim, weight, bias, eps, rms, activation, backend,
-                                                 residual, opts.residual_dtype, opts.weight_offset, opts.out_dtype,
-                                                 scale, opts.out_scale, opts.return_amax, *mod)
+    y, h, mean, rstd, amax = _row_norm_fused_fwd(*A_FUSED.call(
+        x=x, normalized_ndim=normalized_ndim, weight=weight, bias=bias, eps=eps, rms=rms, activation=activation,
+        backend=backend, residual=residual, residual_dtype=opts.residual_dtype, weight_offset=opts.weight_offset,
+        out_dtype=opts.out_dtype, out_scale=scale, out_scale_value=opts.out_scale, want_amax=opts.return_amax,
+        mod_scale=mod_scale, mod_shift=mod_shift, gate=gate))
     return y, (h if residual is not None else None), (None if rms else mean), rstd, \
         (amax if opts.return_amax else None)
 
@@ -324,17 +326,16 @@ def row_norm_grads(dy: Tensor, x: Tensor, normalized_ndim: int, weight: Optional
     """The kernel-level backward through the op: (dx, dweight or None, dbias or None, dres or None)."""
     mean = _absent(rstd) if mean is None else mean
     bias = bias if activation is not None else None
+    plain = dict(dy=dy, x=x, normalized_ndim=normalized_ndim, weight=weight, bias=bias, mean=mean, rstd=rstd, rms=rms,
+                 activation=activation, dweight_dtype=dweight_dtype, dbias_dtype=dbias_dtype, backend=backend)
     if dh is None and dres_dtype is None and weight_offset == 0.0:
-        dx, dw, db = _row_norm_bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype,
-                                   dbias_dtype, backend)
+        dx, dw, db = _row_norm_bwd(*A_BWD.call(**plain))
         dres = None
     else:
-        dx, dres, dw, db, _, _, _ = _row_norm_fused_bwd(dy, x, normalized_ndim, weight, bias, mean, rstd, rms,
-                                                     activation, dweight_dtype, dbias_dtype, backend, weight_offset,
-                                                     dh, x.dtype, dres_dtype)
+        dx, dres, dw, db, _, _, _ = _row_norm_fused_bwd(*A_FUSED_BWD.call(
+            **plain, weight_offset=weight_offset, dh=dh, dx_dtype=x.dtype, dres_dtype=dres_dtype))
         dres = None if dres_dtype is None else (dx if dres_dtype == x.dtype else dres)
     return dx, (dw if dweight_dtype is not None else None), (db if dbias_dtype is not None else None), dres
-
 
 # ----------------------------------------------------------------------------- group norm
 # x is [B, C, *spatial]; the backends take [B, C, S] in NCHW or channels_last layout, and the
@@ -440,55 +441,67 @@ def _register_sharding() -> None:
     def p(t):  # an optional parameter: replicated, or no placement when absent
         return None if t is None else Replicate()
 
+    # the row ops' rules read their arguments and place their inputs by name (normkit._row_args)
     @register_sharding(torch.ops.normkit.row_norm_fwd.default)
-    def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend):
-        rules = [([Replicate()] * 3, [Replicate(), None, p(weight), p(bias), None, None, None, None])]
-        for d in range(x.ndim - normalized_ndim):
-            rules.append(([Shard(d), rep_or(Shard(d), not rms), Shard(d)],
-                          [Shard(d), None, p(weight), p(bias), None, None, None, None]))
+    def _(*args):
+        a = A_FWD.read(*args)
+
+        def inputs(xp):
+            return list(A_FWD.by_position(len(args), x=xp, weight=p(a.weight), bias=p(a.bias)))
+
+        rules = [([Replicate()] * 3, inputs(Replicate()))]
+        for d in range(a.x.ndim - a.normalized_ndim):
+            rules.append(([Shard(d), rep_or(Shard(d), not a.rms), Shard(d)], inputs(Shard(d))))
         return rules
 
     @register_sharding(torch.ops.normkit.row_norm_bwd.default)
-    def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dw_dtype, db_dtype, backend):
-        tail = [None, None, None, None, None]
-        rules = [([Replicate()] * 3,
-                  [Replicate(), Replicate(), None, p(weight), p(bias), Replicate(), Replicate()] + tail)]
-        for d in range(x.ndim - normalized_ndim):
-            rules.append(([Shard(d), rep_or(Partial(), dw_dtype is not None), rep_or(Partial(), db_dtype is not None)],
-                          [Shard(d), Shard(d), None, p(weight), p(bias), rep_or(Shard(d), not rms), Shard(d)] + tail))
+    def _(*args):
+        a = A_BWD.read(*args)
+
+        def inputs(xp, stat):
+            return list(A_BWD.by_position(len(args), dy=xp, x=xp, weight=p(a.weight), bias=p(a.bias), mean=stat,
+                                          rstd=xp))
+
+        rules = [([Replicate()] * 3, inputs(Replicate(), Replicate()))]
+        for d in range(a.x.ndim - a.normalized_ndim):
+            rules.append(([Shard(d), rep_or(Partial(), a.dweight_dtype is not None),
+                           rep_or(Partial(), a.dbias_dtype is not None)], inputs(Shard(d), rep_or(Shard(d), not a.rms))))
         return rules
 
     @register_sharding(torch.ops.normkit.row_norm_fused_fwd.default)
-    def _(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset,
-          out_dtype, out_scale, out_scale_value, want_amax, mod_scale=None, mod_shift=None, gate=None):
+    def _(*args):
+        a = A_FUSED.read(*args)
+
         # outputs (y, h, mean, rstd, amax): the amax of row shards is their max (a Partial max)
         def inputs(xp):
-            return [xp, None, p(weight), p(bias), None, None, None, None, None if residual is None else xp,
-                    None, None, None, p(out_scale), None, None, p(mod_scale), p(mod_shift),
-                    None if gate is None else xp]
+            return list(A_FUSED.by_position(len(args), x=xp, weight=p(a.weight), bias=p(a.bias),
+                                            residual=None if a.residual is None else xp, out_scale=p(a.out_scale),
+                                            mod_scale=p(a.mod_scale), mod_shift=p(a.mod_shift),
+                                            gate=None if a.gate is None else xp))
 
         rules = [([Replicate()] * 5, inputs(Replicate()))]
         # modulation (per-sample tables): replicated only
-        for d in range(x.ndim - normalized_ndim if mod_scale is None and mod_shift is None else 0):
-            rules.append(([Shard(d), rep_or(Shard(d), residual is not None), rep_or(Shard(d), not rms), Shard(d),
-                           rep_or(Partial("max"), want_amax)], inputs(Shard(d))))
+        for d in range(a.x.ndim - a.normalized_ndim if a.mod_scale is None and a.mod_shift is None else 0):
+            rules.append(([Shard(d), rep_or(Shard(d), a.residual is not None), rep_or(Shard(d), not a.rms), Shard(d),
+                           rep_or(Partial("max"), a.want_amax)], inputs(Shard(d))))
         return rules
 
     @register_sharding(torch.ops.normkit.row_norm_fused_bwd.default)
-    def _(dy, x, normalized_ndim, weight, bias, mean, rstd, rms, activation, dw_dtype, db_dtype, backend,
-          weight_offset, dh, dx_dtype, dres_dtype, mod_scale=None, mod_shift=None, ds_dtype=None, dt_dtype=None,
-          gate=None):
-        def inputs(xp):
-            return [xp, xp, None, p(weight), p(bias), Replicate() if rms else xp, xp, None, None, None, None, None,
-                    None, None if dh is None else xp, None, None, p(mod_scale), p(mod_shift), None, None,
-                    None if gate is None else xp]
+    def _(*args):
+        a = A_FUSED_BWD.read(*args)
 
-        dres = dres_dtype is not None and dres_dtype != dx_dtype
+        def inputs(xp):
+            return list(A_FUSED_BWD.by_position(len(args), dy=xp, x=xp, weight=p(a.weight), bias=p(a.bias),
+                                                mean=Replicate() if a.rms else xp, rstd=xp,
+                                                dh=None if a.dh is None else xp, mod_scale=p(a.mod_scale),
+                                                mod_shift=p(a.mod_shift), gate=None if a.gate is None else xp))
+
+        dres = a.dres_dtype is not None and a.dres_dtype != a.dx_dtype
         rules = [([Replicate()] * 7, inputs(Replicate()))]
-        for d in range(x.ndim - normalized_ndim if mod_scale is None and mod_shift is None else 0):
-            rules.append(([Shard(d), rep_or(Shard(d), dres), rep_or(Partial(), dw_dtype is not None),
-                           rep_or(Partial(), db_dtype is not None), Replicate(), Replicate(),
-                           rep_or(Shard(d), gate is not None)], inputs(Shard(d))))
+        for d in range(a.x.ndim - a.normalized_ndim if a.mod_scale is None and a.mod_shift is None else 0):
+            rules.append(([Shard(d), rep_or(Shard(d), dres), rep_or(Partial(), a.dweight_dtype is not None),
+                           rep_or(Partial(), a.dbias_dtype is not None), Replicate(), Replicate(),
+                           rep_or(Shard(d), a.gate is not None)], inputs(Shard(d))))
         return rules
 
     @register_sharding(torch.ops.normkit.group_norm_fwd.default)

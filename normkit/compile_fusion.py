@@ -58,6 +58,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ._row_args import ROW_FUSED_FWD
 from .backends import torch_backend
 
 __all__ = ["enable_compile_fusion", "policy", "use_table", "decisions", "wins", "table_path"]
@@ -226,12 +227,16 @@ def _no_autocast(x):
         contextlib.nullcontext()
 
 
-def _row_norm_composite(x, normalized_ndim, weight, bias, eps, rms, activation, backend, residual=None,
-                        residual_dtype=None, weight_offset=0.0, out_dtype=None, out_scale=None, out_scale_value=None,
-                        want_amax=False):
+def _row_norm_composite(*args):
     """normkit::row_norm_fused_fwd in torch's decomposable ops: (y, h, mean, rstd, amax), absent
     outputs as empty tensors. Computes in fp32 (fp64 for fp64), rounds once; plain calls are torch's
-    own F.layer_norm / F.rms_norm, exactly what an unpatched module hands Inductor."""
+    own F.layer_norm / F.rms_norm, exactly what an unpatched module hands Inductor. args: the op's
+    (normkit._row_args), never with the modulation or a gate (_site_of leaves those calls alone)."""
+    a = ROW_FUSED_FWD.read(*args)
+    x, normalized_ndim, weight, bias, eps, rms, activation = a.x, a.normalized_ndim, a.weight, a.bias, a.eps, a.rms, \
+        a.activation
+    residual, residual_dtype, weight_offset, out_dtype = a.residual, a.residual_dtype, a.weight_offset, a.out_dtype
+    out_scale, out_scale_value, want_amax = a.out_scale, a.out_scale_value, a.want_amax
     acc = _acc(x)
     with _no_autocast(x):
         z = x
@@ -626,13 +631,12 @@ def _replace(graph, site: _Site) -> None:
             op = graph.call_function(torch.ops.normkit.group_norm_fwd.default,
                                      (site.x, site.groups, site.weight, site.bias, float(site.eps), site.activation, None))
         else:
-            op = graph.call_function(torch.ops.normkit.row_norm_fused_fwd.default,
-                                     (site.x, site.ndim, site.weight, site.bias, float(site.eps), site.kind == "rms",
-                                      site.activation, None, site.residual,
-                                      site.residual_dtype if site.residual is not None else None,
-                                      float(site.weight_offset or 0.0),
-                                      site.out_dtype if site.out_dtype not in (None, ev_x.dtype) else None,
-                                      None, None, False))
+            op = graph.call_function(torch.ops.normkit.row_norm_fused_fwd.default, ROW_FUSED_FWD.call(
+                x=site.x, normalized_ndim=site.ndim, weight=site.weight, bias=site.bias, eps=float(site.eps),
+                rms=site.kind == "rms", activation=site.activation, backend=None, residual=site.residual,
+                residual_dtype=site.residual_dtype if site.residual is not None else None,
+                weight_offset=float(site.weight_offset or 0.0),
+                out_dtype=site.out_dtype if site.out_dtype not in (None, ev_x.dtype) else None))
         y = graph.call_function(operator.getitem, (op, 0))
         h = graph.call_function(operator.getitem, (op, 1)) if site.add is not None else None
     for new, old in ((op, site.node), (y, site.out)):

@@ -405,13 +405,18 @@ def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scal
 def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
               weight_offset, out_dtype, out_scale, return_amax, autocast: bool, mod_scale=None, mod_shift=None,
               gate=None):
-    """The C++ host path's output (y, or the tuple of _outputs), or None where it does not serve the call:
-    it has no plans for the adaLN modulation (mod_scale, mod_shift) or the gated norm (gate)."""
+    """The C++ host path's output (y, or the tuple of _outputs), or None where it does not serve the call.
+    The adaLN modulation (mod_scale, mod_shift) and the gate are passed only when given: the common call
+    keeps the shorter argument list."""
     fast = _host.fast
-    if fast is None or mod_scale is not None or mod_shift is not None or gate is not None or _is_compiling():
+    if fast is None or _is_compiling():
         return None
+    if mod_scale is None and mod_shift is None and gate is None:
+        return fast.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
+                             residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast)
     return fast.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
-                         residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast)
+                         residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast, mod_scale,
+                         mod_shift, gate)
 
 
 def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,

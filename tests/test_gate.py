@@ -278,11 +278,30 @@ def test_backends_without_the_gate_say_so():
         assert "gate=" in str(info.value) and f"backend={name!r}" in str(info.value)
 
 
-def test_host_path_declines_gated_calls(host_path_refuses):
-    """The C++ host path knows no gate: a gated call never reaches it."""
+def test_host_path_gets_the_gate(host_path_calls):
+    """Gated calls reach the host path with their gate (its argument 19); the Python path runs the
+    calls it declines."""
     x, g, w, _ = _inputs((2, 3, 16), (16,), grad=False)
-    normkit.rms_norm(x, 16, w, gate=g)
+    y = normkit.rms_norm(x, 16, w, gate=g)
+    assert ref.rel_err(y, ref.rms_norm(x, (16,), w, gate=g)[0]) <= TOL[FP32]
     normkit.layer_norm(x, 16, w, gate=g)
+    # each call asks twice: first as the user passed it, then with its arguments checked (functional._row_norm)
+    assert len(host_path_calls) == 4 and all(len(a) == 19 and a[18] is g for a in host_path_calls)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wanted", ["x", "weight", "x weight"])
+def test_gradients_with_a_gate_that_wants_none(backend, wanted):
+    """The gate does not require grad (dgate not asked, though the kernels write it): the other
+    gradients are the oracle's (the Triton path once failed to set the unwanted dgate aside)."""
+    x, g, w, _ = _inputs((2, 3, 16), (16,), grad=False)
+    leaves = [p.requires_grad_() for p, name in ((x, "x"), (w, "weight")) if name in wanted.split()]
+    y = normkit.rms_norm(x, 16, w, EPS, gate=g, backend=backend)
+    dy = randn(*y.shape, gen=torch.Generator().manual_seed(1), device=DEVICE)
+    dx64, dw64, _ = ref.rms_norm_backward(dy, x, (16,), w, EPS, gate=g)
+    want = [t for t, name in ((dx64, "x"), (dw64, "weight")) if name in wanted.split()]
+    for got, exp in zip(torch.autograd.grad(y, leaves, dy), want, strict=True):
+        assert ref.rel_err(got, exp) <= 2e-5
 
 
 def test_module_takes_the_gate():

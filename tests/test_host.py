@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+import normkit
 from normkit import _host
 from normkit._host import plans
 from normkit.backends import triton as tb
@@ -146,9 +147,12 @@ def test_autocast(ext):
 
 
 def _fused(x, shape, w, b, rms=False, residual=None, prenorm=False, residual_dtype=None, weight_offset=0,
-           out_dtype=None, out_scale=None, return_amax=False, autocast=True, eps=1e-5, act=None):
+           out_dtype=None, out_scale=None, return_amax=False, autocast=True, eps=1e-5, act=None, scale=None,
+           shift=None, gate=None):
+    """The arguments functional._via_host hands the host path: 16, or 19 with the modulation or a gate."""
+    extra = (scale, shift, gate) if (scale, shift, gate) != (None, None, None) else ()
     return (x, shape, w, b, eps, rms, act, None, residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale,
-            return_amax, autocast)
+            return_amax, autocast) + extra
 
 
 def test_fused_calls_it_serves(ext):
@@ -232,6 +236,205 @@ def test_fused_calls_it_leaves_to_python(ext, case):
         x = x.transpose(0, 1)
         kw = dict(residual=torch.randn(3, 2, 6, 4, 8)[0, 0].permute(1, 0, 2))
     assert ext._parse_row(*_fused(x, 8, w, b, **kw)) is None
+
+
+def test_modulated_and_gated_calls_it_serves(ext):
+    """The adaLN modulation (per-sample tables, broadcast leads, either alone, a chunk of a wider
+    embedding read in place) and the gate (per-head weights too) are served, each under a key of its
+    own: the tables' and the gate's dtypes, shapes and strides are in it."""
+    B, T, N = 2, 6, 8
+    x, w, b = torch.randn(B, T, N), torch.randn(N), torch.randn(N)
+    emb = torch.randn(B, 6 * N)  # diffusers' adaLN embedding, chunked into shift/scale/gate rows
+    sh, sc = emb[:, :N], emb[:, N:2 * N]
+
+    def key(*args):
+        got = ext._parse_row(*args)
+        assert got is not None, args[16:]
+        return tuple(got[-1])
+
+    plain = key(*_fused(x, N, w, b))
+    keys = [plain, key(*_fused(x, N, w, b, scale=torch.randn(B, N))),
+            key(*_fused(x, N, w, b, scale=torch.randn(B, 1, N))),
+            key(*_fused(x, N, None, None, scale=torch.randn(N))),
+            key(*_fused(x, N, None, None, scale=torch.randn(1, N))),
+            key(*_fused(x, N, w, b, shift=torch.randn(B, N))),
+            key(*_fused(x, N, w, b, scale=torch.randn(B, N), shift=torch.randn(B, N))),
+            key(*_fused(x, N, w, b, scale=sc, shift=sh)),  # rows 6N apart, read in place
+            key(*_fused(x, N, w, b, scale=torch.randn(B, N, dtype=torch.bfloat16))),
+            key(*_fused(x, N, w, b, scale=torch.randn(B, N, dtype=torch.float64))),
+            key(*_fused(x, N, w, b, act="silu", scale=torch.randn(B, N), shift=torch.randn(B, N))),
+            key(*_fused(x, N, w, None, rms=True, gate=torch.randn(B, T, N))),
+            key(*_fused(x, N, w, None, rms=True, gate=torch.randn(B, T, N, dtype=torch.bfloat16))),
+            key(*_fused(x, N, w, None, rms=True, gate=torch.randn(B, T, 2 * N)[..., :N])),  # gate rows 2N apart
+            key(*_fused(x.view(B, T, 2, N // 2), N // 2, torch.randn(2, N // 2), None, rms=True,
+                        gate=torch.randn(B, T, 2, N // 2))),  # per group: per-head weights
+            key(*_fused(x, N, w, None, rms=True, gate=x)),  # the gate is x itself: aliased inputs
+            key(*_fused(x, N, w, b, scale=sc, shift=sc))]  # scale and shift one tensor
+    assert len(set(keys)) == len(keys)
+    # alike calls share a key; all-None extras are the 16-argument call
+    assert key(*_fused(x, N, w, b, scale=torch.randn(B, N))) == keys[1]
+    assert key(*(_fused(x, N, w, b) + (None, None, None))) == plain
+    got = ext._parse_row(*_fused(x, N, w, b, scale=torch.randn(B, N, requires_grad=True)))
+    assert got[6] is True  # a table that requires grad: the call records its graph
+    assert ext._parse_row(*_fused(x, N, w, None, rms=True, gate=torch.randn(B, T, N, requires_grad=True)))[6] is True
+
+
+@pytest.mark.parametrize("case", [
+    "per-token scale", "scale of wrong width", "scale lead not a prefix", "scale and shift of other samples",
+    "scale with per-head weight", "scale int", "scale subclass", "scale column-strided", "scale rows need a copy",
+    "scale not a tensor", "scale forward-AD dual", "gate shape", "gate with residual", "gate with scale",
+    "gate int", "gate needs a copy",
+])
+def test_modulated_and_gated_calls_it_leaves_to_python(ext, case):
+    """Where the Python path raises (functional._check_modulation / _check_gate) or copies a table."""
+    B, T, N = 2, 6, 8
+    x, w, b = torch.randn(B, T, N), torch.randn(N), torch.randn(N)
+    kw = {}
+    if case == "per-token scale":
+        kw = dict(scale=torch.randn(1, T, N))  # one row per token, the same for every sample
+    elif case == "scale of wrong width":
+        kw = dict(scale=torch.randn(B, N // 2))
+    elif case == "scale lead not a prefix":
+        kw = dict(scale=torch.randn(T, N))
+    elif case == "scale and shift of other samples":
+        kw = dict(scale=torch.randn(B, N), shift=torch.randn(N))
+    elif case == "scale with per-head weight":
+        x, w, b = x.view(B, T, 2, N // 2), torch.randn(2, N // 2), None
+        kw = dict(scale=torch.randn(B, N // 2))
+        N = N // 2
+    elif case == "scale int":
+        kw = dict(scale=torch.ones(B, N, dtype=torch.int32))
+    elif case == "scale subclass":
+        class Sub(torch.Tensor):
+            pass
+        kw = dict(scale=torch.randn(B, N).as_subclass(Sub))
+    elif case == "scale column-strided":  # mod_table copies it
+        kw = dict(scale=torch.randn(B, 2 * N)[:, ::2])
+    elif case == "scale rows need a copy":  # two sample dims that no one stride walks
+        x, kw = torch.randn(2, 3, T, N), dict(scale=torch.randn(2, 4, N)[:, :3])
+    elif case == "scale not a tensor":
+        kw = dict(scale=[1.0] * N)
+    elif case == "scale forward-AD dual":
+        import torch.autograd.forward_ad as fwAD
+        with fwAD.dual_level():
+            s = fwAD.make_dual(torch.randn(B, N), torch.randn(B, N))
+            assert ext._parse_row(*_fused(x, N, w, b, scale=s)) is None
+        return
+    elif case == "gate shape":
+        kw = dict(gate=torch.randn(B, 1, N))
+    elif case == "gate with residual":
+        kw = dict(gate=torch.randn(B, T, N), residual=torch.randn(B, T, N))
+    elif case == "gate with scale":
+        kw = dict(gate=torch.randn(B, T, N), scale=torch.randn(B, N))
+    elif case == "gate int":
+        kw = dict(gate=torch.ones(B, T, N, dtype=torch.int32))
+    elif case == "gate needs a copy":  # rows that no one stride walks, as x's are walked
+        x, kw = torch.randn(3, 2, 4, N), dict(gate=torch.randn(3, 4, 2, N).permute(0, 2, 1, 3))
+    assert ext._parse_row(*_fused(x, N, w, b, **kw)) is None
+
+
+def test_via_host_passes_the_entry_arguments_in_their_order(host_path_calls):
+    """functional._via_host calls the eager entry positionally: in normkit._row_args.HOST_ROW's order,
+    whose positions host.cpp reads, and as long as HOST_ROW_LENGTHS says."""
+    from normkit import functional
+    from normkit._row_args import HOST_ROW, HOST_ROW_LENGTHS
+
+    token = {name: object() for name in HOST_ROW}
+    functional._via_host(**token)
+    functional._via_host(**dict(token, mod_scale=None, mod_shift=None, gate=None))
+    assert host_path_calls[0] == tuple(token[n] for n in HOST_ROW) and len(HOST_ROW) == HOST_ROW_LENGTHS[2]
+    assert host_path_calls[1] == tuple(token[n] for n in HOST_ROW[: HOST_ROW_LENGTHS[1]])
+
+
+@pytest.mark.parametrize("case", ["unknown name", "misplaced", "lengths"])
+def test_setup_refuses_an_entry_it_does_not_read(ext, case):
+    """An eager-entry argument host.cpp does not read, or one out of its place, fails the load (the
+    Python path then serves every call) instead of being dropped; a failed _setup changes nothing."""
+    from normkit._row_args import HOST_ROW, HOST_ROW_LENGTHS, ROW_FUSED_FWD
+    from normkit.functional import _autocast_upcasts
+    from normkit.reference import ACTIVATIONS
+
+    names, lengths = HOST_ROW, HOST_ROW_LENGTHS
+    if case == "unknown name":
+        names, lengths = HOST_ROW + ("new_option",), lengths[:2] + (lengths[2] + 1,)
+    elif case == "misplaced":  # the gate among the plain call's arguments
+        names = ("gate",) + HOST_ROW[1:-1] + ("x",)
+    else:
+        lengths = (8, 15, 19)
+    upcasts = (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda"))
+    with pytest.raises(RuntimeError, match="eager entry"):
+        ext._setup(ACTIVATIONS, upcasts, ROW_FUSED_FWD.names, names, lengths)
+    x = torch.randn(4, 8)
+    assert ext._parse_row(*_fused(x, 8, None, None, scale=torch.randn(4, 8))) is not None
+
+
+@pytest.fixture
+def cpu_calls(ext, monkeypatch):
+    """The extension serving row calls on CPU tensors through its eager entry and autograd node,
+    each call running the Python host functions (no plans: those need a GPU)."""
+    ext._serve_cpu_calls(_host._callbacks(), True)
+    monkeypatch.setattr(_host, "fast", ext)
+    yield ext
+    ext._serve_cpu_calls(_host._callbacks(), False)
+
+
+def _cpu_cases():
+    B, T, C = 2, 3, 32
+    g = torch.Generator().manual_seed(0)
+    t = lambda *s, dtype=torch.float32: (torch.randn(s, generator=g) * 0.7 + 0.2).to(dtype)  # noqa: E731
+    x, w, b, sc, sh, gate, emb = t(B, T, C), t(C), t(C), t(B, C), t(B, 1, C), t(B, T, C), t(B, 3 * C)
+    tb_ = dict(backend="triton")  # both paths on the Triton backend (interpreted), so bitwise alike
+    return {
+        "ln scale shift": ((x, w, b, sc, sh), lambda x, w, b, s, h: normkit.layer_norm(x, C, w, b, scale=s, shift=h,
+                                                                                       **tb_)),
+        "ln silu embedding chunks": ((x, w, b, emb), lambda x, w, b, e: normkit.layer_norm(
+            x, C, w, b, scale=e[:, C:2 * C], shift=e[:, :C], activation="silu", **tb_)),
+        "rms shift": ((x, w, sh), lambda x, w, h: normkit.rms_norm(x, C, w, shift=h, **tb_)),
+        "ln scale is shift": ((x, sc), lambda x, s: normkit.layer_norm(x, C, scale=s, shift=s, **tb_)),
+        "rms gate": ((x, gate, w), lambda x, g, w: normkit.rms_norm(x, C, w, gate=g, **tb_)),
+        "rms gate groups": ((x, gate, t(4, C // 4)), lambda x, g, w: normkit.rms_norm(
+            x.view(B, T, 4, C // 4), C // 4, w, gate=g.view(B, T, 4, C // 4), **tb_)),
+        "ln bf16 gate": ((x, gate.bfloat16(), w, b), lambda x, g, w, b: normkit.layer_norm(x, C, w, b, gate=g, **tb_)),
+    }
+
+
+def _grads_of(fn, inputs, wanted, create_graph=False):
+    leaves = [v.detach().clone().requires_grad_(i in wanted) for i, v in enumerate(inputs)]
+    y = fn(*leaves)
+    if not wanted:
+        return [y]
+    chosen = [leaves[i] for i in sorted(wanted)]
+    grads = torch.autograd.grad(y, chosen, (y.detach() * 0.7 + 0.3).cos(), create_graph=create_graph)
+    if create_graph:  # double backward: the node hands the backward to the differentiable torch ops
+        grads = torch.autograd.grad(sum((g * g).sum() for g in grads), chosen, allow_unused=True)
+    return [y, *grads]
+
+
+@pytest.mark.parametrize("name", list(_cpu_cases()))
+def test_modulated_and_gated_calls_through_the_cpp_node(cpu_calls, name):
+    """The eager entry and the C++ autograd node (seven edges: dscale, dshift, dgate) give the Python
+    path's outputs and gradients bit for bit, for every requires_grad subset of one and two inputs and
+    all of them, and with create_graph (the differentiable backward, called from C++)."""
+    import itertools
+
+    inputs, fn = _cpu_cases()[name]
+    n = len(inputs)
+    subsets = [set()] + [set(c) for k in (1, 2, n) for c in itertools.combinations(range(n), k)]
+    for wanted in subsets:
+        for create_graph in (False, True) if len(wanted) == n else (False,):
+            with _host.python_path():
+                want = _grads_of(fn, inputs, wanted, create_graph)
+            s0 = cpu_calls._stats()
+            got = _grads_of(fn, inputs, wanted, create_graph)
+            s1 = cpu_calls._stats()
+            what = (name, sorted(wanted), create_graph)
+            assert s1["python_runs"] - s0["python_runs"] == (1 if not wanted or create_graph else 2), what
+            assert (s1["differentiable_backwards"] > s0["differentiable_backwards"]) == create_graph, what
+            assert len(got) == len(want), what
+            for a, e in zip(got, want):
+                assert (a is None) == (e is None), what
+                if a is not None:
+                    assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e), what
 
 
 def test_row_view_mirrors_the_python_layout(ext):
@@ -451,6 +654,66 @@ def test_record_fused_forward_and_backward():
     assert sorted(r for r in _roles(plan) if r) == [1, 2, 4]  # dx, dweight, dresidual (RMSNorm: no dbias)
 
 
+def test_record_modulated_and_gated_runs():
+    """The callbacks host.cpp makes for the modulation and the gate (plans.row_fwd / row_bwd) give the
+    float64 oracle's values; the tables and the gate are inputs of the recorded plans (forward slots
+    5-7, backward 7-9: never buffers a plan keeps), and dscale, dshift, dgate outputs (roles 5-7)."""
+    from normkit import reference as ref
+
+    B, T, N = 2, 3, 32
+    x, w, b = torch.randn(B, T, N, device=DEVICE), torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
+    emb = torch.randn(B, 3 * N, device=DEVICE)
+    sc, sh = emb[:, N:2 * N], emb[:, :N]  # chunks of diffusers' embedding, rows 3N apart
+    fwd_args = (1, 1e-5, False, "silu", True, False, None, 0.0, None, None, False)
+
+    def fwd():
+        return plans.row_fwd(x, w, b, None, None, sc, sh, None, *fwd_args, False)[:5]
+
+    fwd()
+    plan, (y, mean, rstd, h, amax) = _record(fwd, (x, w, b, None, None, sc, sh, None), n_out=5)
+    assert {slot for launch in plan[2] for _, slot, _, _ in launch[8]} >= {0, 1, 2, 5, 6} and plan[1] == ()
+    y64, _, _ = ref.layer_norm(x, (N,), w, b, 1e-5, "silu", scale=sc, shift=sh)
+    assert ref.rel_err(y, y64) < 1e-5
+    dy = torch.randn(B, T, N, device=DEVICE)
+    extra = (sc, sh, (torch.float32, torch.float32), None, False)
+
+    def bwd():
+        return plans.row_bwd(dy, None, x, w, b, mean, rstd, 1, False, "silu", (True, True, True, False), 0.0,
+                             x.dtype, None, False, *extra)[:7]
+
+    bwd()
+    plan, grads = _record(bwd, (dy, x, w, b, mean, rstd, None, sc, sh, None), n_out=7)
+    assert sorted(r for r in _roles(plan) if r) == [1, 2, 3, 5, 6]  # dx, dweight, dbias, dscale, dshift
+    want = ref.layer_norm_backward(dy, x, (N,), w, b, 1e-5, "silu", scale=sc, shift=sh)
+    for got, exp in zip((grads[0], grads[1], grads[2], grads[4], grads[5]), want, strict=True):
+        assert got.shape == exp.shape and ref.rel_err(got, exp) < 1e-4
+    # the gate: RMSNorm of x * silu(gate), weights per group (per-head rows)
+    xg, g, wg = torch.randn(B, T, 2, N // 2, device=DEVICE), torch.randn(B, T, 2, N // 2, device=DEVICE), \
+        torch.randn(2, N // 2, device=DEVICE)
+    gate_args = (1, 1e-6, True, None, True, False, None, 0.0, None, None, False)
+
+    def gfwd():
+        return plans.row_fwd(xg, wg, None, None, None, None, None, g, *gate_args, False)[:5]
+
+    gfwd()
+    plan, (y, _, rstd, _, _) = _record(gfwd, (xg, wg, None, None, None, None, None, g), n_out=5)
+    assert 7 in {slot for launch in plan[2] for _, slot, _, _ in launch[8]}
+    y64, _ = ref.rms_norm(xg, (N // 2,), wg, 1e-6, gate=g)
+    assert ref.rel_err(y, y64) < 1e-5
+    dyg = torch.randn_like(xg)
+
+    def gbwd():
+        return plans.row_bwd(dyg, None, xg, wg, None, None, rstd, 1, True, None, (True, True, False, False), 0.0,
+                             xg.dtype, None, False, None, None, (None, None), g, True)[:7]
+
+    gbwd()
+    plan, grads = _record(gbwd, (dyg, xg, wg, None, None, rstd, None, None, None, g), n_out=7)
+    assert sorted(r for r in _roles(plan) if r) == [1, 2, 7]  # dx, dweight, dgate
+    want = ref.rms_norm_backward(dyg, xg, (N // 2,), wg, 1e-6, gate=g)
+    for got, exp in zip((grads[0], grads[1], grads[6]), want, strict=True):
+        assert got.shape == exp.shape and ref.rel_err(got, exp) < 1e-4
+
+
 def test_record_rms_inference_and_strided_rows():
     x = torch.randn(6, 40, device=DEVICE)[:, :32]  # rows 40 apart
     w = torch.randn(32, device=DEVICE)
@@ -630,6 +893,14 @@ def test_op_kernel_reads_calls_as_the_eager_path_does(ext):
     r = torch.randn(4, 6, 8)
     fused = _op_row(x, 1, w, None, 1e-6, True) + [r, torch.float32, 1.0, None, None, None, True]
     assert ext._parse_op("row_norm_fused_fwd", *fused) is not None
+    # the modulation and the gate: the eager path's keys (but for store_stats, position 11)
+    sc, sh, g = torch.randn(4, 8), torch.randn(4, 1, 8), torch.randn(4, 6, 8)
+    for extra, kw in (([sc, sh, None], dict(scale=sc, shift=sh)), ([None, None, g], dict(gate=g, rms=True))):
+        rms = kw.pop("rms", False)
+        op = ext._parse_op("row_norm_fused_fwd", *(_op_row(x, 1, w, None, 1e-5, rms) +
+                                                  [None, None, 0.0, None, None, None, False] + extra))
+        eager = ext._parse_row(*_fused(x, 8, w, None, rms=rms, autocast=False, **kw))[-1]
+        assert op[:11] == eager[:11] and op[12:] == eager[12:] and (op[11], eager[11]) == (1, 0)
     gn = [torch.randn(2, 8, 3, 3), 4, torch.randn(8), torch.randn(8), 1e-5, "mish", None]
     assert ext._parse_op("group_norm_fwd", *gn) == ext._parse_gn(*gn)[-1]
     cl = torch.randn(2, 8, 3, 3).to(memory_format=torch.channels_last)
@@ -638,8 +909,8 @@ def test_op_kernel_reads_calls_as_the_eager_path_does(ext):
 
 @pytest.mark.parametrize("case", ["float64", "backend torch", "backend cuda", "bad activation", "ndim 0",
                                   "rows need three strides", "weight shape", "residual dtype without residual",
-                                  "fp8 without scale", "both scales", "mod_scale", "mod_shift", "gate",
-                                  "gn groups", "gn layout", "gn float64"])
+                                  "fp8 without scale", "both scales", "per-token mod_scale", "gate with mod_shift",
+                                  "an argument the kernels do not read", "gn groups", "gn layout", "gn float64"])
 def test_op_kernel_leaves_calls_to_python(ext, case):
     x, w = torch.randn(4, 6, 8), torch.randn(8)
     name, args = "row_norm_fwd", _op_row(x, 1, w)
@@ -667,9 +938,22 @@ def test_op_kernel_leaves_calls_to_python(ext, case):
     elif case == "both scales":
         name, args = "row_norm_fused_fwd", args + fused_tail
         args[11], args[12], args[13] = torch.float8_e4m3fn, torch.ones(()), 2.0
-    elif case in ("mod_scale", "mod_shift", "gate"):  # options after the 15 the plans know: Python's
-        name, args = "row_norm_fused_fwd", args + fused_tail + [None, None, None]
-        args[15 + ("mod_scale", "mod_shift", "gate").index(case)] = torch.randn(4, 8) if case != "gate" else x
+    elif case == "per-token mod_scale":
+        name, args = "row_norm_fused_fwd", args + fused_tail + [x[:1], None, None]
+    elif case == "gate with mod_shift":
+        name, args = "row_norm_fused_fwd", args + fused_tail + [None, torch.randn(4, 8), x]
+    elif case == "an argument the kernels do not read":  # an option added to normkit._row_args later
+        from normkit._row_args import ROW_FUSED_FWD
+
+        args = args + fused_tail + [None, None, None]
+        assert ext._parse_op("row_norm_fused_fwd", *args, None) is not None
+        ext._set_row_op_args(ROW_FUSED_FWD.names + ("new_option",))
+        try:
+            assert ext._parse_op("row_norm_fused_fwd", *args, None) is not None  # None: as without it
+            assert ext._parse_op("row_norm_fused_fwd", *args, torch.randn(4, 8)) is None
+        finally:
+            ext._set_row_op_args(ROW_FUSED_FWD.names)
+        return
     elif case.startswith("gn"):
         name = "group_norm_fwd"
         xg = torch.randn(2, 6, 4, 4)

@@ -349,6 +349,43 @@ def _fused_cases():
         "module RMSNorm residual": ((x, w, r), lambda x, w, r: _rms_module(w)(x, r), {0, 2}),
         "row_norm_as_written residual": ((x, w, r), lambda x, w, r: normkit.functional.row_norm_as_written(
             x, w.shape, w, None, 1e-6, True, residual=r, prenorm=True, residual_dtype=torch.bfloat16), {0, 1, 2}),
+        **_modulated_cases(x, w, b), **_gated_cases(),
+    }
+
+
+def _modulated_cases(x, w, b):
+    """adaLN modulation: per-sample tables (B, C) and (B, 1, C), broadcast (C,), either alone, chunks of
+    diffusers' embedding (rows 6C apart, read in place), weightless LN (DiT), an activation after it."""
+    sc, sh = _t(B, C, scale=0.3), _t(B, 1, C, scale=0.3)
+    emb = _t(B, 6 * C, scale=0.3)
+    return {
+        "ln mod scale shift": ((x, w, b, sc, sh), lambda x, w, b, s, t: normkit.layer_norm(x, C, w, b, scale=s, shift=t),
+                               {0, 1, 2, 3, 4}),
+        "ln mod weightless chunks": ((x, emb), lambda x, e: normkit.layer_norm(
+            x, C, None, None, 1e-6, scale=e[:, C:2 * C], shift=e[:, :C]), {0, 1}),
+        "ln mod broadcast scale silu": ((x, w, b, _t(C, scale=0.3)), lambda x, w, b, s: normkit.layer_norm(
+            x, C, w, b, scale=s, activation="silu"), {0, 1, 2, 3}),
+        "rms mod shift only": ((x, w, sh), lambda x, w, t: normkit.rms_norm(x, C, w, shift=t), {0, 1, 2}),
+        "rms mod fp32 tables": ((x, w, sc.float(), sh.float()), lambda x, w, s, t: normkit.rms_norm(
+            x, C, w, 1e-6, scale=s, shift=t), {0, 1, 2, 3}),
+        "ln mod scale is shift": ((x, sc), lambda x, s: normkit.layer_norm(x, C, scale=s, shift=s), {0, 1}),
+    }
+
+
+def _gated_cases():
+    """The gated norm: RMSNorm (Mamba-2), per-group weights (per-head rows), LayerNorm, a gate of
+    another dtype, gate rows strided (a slice of a wider projection)."""
+    G = 4
+    x, g, w = _t(B, T, C), _t(B, T, C), _t(C)
+    zx = _t(B, T, 2 * C)  # Mamba-2's in_proj output: the gate and x are slices of one tensor
+    return {
+        "rms gate": ((x, g, w), lambda x, g, w: normkit.rms_norm(x, C, w, 1e-5, gate=g), {0, 1, 2}),
+        "rms gate per-group weights": ((x, g, w.view(G, C // G)), lambda x, g, w: normkit.rms_norm(
+            x.view(B, T, G, C // G), C // G, w, 1e-5, gate=g.view(B, T, G, C // G)), {0, 1, 2}),
+        "ln gate weightless": ((x, g), lambda x, g: normkit.layer_norm(x, C, gate=g), {0, 1}),
+        "rms gate fp32 gate": ((x, g.float(), w), lambda x, g, w: normkit.rms_norm(x, C, w, gate=g), {0, 1, 2}),
+        "rms gate slices of one projection": ((zx, w), lambda zx, w: normkit.rms_norm(
+            zx[..., C:], C, w, 1e-5, gate=zx[..., :C]), {0, 1}),
     }
 
 
@@ -369,9 +406,13 @@ FUSED = ["rms residual prenorm", "rms residual", "ln residual prenorm silu", "rm
          "rms k head rows per-head weight", "ln column-strided rows", "ln channels_last rows", "ln weight is bias",
          "rms fp8 out float scale amax", "ln fp8 out tensor scale", "rms amax bf16 out", "ln out_dtype fp32",
          "ln autocast", "rms autocast residual", "module RMSNorm residual", "row_norm_as_written residual"]
+MODULATED = ["ln mod scale shift", "ln mod weightless chunks", "ln mod broadcast scale silu", "rms mod shift only",
+             "rms mod fp32 tables", "ln mod scale is shift"]
+GATED = ["rms gate", "rms gate per-group weights", "ln gate weightless", "rms gate fp32 gate",
+         "rms gate slices of one projection"]
 
 
-@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("name", FUSED + MODULATED + GATED)
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_fused_options_and_layouts_match_the_python_path(fast, name, grad):
     inputs, fn, wanted = _fused_cases()[name]
@@ -389,6 +430,45 @@ def test_residual_requires_grad_subsets(fast, wanted):
     assert _check(fast, fn, inputs, wanted) >= 2
     inputs, fn, _ = _fused_cases()["rms residual fp32 stream"]
     assert _check(fast, fn, inputs, wanted) >= 2
+
+
+@pytest.mark.parametrize("wanted", [{0}, {3}, {4}, {3, 4}, {0, 3}, {1, 2}, {1, 4}], ids=str)
+def test_modulation_requires_grad_subsets(fast, wanted):
+    """Every subset of (x, weight, bias, scale, shift) that requires grad: dscale and dshift come
+    from the C++ node exactly where the Python path gives them."""
+    inputs, fn, _ = _fused_cases()["ln mod scale shift"]
+    assert _check(fast, fn, inputs, wanted) >= 2
+
+
+@pytest.mark.parametrize("wanted", [{0}, {1}, {2}, {0, 1}, {1, 2}], ids=str)
+def test_gate_requires_grad_subsets(fast, wanted):
+    inputs, fn, _ = _fused_cases()["rms gate"]
+    assert _check(fast, fn, inputs, wanted) >= 2
+
+
+@pytest.mark.parametrize("name", ["ln mod scale shift", "rms gate"])
+def test_double_backward_with_modulation_or_gate(fast, name):
+    """create_graph=True: the C++ node hands the backward to the differentiable torch ops (dscale,
+    dshift, dgate included), which autograd differentiates again."""
+    inputs, fn, wanted = _fused_cases()[name]
+    inputs = tuple(t.float() for t in inputs)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        y = fn(*leaves)
+        v = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        g = torch.autograd.grad((y * v).sum(), leaves, create_graph=True)
+        return torch.autograd.grad(sum((gi * gi).sum() for gi in g), leaves, allow_unused=True)
+
+    with _host.python_path():
+        ref = run()
+    before = _host.stats()["differentiable_backwards"]
+    for _ in range(2):
+        for g, e in zip(run(), ref, strict=True):
+            assert (g is None) == (e is None)
+            if g is not None:
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert _host.stats()["differentiable_backwards"] > before
 
 
 def test_gradient_of_h_only(fast):
@@ -437,7 +517,8 @@ def test_fused_calls_are_served_by_cpp(fast):
     """The calls of the issue's host table run on plans: a run of each adds replays and no Python runs."""
     cases = _fused_cases()
     for name in ("rms residual prenorm", "ln column-strided rows", "rms weight_offset", "rms q head rows",
-                 "rms fp8 out float scale amax", "ln weight is bias"):
+                 "rms fp8 out float scale amax", "ln weight is bias", "ln mod weightless chunks", "ln mod scale shift",
+                 "rms gate", "rms gate per-group weights"):
         inputs, fn, wanted = cases[name]
         for _ in range(3):
             _grads(fn, inputs, wanted)
@@ -455,10 +536,27 @@ def _op_delta(before, after):
     return {k: after[k] - before[k] for k in ("op_served", "op_python", "op_autograd_python", "python_runs", "replays")}
 
 
-def test_compiled_calls_replay_plans_in_cpp(fast):
+def _compiled_matches_eager(fn, args, calls: int) -> dict:
+    """fn compiled (fullgraph, normkit's ops kept), run without grad until its ops replay plans, then
+    `calls` times: its outputs must be the eager call's, bit for bit; the counters of those calls."""
     from normkit import compile_fusion as cf
 
     torch._dynamo.reset()
+    with cf.policy("normkit"), torch.no_grad():
+        eager = fn(*args)
+        f = torch.compile(fn, fullgraph=True)
+        for _ in range(3):  # per op: the Python host function, its recording, then replays
+            f(*args)
+        before = _host.stats()
+        for _ in range(calls):
+            got = f(*args)
+        d = _op_delta(before, _host.stats())
+    for i, (a, e) in enumerate(zip(got, eager, strict=True)):
+        _same(a, e, f"output {i}: compiled vs eager")
+    return d
+
+
+def test_compiled_calls_replay_plans_in_cpp(fast):
     x = torch.randn(8, 4096, device="cuda", dtype=bf16)
     r, w = torch.randn_like(x), torch.randn(4096, device="cuda", dtype=bf16)
     b = torch.randn(4096, device="cuda", dtype=bf16)
@@ -471,19 +569,26 @@ def test_compiled_calls_replay_plans_in_cpp(fast):
         g = normkit.group_norm(xg, 8, None, None, 1e-5, activation="silu")
         return y, y2, h, z, g
 
-    with cf.policy("normkit"), torch.no_grad():
-        eager = fn(x, r, xg)
-        f = torch.compile(fn, fullgraph=True)
-        for _ in range(3):  # per op: the Python host function, its recording, then replays
-            f(x, r, xg)
-        before = _host.stats()
-        for _ in range(5):
-            got = f(x, r, xg)
-        d = _op_delta(before, _host.stats())
-    for i, (a, e) in enumerate(zip(got, eager)):
-        _same(a, e, f"output {i}: compiled vs eager")
+    d = _compiled_matches_eager(fn, (x, r, xg), 5)
     assert d["op_python"] == 0 and d["python_runs"] == 0 and d["op_autograd_python"] == 0, d
     assert d["op_served"] >= 5 * 4 and d["op_served"] % 5 == 0 and d["replays"] >= d["op_served"], d
+
+
+def test_compiled_modulated_and_gated_calls_are_served_in_cpp(fast):
+    """torch.compile (fullgraph) of a modulated and a gated call: Inductor's code calls
+    normkit::row_norm_fused_fwd with mod_scale/mod_shift/gate, which the C++ kernel serves from plans."""
+    x, g = torch.randn(4, 64, 1152, device="cuda", dtype=bf16), torch.randn(4, 64, 1152, device="cuda", dtype=bf16)
+    emb = torch.randn(4, 6 * 1152, device="cuda", dtype=bf16)
+    w = torch.randn(1152, device="cuda", dtype=bf16)
+
+    def fn(x, emb, g):
+        shift, scale = emb[:, :1152], emb[:, 1152:2304]
+        y = normkit.layer_norm(x, (1152,), None, None, 1e-6, scale=scale, shift=shift)
+        z = normkit.rms_norm(x, (1152,), w, 1e-5, gate=g)
+        return y, z
+
+    d = _compiled_matches_eager(fn, (x, emb, g), 4)
+    assert d["op_python"] == 0 and d["python_runs"] == 0 and d["op_served"] >= 4 * 2 and d["op_served"] % 4 == 0, d
 
 
 def test_compiled_training_step_matches_eager(fast):

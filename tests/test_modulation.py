@@ -345,11 +345,18 @@ def test_fused_ops_pass_opcheck_with_modulation():
                                 FP32))
 
 
-def test_host_path_declines_modulated_calls(host_path_refuses):
-    """The C++ host path knows no modulation: a modulated call never reaches it."""
+def test_host_path_gets_the_modulation(host_path_calls):
+    """Modulated calls reach the host path with their tables (its arguments 17 and 18, after the 16
+    of a call without them); the Python path runs the calls it declines."""
     x, w, b, sc, sh = _inputs((2, 3, 16), (2, 16), (16,), grad=False)
-    normkit.layer_norm(x, 16, w, b, scale=sc, shift=sh)
+    y = normkit.layer_norm(x, 16, w, b, scale=sc, shift=sh)
+    assert ref.rel_err(y, ref.layer_norm(x, (16,), w, b, 1e-5, scale=sc, shift=sh)[0]) <= TOL[FP32]
     normkit.rms_norm(x, 16, w, shift=sh)
+    normkit.layer_norm(x, 16, w, b)
+    first = host_path_calls[0]
+    assert len(first) == 19 and first[16] is sc and first[17] is sh and first[18] is None
+    assert any(len(a) == 19 and a[16] is None and a[17] is sh for a in host_path_calls)
+    assert len(host_path_calls[-1]) == 16  # the plain call: the shorter argument list
 
 
 # ----------------------------------------------------------------------------- errors

@@ -2,7 +2,8 @@
 
 `fast` is None (every call takes the Python path in normkit.functional) or an object whose
     row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend[, residual, prenorm,
-             residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast])
+             residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast[, mod_scale,
+             mod_shift, gate]])
     group_norm(x, num_groups, weight, bias, eps, activation, backend)
 return the output (row_norm: y, or (y[, h][, amax]) as the public functions return it), or None for
 a call they do not serve (then the Python path runs, and raises the errors for bad arguments).
@@ -72,9 +73,14 @@ def load_extension():
         from ..functional import _autocast_upcasts
         from ..reference import ACTIVATIONS
 
+        from .._row_args import HOST_ROW, HOST_ROW_LENGTHS, ROW_FUSED_FWD
+
         ext = build.load()
         _forget_plans_when_configs_change()
-        ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")))
+        # the op kernels and the eager entry read their arguments by name (row_norm_fwd's lead the fused
+        # op's, by construction): their positions come from normkit._row_args
+        ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")),
+                   ROW_FUSED_FWD.names, HOST_ROW, HOST_ROW_LENGTHS)
         global _ops_handle
         _ops_handle = ext._register_ops(op_impls(), "CUDA")
         dispatch_changed()

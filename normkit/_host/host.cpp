@@ -219,12 +219,12 @@ struct LaunchSpec {
   std::vector<Patch> patches;
 };
 struct AllocSpec {
-  int role;  // 0: temporary in the recorded layout; 1-5: the op's outputs, allocated by the op
+  int role;  // 0: temporary in the recorded layout; 1-7: the op's outputs, allocated by the op
   at::ScalarType dtype;
   std::vector<int64_t> sizes, strides;
   bool zero = false;  // the run allocated it zeroed (torch.zeros: the amax a kernel accumulates into)
 };
-constexpr int kMaxOuts = 6;  // outs[1..5]: the roles of an op's outputs
+constexpr int kMaxOuts = 8;  // outs[1..7]: the roles of an op's outputs
 struct Plan {
   int n_inputs = 0;
   cu::Context ctx = nullptr;
@@ -235,10 +235,10 @@ struct Plan {
 using PlanPtr = std::shared_ptr<const Plan>;
 
 struct Key {
-  std::array<int64_t, 128> v{};
+  std::array<int64_t, 192> v;  // only v[0..n) is read: left uninitialized (a key is made per call)
   int n = 0;
   void add(int64_t a) {
-    TORCH_INTERNAL_ASSERT(n < 128);
+    TORCH_INTERNAL_ASSERT(n < 192);
     v[n++] = a;
   }
   void add_double(double d) {
@@ -398,6 +398,9 @@ struct Callbacks {
   py::object row_fwd, row_bwd, gn_fwd, gn_bwd, row_vjp, gn_vjp;
 };
 Callbacks* callbacks = nullptr;   // set by _init, never freed (lives as long as the process)
+// Tests without a GPU: row calls on CPU tensors take the eager entry and the autograd node too, each
+// running the Python host functions (never a plan). Off outside those tests (_serve_cpu_calls).
+bool cpu_calls = false;
 PyObject* act_names[8] = {};      // activation code -> name (code 0: None)
 int n_acts = 0;
 PyObject* triton_name = nullptr;
@@ -550,9 +553,9 @@ bool backend_ok(PyObject* o) {
 }
 
 // Which of a plan's inputs share a pointer (weight and bias the same tensor, dy and dh the same
-// gradient, ...): for each input, 1 + the first earlier one with its pointer, or 0, as base-8 digits.
+// gradient, ...): for each input, 1 + the first earlier one with its pointer, or 0, as base-16 digits.
 // A plan takes an aliased input's pointer from the first input that has it (plans.pointer_slot), so
-// calls alias alike exactly when their keys do. At most 16 inputs.
+// calls alias alike exactly when their keys do. At most 15 inputs.
 int64_t alias_code(const Tensor* t, int n) {
   int64_t code = 0;
   for (int i = 0; i < n; i++) {
@@ -560,7 +563,7 @@ int64_t alias_code(const Tensor* t, int n) {
     const void* p = t[i].defined() ? t[i].data_ptr() : nullptr;
     for (int j = 0; p && j < i && !digit; j++)
       if (t[j].defined() && t[j].data_ptr() == p) digit = j + 1;
-    code = code * 8 + digit;
+    code = code * 16 + digit;
   }
   return code;
 }
@@ -579,7 +582,7 @@ template <class Make, class Python>
 void run(const Key& key, const Tensor* inputs, int n_inputs, c10::Device dev, Make&& make, Python&& python,
          Tensor (&outs)[kMaxOuts], int n_out = 3) {
   PlanPtr plan;
-  Action action = lookup(key, plan);
+  Action action = dev.is_cuda() ? lookup(key, plan) : Action::kPython;  // CPU: the tests' cpu_calls, no plans
   if (action == Action::kReplay && replay(*plan, inputs, dev, make, outs)) return;
   const bool record = action == Action::kRecord;
   n_python++;
@@ -736,13 +739,24 @@ bool is_fp8(at::ScalarType s) { return s == at::kFloat8_e4m3fn || s == at::kFloa
 
 int64_t opt_code(const std::optional<at::ScalarType>& d) { return d ? static_cast<int64_t>(*d) : -1; }
 
+// The node's edges and outputs: x, weight, bias, residual, then, for a call with the adaLN modulation
+// or a gate (and only then: a plain call's node has the first 4), mod_scale, mod_shift, gate.
+constexpr int kRowEdges = 4, kRowEdgesExtra = 7;
+
 struct RowNormBackward : public NormBackward {
+  SavedVariable ms_, mt_, g_;  // the modulation tables and the gate (undefined where absent)
   int64_t ndim_ = 1;
   bool rms_ = false, prenorm_ = false;
   double weight_offset_ = 0;
   at::ScalarType x_dtype_ = at::kFloat;
   std::optional<at::ScalarType> r_dtype_;  // the residual's dtype (set with a residual)
   std::string name() const override { return "NormkitRowNormBackward"; }
+  void release_variables() override {
+    NormBackward::release_variables();
+    ms_.reset_data();
+    mt_.reset_data();
+    g_.reset_data();
+  }
   variable_list apply(variable_list&& grads) override;
 };
 
@@ -750,6 +764,8 @@ struct RowNormBackward : public NormBackward {
 // resolved as _check_fusion / _autocast_rows resolve them.
 struct RowCall {
   Tensor x, w, b, r, scale;  // r: the residual; scale: a tensor out_scale
+  Tensor ms, mt, g;          // the adaLN modulation tables (scale=, shift=) and the gate (gate=)
+  bool extra = false;        // any of ms, mt, g: their plans have 8 inputs, their nodes 7 edges
   int64_t ndim = 1, w_rows = 1;
   double eps = 0, weight_offset = 0, scale_value = 0;  // scale_value: a float out_scale (float8 only)
   bool rms = false, prenorm = false, amax = false, float_scale = false;
@@ -770,6 +786,75 @@ int64_t param_rows_of(const Tensor& p, c10::Device dev, c10::IntArrayRef shape, 
       p.sizes().slice(1) == shape)
     return heads;
   return 0;
+}
+
+// A modulation table or a gate: a floating tensor on x's device, plain (as tensor_ok); float64 too,
+// which the Python path takes for them (any float dtype) with x of another dtype.
+bool aux_ok(const Tensor& t, c10::Device dev) {
+  if (t.device() != dev || t.layout() != c10::kStrided) return false;
+  const at::ScalarType s = t.scalar_type();
+  if (!dtype_ok(s) && s != at::kDouble) return false;
+  if (t.key_set().has_any(bad_tensor_keys)) return false;
+  return !(t.unsafeGetTensorImpl()->autograd_meta() && t._fw_grad(0).defined());
+}
+
+// Mirror of normkit._layout.sample_rows: (S, rows per sample) of a modulation table t (lead + the k
+// normalized dims) applied per sample to x, or false where its lead is not a prefix of x's leading
+// dims followed by ones.
+bool sample_rows(const Tensor& t, const Tensor& x, int64_t k, int64_t& S, int64_t& per) {
+  const int64_t tl = t.dim() - k, xl = x.dim() - k;
+  if (tl > xl) return false;
+  int64_t last = -1;
+  for (int64_t i = 0; i < tl; i++)
+    if (t.size(i) != 1) last = i;
+  S = per = 1;
+  for (int64_t i = 0; i <= last; i++) {
+    if (t.size(i) != x.size(i)) return false;
+    S *= x.size(i);
+  }
+  for (int64_t i = last + 1; i < xl; i++) per *= x.size(i);
+  return true;
+}
+
+// Adds a modulation table to `key` (dtype, alignment, sizes, strides: the kernels get its row stride
+// and, through x's rows per sample, its row count), or false where the Python path would raise or
+// copy it (normkit._layout.mod_table reads [S, N] views with unit column stride in place).
+bool add_table(Key& key, const Tensor& t, const RowCall& c, c10::IntArrayRef shape, int64_t& S, int64_t& per) {
+  const int64_t k = c.ndim;
+  if (!aux_ok(t, c.x.device()) || t.dim() < k || t.dim() > 8 || t.sizes().slice(t.dim() - k) != shape ||
+      !sample_rows(t, c.x, k, S, per))
+    return false;
+  int64_t M, N, rs;
+  if (!rows_view(t, k, M, N, rs)) return false;
+  key.add(dtype_code(t));
+  key.add(aligned(t));
+  key.add(t.dim());
+  for (int64_t v : t.sizes()) key.add(v);
+  for (int64_t v : t.strides()) key.add(v);
+  return true;
+}
+
+// The adaLN modulation (normkit.functional._check_modulation) and the gate (_check_gate) of a call:
+// false where the Python path raises (it says why) or copies. Their layouts go into c.layout.
+bool finish_extra(RowCall& c, c10::IntArrayRef shape) {
+  const c10::Device dev = c.x.device();
+  if (c.g.defined()) {
+    if (c.ms.defined() || c.mt.defined() || c.r.defined() || !aux_ok(c.g, dev) || c.g.sizes() != c.x.sizes())
+      return false;
+    int n_g = 0;
+    int64_t inner_g = 0;
+    c.layout.add(-2);  // a gate's rows follow
+    return add_layout(c.layout, c.g, c.ndim, n_g, inner_g, c.lead_n, c.inner);
+  }
+  if ((c.w.defined() && c.w.dim() > c.ndim) || (c.b.defined() && c.b.dim() > c.ndim)) return false;  // per head
+  int64_t S[2] = {-1, -1}, per[2] = {-1, -1};
+  c.layout.add(-3);  // the modulation tables follow
+  for (int i = 0; i < 2; i++) {
+    const Tensor& t = i ? c.mt : c.ms;
+    c.layout.add(t.defined());
+    if (t.defined() && !add_table(c.layout, t, c, shape, S[i], per[i])) return false;
+  }
+  return !(c.ms.defined() && c.mt.defined() && (S[0] != S[1] || per[0] != per[1]));
 }
 
 // The part of reading a row call that both entry points share, the eager one (parse_row) and the
@@ -811,47 +896,112 @@ bool finish_row(RowCall& c, const int64_t* dims, bool autocast, const std::optio
     int64_t inner_r = 0;
     if (!add_layout(c.layout, c.r, c.ndim, n_r, inner_r, c.lead_n, c.inner)) return false;
   }
-  return true;
+  c.extra = c.ms.defined() || c.mt.defined() || c.g.defined();
+  return !c.extra || finish_extra(c, shape);
 }
 
-// Recognises a call this path serves: (x, normalized_shape, weight, bias, eps, rms, activation,
-// backend[, residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scale, return_amax,
-// autocast]) as normkit.functional passes them (autocast: apply torch's autocast contract, as the
-// public functions do; False where the caller has applied it or wants none); false for anything else
-// (the Python path runs, and raises the errors for bad arguments).
+// Sets each field (name, where its position goes) to its name's position in `names` (-1: not there);
+// returns the positions of the names no field has.
+template <size_t K>
+std::vector<int> positions(py::sequence names, const std::pair<const char*, int*> (&fields)[K]) {
+  for (const auto& f : fields) *f.second = -1;
+  std::vector<int> unread;
+  const int n = static_cast<int>(py::len(names));
+  for (int i = 0; i < n; i++) {
+    const std::string name = py::cast<std::string>(names[i]);
+    bool known = false;
+    for (const auto& f : fields)
+      if (name == f.first) *f.second = i, known = true;
+    if (!known) unread.push_back(i);
+  }
+  return unread;
+}
+
+// The positions of the eager entry's arguments, from normkit._row_args.HOST_ROW (the order in which
+// functional._via_host passes them), handed over once by _setup: a call passes the first `plain` of
+// them, the first `fused`, or all `all`. Every name there must be one this file reads (else _setup
+// fails, and the Python path serves every call: an option the plans do not know is never dropped).
+struct HostRowArgs {
+  int x, shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype, weight_offset,
+      out_dtype, out_scale, return_amax, autocast, mod_scale, mod_shift, gate;
+  Py_ssize_t plain, fused, all;
+};
+HostRowArgs host_args{};
+
+void set_host_row_args(py::sequence names, py::tuple lengths) {
+  HostRowArgs h{};
+  // by tier: the plain call's arguments, the fused options, then the modulation and the gate
+  const std::pair<const char*, int*> fields[] = {
+      {"x", &h.x}, {"normalized_shape", &h.shape}, {"weight", &h.weight}, {"bias", &h.bias}, {"eps", &h.eps},
+      {"rms", &h.rms}, {"activation", &h.activation}, {"backend", &h.backend}, {"residual", &h.residual},
+      {"prenorm", &h.prenorm}, {"residual_dtype", &h.residual_dtype}, {"weight_offset", &h.weight_offset},
+      {"out_dtype", &h.out_dtype}, {"out_scale", &h.out_scale}, {"return_amax", &h.return_amax},
+      {"autocast", &h.autocast}, {"mod_scale", &h.mod_scale}, {"mod_shift", &h.mod_shift}, {"gate", &h.gate}};
+  h.plain = py::cast<Py_ssize_t>(lengths[0]);
+  h.fused = py::cast<Py_ssize_t>(lengths[1]);
+  h.all = py::cast<Py_ssize_t>(lengths[2]);
+  const Py_ssize_t tiers[3] = {h.plain, h.fused, h.all};
+  TORCH_CHECK(py::len(names) == static_cast<size_t>(h.all) && h.plain <= h.fused && h.fused <= h.all,
+              "normkit host path: the eager entry's argument list and its lengths disagree");
+  for (int i : positions(names, fields))
+    TORCH_CHECK(false, "normkit host path: the eager entry passes ", py::cast<std::string>(names[i]),
+                ", which it does not read");
+  for (size_t k = 0; k < std::size(fields); k++)  // each field within its tier: 8 plain, 8 fused, 3 more
+    TORCH_CHECK(*fields[k].second >= 0 && *fields[k].second < tiers[k < 8 ? 0 : k < 16 ? 1 : 2],
+                "normkit host path: the eager entry's argument ", fields[k].first, " is missing or misplaced");
+  host_args = h;
+}
+
+// Recognises a call this path serves: the eager entry's arguments (HOST_ROW: x, normalized_shape,
+// weight, bias, eps, rms, activation, backend[, residual, prenorm, residual_dtype, weight_offset,
+// out_dtype, out_scale, return_amax, autocast[, mod_scale, mod_shift, gate]]) as normkit.functional
+// passes them (autocast: apply torch's autocast contract, as the public functions do; False where the
+// caller has applied it or wants none); false for anything else (the Python path runs, and raises the
+// errors for bad arguments).
 bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCall& c) {
-  if ((nargs != 8 && nargs != 16) || (kwnames && PyTuple_GET_SIZE(kwnames))) return false;
-  PyObject *pw = args[2], *pb = args[3], *prms = args[5];
-  if (!plain_args(args[0], pw, pb) || !backend_ok(args[7]) || (prms != Py_True && prms != Py_False)) return false;
+  const HostRowArgs& h = host_args;
+  if ((nargs != h.plain && nargs != h.fused && nargs != h.all) || (kwnames && PyTuple_GET_SIZE(kwnames)))
+    return false;
+  PyObject *pw = args[h.weight], *pb = args[h.bias], *prms = args[h.rms];
+  if (!plain_args(args[h.x], pw, pb) || !backend_ok(args[h.backend]) || (prms != Py_True && prms != Py_False))
+    return false;
   c.rms = prms == Py_True;
-  c.act = activation_code(args[6]);
+  c.act = activation_code(args[h.activation]);
   if (c.act < 0 || (c.rms && pb != Py_None)) return false;
-  if (c.rms && args[4] == Py_None) {
+  if (c.rms && args[h.eps] == Py_None) {
     c.eps = 1.1920928955078125e-07;  // torch.finfo(float32).eps, F.rms_norm's default for these dtypes
-  } else if (!read_eps(args[4], c.eps)) {
+  } else if (!read_eps(args[h.eps], c.eps)) {
     return false;
   }
   PyObject *pr = Py_None, *pscale = Py_None;
   bool autocast = true;
   std::optional<at::ScalarType> r_dtype;
-  if (nargs == 16) {
-    pr = args[8];
-    pscale = args[13];
+  if (nargs >= h.fused) {
+    pr = args[h.residual];
+    pscale = args[h.out_scale];
     if (pr != Py_None && !plain_tensor(pr)) return false;
     if (pscale != Py_None && !plain_tensor(pscale)) {
       if (!read_real(pscale, c.scale_value)) return false;
       c.float_scale = true;
     }
-    if (!read_bool(args[9], c.prenorm) || !read_bool(args[14], c.amax) || !read_bool(args[15], autocast) ||
-        !read_dtype(args[10], {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
-        !read_real(args[11], c.weight_offset) ||
-        !read_dtype(args[12], {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2},
+    if (!read_bool(args[h.prenorm], c.prenorm) || !read_bool(args[h.return_amax], c.amax) ||
+        !read_bool(args[h.autocast], autocast) ||
+        !read_dtype(args[h.residual_dtype], {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
+        !read_real(args[h.weight_offset], c.weight_offset) ||
+        !read_dtype(args[h.out_dtype], {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2},
                     c.out_dtype))
       return false;
   }
+  if (nargs == h.all) {
+    for (int i : {h.mod_scale, h.mod_shift, h.gate})
+      if (args[i] != Py_None && !plain_tensor(args[i])) return false;
+    if (args[h.mod_scale] != Py_None) c.ms = THPVariable_Unpack(args[h.mod_scale]);
+    if (args[h.mod_shift] != Py_None) c.mt = THPVariable_Unpack(args[h.mod_shift]);
+    if (args[h.gate] != Py_None) c.g = THPVariable_Unpack(args[h.gate]);
+  }
   int64_t dims[16];
-  if (!read_shape(args[1], dims, c.ndim)) return false;
-  c.x = THPVariable_Unpack(args[0]);
+  if (!read_shape(args[h.shape], dims, c.ndim)) return false;
+  c.x = THPVariable_Unpack(args[h.x]);
   if (pw != Py_None) c.w = THPVariable_Unpack(pw);
   if (pb != Py_None) c.b = THPVariable_Unpack(pb);
   if (pr != Py_None) c.r = THPVariable_Unpack(pr);
@@ -859,20 +1009,35 @@ bool parse_row(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, RowCa
   return finish_row(c, dims, autocast, r_dtype);
 }
 
+// The forward's inputs as its plans number them: x, weight, bias, residual, a tensor out_scale, then,
+// in calls with the modulation or a gate only (plans.row_fwd), mod_scale, mod_shift, gate.
+int row_inputs(const RowCall& c, Tensor (&in)[8]) {
+  in[0] = c.x, in[1] = c.w, in[2] = c.b, in[3] = c.r, in[4] = c.scale;
+  if (!c.extra) return 5;
+  in[5] = c.ms, in[6] = c.mt, in[7] = c.g;
+  return 8;
+}
+
 Key row_fwd_key(const RowCall& c, bool store_stats, bool store_h) {
   Key key;
-  const Tensor in[5] = {c.x, c.w, c.b, c.r, c.scale};
-  for (int64_t v : {int64_t(1), int64_t(c.x.device().index()), dtype_code(c.x), dtype_code(c.w), dtype_code(c.b),
-                    dtype_code(c.r), dtype_code(c.scale), opt_code(c.h_dtype), opt_code(c.out_dtype), int64_t(c.rms),
-                    int64_t(c.act), int64_t(store_stats), int64_t(store_h), int64_t(c.amax), c.w_rows,
-                    alias_code(in, 5)})
+  Tensor in[8];
+  const int n_in = row_inputs(c, in);
+  // kind 1: a plain or fused call; 5: one with the modulation or a gate (their tables follow the layout)
+  for (int64_t v : {int64_t(c.extra ? 5 : 1), int64_t(c.x.device().index()), dtype_code(c.x), dtype_code(c.w),
+                    dtype_code(c.b), dtype_code(c.r), dtype_code(c.scale), opt_code(c.h_dtype), opt_code(c.out_dtype),
+                    int64_t(c.rms), int64_t(c.act), int64_t(store_stats), int64_t(store_h), int64_t(c.amax), c.w_rows,
+                    alias_code(in, n_in)})
     key.add(v);
   key.add_double(c.eps);
   key.add_double(c.weight_offset);
   key.add_double(c.scale_value);
   key.add(c.float_scale);
   key.add(aligned(c.x) | aligned(c.w) << 1 | aligned(c.b) << 2 | aligned(c.r) << 3 | aligned(c.scale) << 4);
-  for (int i = 0; i < c.layout.n; i++) key.add(c.layout.v[i]);
+  for (int i = 0; i < c.layout.n; i++) key.add(c.layout.v[i]);  // with a gate's alignment and dtype below
+  if (c.g.defined()) {
+    key.add(dtype_code(c.g));
+    key.add(aligned(c.g));
+  }
   return key;
 }
 
@@ -895,7 +1060,8 @@ Tensor alloc_stats(const AllocSpec& a, c10::IntArrayRef shape) {
 // both entry points, the eager one (py_row_norm) and the dispatcher's (row_fwd_op). store_stats:
 // mean/rstd are kept; store_h: h is written. outs[1..5] = y, mean, rstd, h, amax (undefined: absent).
 void row_forward(const RowCall& c, bool store_stats, bool store_h, Tensor (&outs)[kMaxOuts]) {
-  const Tensor inputs[5] = {c.x, c.w, c.b, c.r, c.scale};
+  Tensor inputs[8];
+  const int n_in = row_inputs(c, inputs);
   const c10::IntArrayRef lead = c.x.sizes().slice(0, c.x.dim() - c.ndim);
   auto make = [&](int role, const AllocSpec& a) {
     if (role == 1 || role == 4) return alloc(c.x.sizes(), a.dtype);
@@ -903,24 +1069,31 @@ void row_forward(const RowCall& c, bool store_stats, bool store_h, Tensor (&outs
     if (role == 2 || role == 3) return alloc_stats(a, lead);
     return alloc_strided(a.sizes, a.strides, a.dtype);
   };
-  run(row_fwd_key(c, store_stats, store_h), inputs, 5, c.x.device(), make, [&](bool record) {  // GIL held
+  run(row_fwd_key(c, store_stats, store_h), inputs, n_in, c.x.device(), make, [&](bool record) {  // GIL held
     py::object out_dtype = c.out_dtype ? py::reinterpret_borrow<py::object>(
         reinterpret_cast<PyObject*>(torch::getTHPDtype(*c.out_dtype))) : py::none();
     py::object h_dtype = c.h_dtype ? py::reinterpret_borrow<py::object>(
         reinterpret_cast<PyObject*>(torch::getTHPDtype(*c.h_dtype))) : py::none();
-    return callbacks->row_fwd(wrap(c.x), wrap(c.w), wrap(c.b), wrap(c.r), wrap(c.scale), c.ndim, c.eps, c.rms,
+    return callbacks->row_fwd(wrap(c.x), wrap(c.w), wrap(c.b), wrap(c.r), wrap(c.scale), wrap(c.ms), wrap(c.mt),
+                              wrap(c.g), c.ndim, c.eps, c.rms,
                               act_name(c.act), store_stats, store_h, h_dtype, c.weight_offset, out_dtype,
                               c.float_scale ? py::object(py::float_(c.scale_value)) : py::none(), c.amax, record);
   }, outs, 5);
 }
 
+bool grad_of(const Tensor& t) { return t.defined() && t.requires_grad(); }
+
+// Whether a row call records its graph (grad mode on and an input that requires grad).
+bool row_grad(const RowCall& c) {
+  return c10::GradMode::is_enabled() && (c.x.requires_grad() || grad_of(c.w) || grad_of(c.b) || grad_of(c.r) ||
+                                         (c.extra && (grad_of(c.ms) || grad_of(c.mt) || grad_of(c.g))));
+}
+
 PyObject* py_row_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
   RowCall c;
-  if (!callbacks || !parse_row(args, nargs, kwnames, c) || !c.x.is_cuda()) Py_RETURN_NONE;
-  const bool grad = c10::GradMode::is_enabled() && (c.x.requires_grad() || (c.w.defined() && c.w.requires_grad()) ||
-                                                    (c.b.defined() && c.b.requires_grad()) ||
-                                                    (c.r.defined() && c.r.requires_grad()));
+  if (!callbacks || !parse_row(args, nargs, kwnames, c) || (!c.x.is_cuda() && !cpu_calls)) Py_RETURN_NONE;
+  const bool grad = row_grad(c);
   if (grad && c.out_dtype && is_fp8(*c.out_dtype)) Py_RETURN_NONE;  // a float8 y's gradient: the Python path
   const bool store_h = c.r.defined() && (grad || c.prenorm);  // with grad the backward normalizes h again
   Tensor outs[kMaxOuts];  // y, mean, rstd, h, amax
@@ -928,7 +1101,14 @@ PyObject* py_row_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObje
   if (grad) {
     auto node = make_node<RowNormBackward>();
     auto* n = static_cast<RowNormBackward*>(node.get());
-    n->set_next_edges(torch::autograd::collect_next_edges(c.x, c.w, c.b, c.r));
+    if (c.extra) {
+      n->set_next_edges(torch::autograd::collect_next_edges(c.x, c.w, c.b, c.r, c.ms, c.mt, c.g));
+      n->ms_ = SavedVariable(c.ms, false);
+      n->mt_ = SavedVariable(c.mt, false);
+      n->g_ = SavedVariable(c.g, false);
+    } else {
+      n->set_next_edges(torch::autograd::collect_next_edges(c.x, c.w, c.b, c.r));
+    }
     torch::autograd::set_history(outs[1], node);
     if (c.prenorm) torch::autograd::set_history(outs[4], node);
     // what was normalized: h (an output of this node when prenorm returns it) or x
@@ -960,7 +1140,7 @@ PyObject* py_parse_row(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObj
   HANDLE_TH_ERRORS
   RowCall c;
   if (!parse_row(args, nargs, kwnames, c)) Py_RETURN_NONE;
-  const bool grad = needs_grad(c.x, c.w, c.b) || (c10::GradMode::is_enabled() && c.r.defined() && c.r.requires_grad());
+  const bool grad = row_grad(c);
   int64_t M = 0, N = 0, rs = 0;
   rows_view(c.x, c.ndim, M, N, rs);
   py::object out_dtype = c.out_dtype ? py::reinterpret_borrow<py::object>(
@@ -973,26 +1153,35 @@ PyObject* py_parse_row(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObj
 }
 
 variable_list RowNormBackward::apply(variable_list&& grads) {
+  const int n_out = static_cast<int>(num_outputs());  // kRowEdges, or kRowEdgesExtra with ms/mt/gate
   Tensor dy = grads[0];
   Tensor dh = prenorm_ && grads.size() > 1 ? grads[1] : Tensor();
-  if (!dy.defined() && !dh.defined()) return variable_list(4);
-  // edges: x, weight, bias, residual
-  const bool need[4] = {task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2),
-                        task_should_compute_output(3)};
+  if (!dy.defined() && !dh.defined()) return variable_list(n_out);
+  // edges: x, weight, bias, residual[, mod_scale, mod_shift, gate]
+  bool need[kRowEdgesExtra] = {};
+  for (int i = 0; i < n_out; i++) need[i] = task_should_compute_output(i);
   Tensor z = x_.unpack(getptr()), w = w_.unpack(), b = b_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
+  Tensor ms, mt, g;
+  if (n_out == kRowEdgesExtra) ms = ms_.unpack(), mt = mt_.unpack(), g = g_.unpack();
+  auto dtype_of = [](const Tensor& t) {
+    return t.defined() ? py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())))
+                       : py::handle(Py_None);
+  };
+  py::handle x_dtype(reinterpret_cast<PyObject*>(torch::getTHPDtype(x_dtype_)));
+  py::handle r_dtype = r_dtype_ ? py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(*r_dtype_)))
+                                : py::handle(Py_None);
   const c10::Device dev = z.device();
   if (!dy.defined() || differentiable(dy) || dy.device() != dev || (dh.defined() && (!tensor_ok(dh, dev)))) {
-    // python returns (dx, dres, dw, db); the node's outputs are (dx, dw, db, dres)
-    static const int order[4] = {0, 3, 1, 2};
-    const bool need_vjp[4] = {need[0], need[3], need[1], need[2]};
-    variable_list g = differentiable_grads(need_vjp, [&](py::tuple needs) {
+    // python returns (dx, dres, dw, db, dscale, dshift, dgate); the node's outputs are (dx, dw, db, dres, ...)
+    static const int order[kRowEdgesExtra] = {0, 3, 1, 2, 4, 5, 6};
+    const bool need_vjp[kRowEdgesExtra] = {need[0], need[3], need[1], need[2], need[4], need[5], need[6]};
+    variable_list out = differentiable_grads(need_vjp, [&](py::tuple) {
       return callbacks->row_vjp(wrap(dy), wrap(dh), wrap(z), wrap(w), wrap(b), ndim_, eps_, rms_, act_name(act_),
-                                weight_offset_, py::make_tuple(need[0], need[1], need[2], need[3]),
-                                py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(x_dtype_))),
-                                r_dtype_ ? py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(*r_dtype_)))
-                                         : py::handle(Py_None));
+                                weight_offset_, py::make_tuple(need[0], need[1], need[2], need[3]), x_dtype, r_dtype,
+                                wrap(ms), wrap(mt), py::make_tuple(need[4], need[5]), wrap(g), need[6]);
     }, order);
-    return g;  // differentiable_grads placed them in the node's order (dx, dw, db, dres)
+    out.resize(n_out);  // differentiable_grads placed them in the node's order (dx, dw, db, dres, ...)
+    return out;
   }
   Key key;
   int n = 0, n2 = 0;
@@ -1007,33 +1196,62 @@ variable_list RowNormBackward::apply(variable_list&& grads) {
     TORCH_CHECK(add_layout(key, dh, ndim_, n2, inner2, n, inner), "normkit host path: dh without a row view");
   }
   const bool want_dw = need[1] && w.defined(), want_db = need[2] && b.defined();
-  const Tensor inputs[7] = {dy, z, w, act_ ? b : Tensor(), mean, rstd, dh};  // the bias only recomputes act's input
+  const bool want_ds = need[4] && ms.defined(), want_dt = need[5] && mt.defined(), want_dg = need[6] && g.defined();
+  // the bias only recomputes act's input, or with a scale the affine output that dscale sums
+  const Tensor inputs[10] = {dy, z, w, act_ || ms.defined() ? b : Tensor(), mean, rstd, dh, ms, mt, g};
+  const int n_in = n_out == kRowEdgesExtra ? 10 : 7;
   const int64_t w_rows = w.defined() ? (w.dim() > ndim_ ? w.size(0) : 1) : (b.defined() && b.dim() > ndim_ ? b.size(0) : 1);
   int64_t align = 0;
-  for (int i = 0; i < 7; i++) align |= int64_t(aligned(inputs[i])) << i;
-  for (int64_t v : {int64_t(2), int64_t(dev.index()), dtype_code(z), dtype_code(dy), dtype_code(dh), dtype_code(w),
-                    dtype_code(inputs[3]), want_dw ? dtype_code(w) : int64_t(-1), want_db ? dtype_code(b) : int64_t(-1),
-                    int64_t(rms_), int64_t(act_), int64_t(need[0]), int64_t(want_dw), int64_t(want_db), int64_t(need[3]),
-                    int64_t(x_dtype_), opt_code(r_dtype_), w_rows, alias_code(inputs, 7), align})
+  for (int i = 0; i < n_in; i++) align |= int64_t(aligned(inputs[i])) << i;
+  // kind 2: a plain or fused backward; 6: one with the modulation or a gate (the forward's key has
+  // their layouts: the saved tables and gate are the forward's)
+  for (int64_t v : {int64_t(n_in == 10 ? 6 : 2), int64_t(dev.index()), dtype_code(z), dtype_code(dy), dtype_code(dh),
+                    dtype_code(w), dtype_code(inputs[3]), want_dw ? dtype_code(w) : int64_t(-1),
+                    want_db ? dtype_code(b) : int64_t(-1), int64_t(rms_), int64_t(act_), int64_t(need[0]),
+                    int64_t(want_dw), int64_t(want_db), int64_t(need[3]), int64_t(x_dtype_), opt_code(r_dtype_), w_rows,
+                    alias_code(inputs, n_in), align})
     key.add(v);
   key.add_double(weight_offset_);
-  Tensor outs[kMaxOuts];  // the first gradient buffer (dx, or dresidual), dweight, dbias, a second (dresidual)
+  if (n_in == 10) {
+    for (int64_t v : {int64_t(want_ds), int64_t(want_dt), int64_t(want_dg), dtype_code(g)}) key.add(v);
+    if (g.defined()) TORCH_CHECK(add_layout(key, g, ndim_, n2, inner2, n, inner), "normkit host path: gate rows");
+    for (const Tensor* t : {&ms, &mt}) {
+      key.add(t->defined() ? t->dim() : -1);
+      if (!t->defined()) continue;
+      key.add(dtype_code(*t));
+      for (int64_t v : t->sizes()) key.add(v);
+      for (int64_t v : t->strides()) key.add(v);
+    }
+  }
+  Tensor outs[kMaxOuts];  // the first gradient buffer (dx, or dresidual), dweight, dbias, a second (dresidual),
+                          // dscale, dshift, dgate
   auto make = [&](int role, const AllocSpec& a) {
-    return alloc(role == 1 || role == 4 ? z.sizes() : role == 2 ? w.sizes() : b.sizes(), a.dtype);
+    const Tensor& like = role == 2 ? w : role == 3 ? b : role == 5 ? ms : role == 6 ? mt : z;
+    return alloc(like.sizes(), a.dtype);
   };
-  py::object xd, rd;
-  run(key, inputs, 7, dev, make, [&](bool record) {
+  run(key, inputs, n_in, dev, make, [&](bool record) {
+    if (n_in == 7)
+      return callbacks->row_bwd(wrap(dy), wrap(dh), wrap(z), wrap(w), wrap(b), wrap(mean), wrap(rstd), ndim_, rms_,
+                                act_name(act_), py::make_tuple(need[0], want_dw, want_db, need[3]), weight_offset_,
+                                x_dtype, r_dtype, record);
     return callbacks->row_bwd(wrap(dy), wrap(dh), wrap(z), wrap(w), wrap(b), wrap(mean), wrap(rstd), ndim_, rms_,
                               act_name(act_), py::make_tuple(need[0], want_dw, want_db, need[3]), weight_offset_,
-                              py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(x_dtype_))),
-                              r_dtype_ ? py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(*r_dtype_)))
-                                       : py::handle(Py_None), record);
-  }, outs, 4);
+                              x_dtype, r_dtype, record, wrap(ms), wrap(mt),
+                              py::make_tuple(want_ds ? dtype_of(ms) : py::handle(Py_None),
+                                             want_dt ? dtype_of(mt) : py::handle(Py_None)),
+                              wrap(g), want_dg);
+  }, outs, n_in == 10 ? 7 : 4);
   // as row_norm_backward_fused hands them out: the kernel writes dx once (in the residual's dtype when
   // only the residual wants it), or twice when x and the residual want different dtypes
   Tensor dx = need[0] ? outs[1] : Tensor();
   Tensor dres = need[3] ? (outs[4].defined() ? outs[4] : outs[1]) : Tensor();
-  return {dx, need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor(), dres};
+  variable_list out = {dx, need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor(), dres};
+  if (n_out == kRowEdgesExtra) {
+    out.push_back(want_ds ? outs[5] : Tensor());
+    out.push_back(want_dt ? outs[6] : Tensor());
+    out.push_back(want_dg ? outs[7] : Tensor());
+  }
+  return out;
 }
 
 // ----------------------------------------------------------------------------- GroupNorm
@@ -1227,38 +1445,68 @@ bool iv_dtype(const c10::IValue& v, std::initializer_list<at::ScalarType> allowe
   return false;
 }
 
-// row_norm_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?) and
-// row_norm_fused_fwd(..., residual?, residual_dtype?, weight_offset, out_dtype?, out_scale?,
-// out_scale_value?, want_amax, ...): a[0..n) as the op's arguments; false where this path leaves the
-// call to Python. Arguments past the first 15 (mod_scale?, mod_shift?, gate?, and any added later)
-// are options the plans do not know: a call that passes one is left to Python.
-constexpr size_t kRowFusedArgs = 15;
+// The positions of row_norm_fused_fwd's arguments (row_norm_fwd's are its first eight), from the ops'
+// one definition, normkit._row_args, handed over once by _setup: the op kernels read arguments by
+// name. An argument this file does not read (an option added there later) must be None for a call
+// to be served: the plans do not know it.
+struct RowOpArgs {
+  int x, ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset, out_dtype,
+      out_scale, out_scale_value, want_amax, mod_scale, mod_shift, gate;
+  std::vector<int> unread;
+};
+RowOpArgs op_args{};
+
+void set_row_op_args(py::sequence names) {
+  RowOpArgs r{};
+  const std::pair<const char*, int*> fields[] = {
+      {"x", &r.x}, {"normalized_ndim", &r.ndim}, {"weight", &r.weight}, {"bias", &r.bias}, {"eps", &r.eps},
+      {"rms", &r.rms}, {"activation", &r.activation}, {"backend", &r.backend}, {"residual", &r.residual},
+      {"residual_dtype", &r.residual_dtype}, {"weight_offset", &r.weight_offset}, {"out_dtype", &r.out_dtype},
+      {"out_scale", &r.out_scale}, {"out_scale_value", &r.out_scale_value}, {"want_amax", &r.want_amax},
+      {"mod_scale", &r.mod_scale}, {"mod_shift", &r.mod_shift}, {"gate", &r.gate}};
+  r.unread = positions(names, fields);
+  for (const auto& f : fields)
+    TORCH_CHECK(*f.second >= 0, "normkit host path: row_norm_fused_fwd has no argument ", f.first);
+  op_args = std::move(r);
+}
+
+// row_norm_fwd and row_norm_fused_fwd (normkit._row_args): a[0..n) as the op's arguments (one that is
+// not there: None, its default); false where this path leaves the call to Python.
 bool parse_row_op(const c10::IValue* a, size_t n, bool fused, RowCall& c) {
-  if (!a[0].isTensor() || !iv_backend(a[7])) return false;
-  for (size_t i = fused ? kRowFusedArgs : 8; i < n; i++)
-    if (!a[i].isNone()) return false;
-  c.x = a[0].toTensor();
-  c.w = iv_tensor(a[2]);
-  c.b = iv_tensor(a[3]);
-  c.rms = a[5].toBool();
-  c.act = iv_activation(a[6]);
-  c.eps = a[4].toDouble();
-  c.ndim = a[1].toInt();
+  static const c10::IValue none;
+  const RowOpArgs& p = op_args;
+  auto arg = [&](int i) -> const c10::IValue& { return static_cast<size_t>(i) < n ? a[i] : none; };
+  if (!arg(p.x).isTensor() || !iv_backend(arg(p.backend))) return false;
+  for (int i : p.unread)
+    if (!arg(i).isNone()) return false;
+  c.x = arg(p.x).toTensor();
+  c.w = iv_tensor(arg(p.weight));
+  c.b = iv_tensor(arg(p.bias));
+  c.rms = arg(p.rms).toBool();
+  c.act = iv_activation(arg(p.activation));
+  c.eps = arg(p.eps).toDouble();
+  c.ndim = arg(p.ndim).toInt();
   if (c.act < 0 || (c.rms && c.b.defined()) || !std::isfinite(c.eps) || c.eps < 0) return false;
   if (c.ndim < 1 || c.ndim > 16 || c.ndim > c.x.dim()) return false;
   std::optional<at::ScalarType> r_dtype;
   if (fused) {
-    c.r = iv_tensor(a[8]);
-    c.scale = iv_tensor(a[12]);
-    c.weight_offset = a[10].toDouble();
-    c.amax = a[14].toBool();
-    if (!iv_dtype(a[9], {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
-        !iv_dtype(a[11], {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2}, c.out_dtype) ||
+    for (int i : {p.residual, p.out_scale, p.mod_scale, p.mod_shift, p.gate})
+      if (!arg(i).isNone() && !arg(i).isTensor()) return false;
+    c.r = iv_tensor(arg(p.residual));
+    c.scale = iv_tensor(arg(p.out_scale));
+    c.ms = iv_tensor(arg(p.mod_scale));
+    c.mt = iv_tensor(arg(p.mod_shift));
+    c.g = iv_tensor(arg(p.gate));
+    c.weight_offset = arg(p.weight_offset).isNone() ? 0.0 : arg(p.weight_offset).toDouble();
+    c.amax = !arg(p.want_amax).isNone() && arg(p.want_amax).toBool();
+    if (!iv_dtype(arg(p.residual_dtype), {at::kHalf, at::kBFloat16, at::kFloat}, r_dtype) ||
+        !iv_dtype(arg(p.out_dtype), {at::kHalf, at::kBFloat16, at::kFloat, at::kFloat8_e4m3fn, at::kFloat8_e5m2},
+                  c.out_dtype) ||
         !std::isfinite(c.weight_offset))
       return false;
-    if (!a[13].isNone()) {
+    if (!arg(p.out_scale_value).isNone()) {
       if (c.scale.defined()) return false;  // both a tensor and a float scale: Python says what it makes of it
-      c.scale_value = a[13].toDouble();
+      c.scale_value = arg(p.out_scale_value).toDouble();
       c.float_scale = true;
       if (!std::isfinite(c.scale_value)) return false;
     }
@@ -1424,7 +1672,7 @@ py::object parse_op(const std::string& name, py::args args) {
   }
   if (name == "row_norm_fwd" || name == "row_norm_fused_fwd") {
     const bool fused = name == "row_norm_fused_fwd";
-    TORCH_CHECK(fused ? a.size() >= kRowFusedArgs : a.size() == 8u, "parse_op: arguments");
+    TORCH_CHECK(a.size() >= 8u && (fused || a.size() == 8u), "parse_op: arguments");
     RowCall c;
     if (!parse_row_op(a.data(), a.size(), fused, c)) return py::none();
     return py::cast(row_fwd_key(c, true, c.r.defined()).list());
@@ -1444,7 +1692,8 @@ py::object parse_op(const std::string& name, py::args args) {
 PyMethodDef fast_methods[] = {
     {"row_norm", NORMKIT_FASTCALL(py_row_norm),
      "row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend[, residual, prenorm, residual_dtype, "
-     "weight_offset, out_dtype, out_scale, return_amax, autocast]) -> y or (y[, h][, amax]), or None: not its case"},
+     "weight_offset, out_dtype, out_scale, return_amax, autocast[, mod_scale, mod_shift, gate]]) -> y or "
+     "(y[, h][, amax]), or None: not its case"},
     {"group_norm", NORMKIT_FASTCALL(py_group_norm),
      "group_norm(x, num_groups, weight, bias, eps, activation, backend) -> Tensor, or None: not its case"},
     {"_parse_row", NORMKIT_FASTCALL(py_parse_row), "test hook: row_norm's reading of a call"},
@@ -1452,7 +1701,10 @@ PyMethodDef fast_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 // What needs no GPU: the tensor types, key sets and the activation names (at import).
-void setup(py::tuple activations, py::tuple autocast_upcasts) {
+void setup(py::tuple activations, py::tuple autocast_upcasts, py::sequence row_op_args, py::sequence host_row_args,
+           py::tuple host_row_lengths) {
+  set_row_op_args(row_op_args);
+  set_host_row_args(host_row_args, host_row_lengths);
   upcasts[0] = py::cast<bool>(autocast_upcasts[0]);  // layer_norm
   upcasts[1] = py::cast<bool>(autocast_upcasts[1]);  // rms_norm
   tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
@@ -1475,12 +1727,19 @@ void setup(py::tuple activations, py::tuple autocast_upcasts) {
 }
 
 // What needs the driver and a CUDA device: called on the first CUDA call. "" or why it cannot run.
+void set_callbacks(py::dict cbs);
+
 std::string init(py::dict cbs) {
   std::string why = cu::load();
   if (!why.empty()) return why;
   // torch's CUDA caching allocator (or the one configured in its place), as at::empty uses it
   cuda_allocator = at::empty({1}, at::TensorOptions().device(at::kCUDA)).storage().allocator();
   if (!cuda_allocator) return "torch's CUDA tensors have no allocator to share";
+  set_callbacks(cbs);
+  return "";
+}
+
+void set_callbacks(py::dict cbs) {
   auto* c = new Callbacks();
   c->row_fwd = cbs["row_fwd"];
   c->row_bwd = cbs["row_bwd"];
@@ -1489,7 +1748,6 @@ std::string init(py::dict cbs) {
   c->row_vjp = cbs["row_vjp"];
   c->gn_vjp = cbs["gn_vjp"];
   callbacks = c;
-  return "";
 }
 
 }  // namespace
@@ -1508,6 +1766,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_rows_view", &rows_view_py);
   m.def("_gn_layout", [](const Tensor& t) { return gn_layout(t); });
   m.def("_register_ops", &register_ops);
+  m.def("_set_row_op_args", &set_row_op_args);  // _setup's; tests add an argument the kernels do not read
+  m.def("_serve_cpu_calls", [](py::dict cbs, bool on) {  // tests without a GPU (cpu_calls)
+    if (!callbacks) set_callbacks(cbs);
+    cpu_calls = on;
+  });
   m.def("_parse_op", &parse_op);
   m.def("_set_ops_enabled", [](bool on) { ops_enabled = on; });
   m.def("_ops_enabled", []() { return ops_enabled.load(); });

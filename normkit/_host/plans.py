@@ -305,51 +305,66 @@ def _contiguous_like(a, p, what: str) -> None:
              "of its input's size")
 
 
-def row_fwd(x, weight, bias, residual, scale, ndim, eps, rms, act, store_stats, store_h, residual_dtype, weight_offset,
-            out_dtype, out_scale, return_amax, record):
+def row_fwd(x, weight, bias, residual, scale, mod_scale, mod_shift, gate, ndim, eps, rms, act, store_stats, store_h,
+            residual_dtype, weight_offset, out_dtype, out_scale, return_amax, record):
     """LayerNorm/RMSNorm forward with the fused options, as the Python path runs it
     (_autograd.row_norm_forward_fused): (y in x's shape, mean or None, rstd or None, h or None,
     amax or None, plan, why). residual_dtype: h's dtype (set with a residual); out_dtype None: x's;
-    out_scale: a float scale (a tensor one comes as `scale`)."""
-    opts = _autograd.RowOptions(residual_dtype, float(weight_offset), out_dtype, out_scale, return_amax)
+    out_scale: a float scale (a tensor one comes as `scale`); mod_scale / mod_shift: the adaLN
+    modulation tables, gate: the gated norm's gate (with any of the three, the plan's inputs are
+    x, weight, bias, residual, scale, mod_scale, mod_shift, gate; else the first five)."""
+    opts = _autograd.RowOptions(residual_dtype, float(weight_offset), out_dtype, out_scale, return_amax,
+                                mod_scale is not None, mod_shift is not None, gate is not None)
     opts = _autograd.PLAIN if opts == _autograd.PLAIN else opts
+    extra = (mod_scale, mod_shift, gate) if opts.modulated or opts.gate else ()
 
     def fn():
         y, h, mean, rstd, amax = _autograd.row_norm_forward_fused(
             tb, x, weight, bias, ndim, eps, rms, act, residual=residual, scale=scale, opts=opts,
-            store_stats=store_stats, store_h=store_h)
+            store_stats=store_stats, store_h=store_h, mod_scale=mod_scale, mod_shift=mod_shift, gate=gate)
         return y, mean, rstd, h, amax
 
     def check(y2, mean2, rstd2, h2, amax2):
         _contiguous_like(y2, x, "y")
         _contiguous_like(h2, x, "h")
 
-    outs, plan, why = _run(record, fn, (x, weight, bias, residual, scale), check)
+    outs, plan, why = _run(record, fn, (x, weight, bias, residual, scale) + extra, check)
     return (*outs, plan, why)
 
 
 def row_bwd(dy, dh, x, weight, bias, mean, rstd, ndim, rms, act, needs, weight_offset, x_dtype, residual_dtype,
-            record):
+            record, *extra):
     """LayerNorm/RMSNorm backward as the Python path runs it (_autograd.row_norm_backward_fused):
-    x is what was normalized (h with a residual), dh h's gradient or None, needs (x, weight, bias,
-    residual). Returns (the first gradient buffer the kernel writes: dx, or dresidual when only it
-    is wanted; dweight or None; dbias or None; a second buffer: dresidual in another dtype than dx,
-    or None; plan, why)."""
+    x is what was normalized (h with a residual; the ungated input with a gate), dh h's gradient or
+    None, needs (x, weight, bias, residual). Returns (the first gradient buffer the kernel writes: dx,
+    or dresidual when only it is wanted; dweight or None; dbias or None; a second buffer: dresidual
+    in another dtype than dx, or None; plan, why). extra, for a call with the modulation or a gate:
+    (mod_scale, mod_shift, (dscale dtype, dshift dtype: None where not wanted), gate, need_dgate);
+    then dscale, dshift and dgate (None where not wanted) follow the four buffers, and the plan's
+    inputs are dy, x, weight, bias, mean, rstd, dh, mod_scale, mod_shift, gate."""
+    mod_scale, mod_shift, mod_dtypes, gate, need_dgate = extra or (None, None, (None, None), None, False)
 
     def fn():
-        dx, dres, dw, db, *_ = _autograd.row_norm_backward_fused(
+        dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_backward_fused(
             tb, dy, x, weight, bias, mean, rstd, ndim, rms, act, tuple(needs), weight_offset=weight_offset, dh=dh,
-            x_dtype=x_dtype, residual_dtype=residual_dtype)
+            x_dtype=x_dtype, residual_dtype=residual_dtype, mod_scale=mod_scale, mod_shift=mod_shift,
+            mod_dtypes=tuple(mod_dtypes), gate=gate, need_dgate=need_dgate)
         first = dx if dx is not None else dres
-        return first, dw, db, (dres if dres is not None and dres is not first else None)
+        return (first, dw, db, (dres if dres is not None and dres is not first else None)) + \
+            ((ds, dt, dg) if extra else ())
 
-    def check(first, dw, db, second):
+    def check(first, dw, db, second, ds=None, dt=None, dg=None):
         _contiguous_like(first, x, "dx")
         _contiguous_like(second, x, "dresidual")
         _contiguous_like(dw, weight, "dweight")
         _contiguous_like(db, bias, "dbias")
+        _contiguous_like(ds, mod_scale, "dscale")
+        _contiguous_like(dt, mod_shift, "dshift")
+        _contiguous_like(dg, x, "dgate")
 
-    outs, plan, why = _run(record, fn, (dy, x, weight, bias if act else None, mean, rstd, dh), check)
+    # the bias only recomputes act's input, or with a scale the affine output dscale sums
+    inputs = (dy, x, weight, bias if act or mod_scale is not None else None, mean, rstd, dh)
+    outs, plan, why = _run(record, fn, inputs + ((mod_scale, mod_shift, gate) if extra else ()), check)
     return (*outs, plan, why)
 
 
@@ -376,13 +391,14 @@ def gn_bwd(dy, x, weight, bias, mean, rstd, num_groups, act, need_dw, need_db, c
     return (*outs, plan, why)
 
 
-def row_vjp(dy, dh, x, weight, bias, ndim, eps, rms, act, weight_offset, needs, x_dtype, residual_dtype):
-    """(dx, dresidual, dweight, dbias) in differentiable torch ops: the backward when it is itself
-    recorded (create_graph=True, double backward), runs under a torch.func transform, or has only
-    h's gradient. needs: (x, weight, bias, residual)."""
+def row_vjp(dy, dh, x, weight, bias, ndim, eps, rms, act, weight_offset, needs, x_dtype, residual_dtype, mod_scale,
+            mod_shift, mod_needs, gate, need_dgate):
+    """(dx, dresidual, dweight, dbias, dscale, dshift, dgate) in differentiable torch ops: the backward
+    when it is itself recorded (create_graph=True, double backward), runs under a torch.func
+    transform, or has only h's gradient. needs: (x, weight, bias, residual); mod_needs: (scale, shift)."""
     return _autograd.row_norm_vjp_fused(dy, dh, x, weight, bias, ndim, eps, rms, act,
                                         _autograd.RowOptions(weight_offset=float(weight_offset)), tuple(needs), x_dtype,
-                                        residual_dtype)
+                                        residual_dtype, mod_scale, mod_shift, tuple(mod_needs), gate, need_dgate)
 
 
 def gn_vjp(dy, x, weight, bias, num_groups, eps, act, needs):

@@ -24,6 +24,12 @@ DTYPE = torch.bfloat16
 B, T, C = 1, 16, 1024  # decode-like: 16 tokens of a 1024-wide model
 H, D = 8, 64  # heads x head_dim of the q/k norms
 FP8, FP8_SCALE = torch.float8_e4m3fn, 4.0
+# the modulated and gated norms at their models' sizes (issue 22 with 23's options): DiT-XL/2's
+# adaLN LayerNorm (256 latent tokens of width 1152, weightless, eps 1e-6) and a Mamba-2 gated
+# RMSNorm (width 4096 in 8 groups, the groups as per-head weights); at these sizes the GPU's time
+# per call may exceed the host's, and the loop then measures the GPU (see the latency column too)
+DIT_B, DIT_T, DIT_C = 8, 256, 1152
+MAMBA_B, MAMBA_T, MAMBA_C, MAMBA_G = 8, 512, 4096, 8
 
 
 @dataclass
@@ -61,6 +67,20 @@ def _torch_fp8(y):
     return (y.float() * FP8_SCALE).clamp(-448.0, 448.0).to(FP8)
 
 
+def _torch_modulated(x, scale, shift):
+    """DiT's unfused adaLN: the weightless norm, then * (1 + scale) + shift per sample."""
+    return F.layer_norm(x, (DIT_C,), None, None, 1e-6) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _grouped(t):
+    return t.view(MAMBA_B, MAMBA_T, MAMBA_G, MAMBA_C // MAMBA_G)
+
+
+def _torch_gated(x, g, w):
+    """The gated norm unfused: x * silu(gate), then RMSNorm per group, times the group's weight."""
+    return F.rms_norm(_grouped(x * F.silu(g)), (MAMBA_C // MAMBA_G,), None, 1e-5) * w
+
+
 CASES = {
     "ln column-strided rows": HostCase(  # Whisper's [B, T, C] with strides (T*C, 1, T)
         "LayerNorm of x.transpose(1, 2) ([B, C, T] stored)",
@@ -92,6 +112,17 @@ CASES = {
         lambda d: (_t(d, 1, 320, 8, 8).to(memory_format=torch.channels_last), _t(d, 320), _t(d, 320)),
         lambda x, w, b: _nk().group_norm(x, 32, w, b, activation="silu"),
         lambda x, w, b: F.silu(F.group_norm(x, 32, w, b))),
+    "ln adaLN modulation": HostCase(
+        f"weightless LayerNorm * (1 + scale) + shift, x ({DIT_B}, {DIT_T}, {DIT_C}), tables ({DIT_B}, {DIT_C})",
+        lambda d: (_t(d, DIT_B, DIT_T, DIT_C), _t(d, DIT_B, DIT_C), _t(d, DIT_B, DIT_C)),
+        lambda x, scale, shift: _nk().layer_norm(x, DIT_C, None, None, 1e-6, scale=scale, shift=shift),
+        _torch_modulated),
+    "rms gated groups": HostCase(
+        f"RMSNorm(x * silu(gate)) in {MAMBA_G} groups, x and gate ({MAMBA_B}, {MAMBA_T}, {MAMBA_C})",
+        lambda d: (_t(d, MAMBA_B, MAMBA_T, MAMBA_C), _t(d, MAMBA_B, MAMBA_T, MAMBA_C),
+                   _t(d, MAMBA_G, MAMBA_C // MAMBA_G)),
+        lambda x, g, w: _nk().rms_norm(_grouped(x), MAMBA_C // MAMBA_G, w, 1e-5, gate=_grouped(g)),
+        _torch_gated),
     "ln autocast": HostCase(
         "LayerNorm under bf16 autocast (float32 out)", lambda d: (_t(d, B, T, C), _t(d, C), _t(d, C)),
         lambda x, w, b: _autocast(_nk().layer_norm, x, C, w, b),
