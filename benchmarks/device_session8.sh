@@ -18,17 +18,17 @@ source "$(dirname "$0")/device_env.sh" env.txt  # (sourced with no argument it w
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-tests}" in
 tests)
-    timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_modulation.py tests/test_gate.py \
+    timeout 400 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE tests/test_modulation.py tests/test_gate.py \
         tests/test_host_gpu.py tests/test_host.py tests/test_group_norm.py tests/test_cuda_backend.py tests/test_gpu.py \
         tests/test_recognize.py tests/test_blocks.py tests/test_compile.py tests/test_compile_fusion.py \
         tests/test_api.py tests/test_edge_cases.py tests/test_autograd.py 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-200 | head -30; tail -1 "$OUT/tests.log"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_models.py tests/test_patch.py \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE tests/test_models.py tests/test_patch.py \
         2>&1 | grep -v '^USDT' > "$OUT/tests-models.log"
     grep -E "^(FAILED|ERROR)" "$OUT/tests-models.log" | cut -c1-200 | head -20; tail -1 "$OUT/tests-models.log"
-    bench 100 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
     ;;
 models)
+    bench 60 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
     bench 150 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
         --time-budget 120 --out "$OUT/llm"
     bench 200 --models whisper-encoder,dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed \
