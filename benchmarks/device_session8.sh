@@ -29,13 +29,15 @@ tests)
     ;;
 models)
     bench 60 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
-    bench 150 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
-        --time-budget 120 --out "$OUT/llm"
-    bench 200 --models whisper-encoder,dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed \
-        --steps 3 --time-budget 170 --out "$OUT/enc"
+    bench 130 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
+        --time-budget 105 --out "$OUT/llm"
+    bench 75 --models whisper-encoder --exec eager --variants unpatched,normkit --steps 3 --time-budget 60 \
+        --out "$OUT/whisper"
+    bench 140 --models dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed --steps 3 \
+        --time-budget 115 --out "$OUT/dit-sd3"
     for b in 1 2; do
-        bench 80 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
-            --time-budget 60 --out "$OUT/sd15-b$b"
+        bench 70 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
+            --time-budget 50 --out "$OUT/sd15-b$b"
     done
     ;;
 profile)
