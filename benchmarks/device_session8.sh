@@ -28,16 +28,17 @@ tests)
     grep -E "^(FAILED|ERROR)" "$OUT/tests-models.log" | cut -c1-200 | head -20; tail -1 "$OUT/tests-models.log"
     ;;
 models)
+    timeout 60 python3 benchmarks/debug_compiled_modulation.py 2>&1 | grep -v Warn | tail -16
     bench 60 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
-    bench 130 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
-        --time-budget 105 --out "$OUT/llm"
+    bench 120 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
+        --time-budget 95 --out "$OUT/llm"
     bench 75 --models whisper-encoder --exec eager --variants unpatched,normkit --steps 3 --time-budget 60 \
         --out "$OUT/whisper"
-    bench 140 --models dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed --steps 3 \
-        --time-budget 115 --out "$OUT/dit-sd3"
+    bench 135 --models dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed --steps 3 \
+        --time-budget 110 --out "$OUT/dit-sd3"
     for b in 1 2; do
-        bench 70 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
-            --time-budget 50 --out "$OUT/sd15-b$b"
+        bench 60 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
+            --time-budget 40 --out "$OUT/sd15-b$b"
     done
     ;;
 profile)
