@@ -48,3 +48,16 @@ def report(name, fn, args):
 report("ln modulated (emb slices)", ln, (x, emb))
 report("ln modulated (contiguous tables)", ln_contig, (x, emb))
 report("rms gated", rms, (x, g))
+
+
+# does the STORE_STATS constexpr alone change y's bits? (eager without grad stores no statistics;
+# the compiled op always does)
+from normkit.backends import triton as tb  # noqa: E402
+
+x2 = x.reshape(-1, 1152)
+tables = dict(mod_scale=emb[:, 1152:2304], mod_shift=emb[:, :1152])
+for name, kw in (("ln modulated", tables), ("ln plain no weight", {}), ("ln scale only", dict(mod_scale=emb[:, 1152:2304]))):
+    y0 = tb.row_norm_fwd_fused(x2, None, None, 1e-6, False, store_stats=False, **kw)[0]
+    y1 = tb.row_norm_fwd_fused(x2, None, None, 1e-6, False, store_stats=True, **kw)[0]
+    print(f"{name}: store_stats False vs True max {(y0.float() - y1.float()).abs().max().item():.3g}, "
+          f"rows {(y0 != y1).any(-1).nonzero().flatten()[:8].tolist()}")
