@@ -47,11 +47,11 @@ profile)
     done
     ;;
 kernels)
-    timeout 60 python3 benchmarks/debug_compiled_modulation.py 2>&1 | grep -v Warn | grep -v "compiled call [1-5]" | tail -14
-    bench 290 --ops ln,rms --dirs bwd --dtypes bf16 --widths 1024,4096,8192,16384,32768,65536,262144 \
-        --peers torch,compile --no-host --time-budget 260 --out "$OUT/rows"
-    timeout 250 python3 benchmarks/gn_sweep.py --out "$OUT/gn" --dtypes bf16 --variants default --acts - \
-        --act-variants default --peers torch,compile --layouts nchw,cl --budget 200 2>&1 | tail -25
+    timeout 45 python3 benchmarks/debug_compiled_modulation.py 2>&1 | grep -v Warn | grep -v "compiled call [1-5]" | tail -14
+    bench 255 --ops ln,rms --dirs bwd --dtypes bf16 --widths 1024,4096,8192,16384,32768,65536,262144 \
+        --peers torch,compile --no-host --time-budget 225 --out "$OUT/rows"
+    timeout 215 python3 benchmarks/gn_sweep.py --out "$OUT/gn" --dtypes bf16 --variants default --acts - \
+        --act-variants default --peers torch,compile --layouts nchw,cl --budget 165 2>&1 | tail -25
     ;;
 compile)
     bench 280 --models llama --modes decode,infer --exec compile --variants unpatched,normkit \
