@@ -721,7 +721,9 @@ def test_record_rms_inference_and_strided_rows():
     w = torch.randn(32, device=DEVICE)
     tb.row_norm_fwd(x, w, None, 1e-6, True, None, False)
     plan, (y, mean, rstd) = _record(lambda: tb.row_norm_fwd(x, w, None, 1e-6, True, None, False), (x, w, None))
-    assert mean is None and rstd is None and _roles(plan) == [1]
+    # y is the output; rstd a temporary the kernel stores and nobody returns (stored anyway: the
+    # kernel without the statistics' stores rounds some rows differently, see row_norm_fwd_fused)
+    assert mean is None and rstd is None and _roles(plan) == [1, 0]
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

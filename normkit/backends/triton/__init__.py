@@ -228,24 +228,32 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     out_dtype = out_dtype or x.dtype
     fp8 = out_dtype in _FP8
     y = _out(x, out_dtype)
-    rstd = _empty(tuple(x.shape[:-1]), dtype=torch.float32, device=device) if store_stats else None
-    mean = _empty(tuple(x.shape[:-1]), dtype=torch.float32, device=device) if store_stats and not rms else None
+    # the statistics are stored even where the caller drops them (store_stats=False, inference): the
+    # kernel compiled without their stores rounds some rows of y an ulp differently (H100, session 8:
+    # 3-8 of 256 rows), and the compiled ops and training calls always store them, so eager inference
+    # would not be bitwise the compiled call. M floats (two for LayerNorm) per row of N elements.
+    rstd = _empty(tuple(x.shape[:-1]), dtype=torch.float32, device=device)
+    mean = _empty(tuple(x.shape[:-1]), dtype=torch.float32, device=device) if not rms else None
     has_res = residual is not None
     h_dtype = (h_dtype or residual.dtype) if has_res else None
     h = _out(x, h_dtype) if has_res and store_h else None
     amax = _zeros((1,), dtype=torch.int32, device=device) if want_amax else None
+    if not store_stats:
+        mean_out = rstd_out = None
+    else:
+        mean_out, rstd_out = mean, rstd
     if M == 0 or N == 0:  # no rows; or empty rows, whose statistics are 0/0 (the kernel would read x[row, 0])
-        for s in (mean, rstd):
+        for s in (mean_out, rstd_out):
             if s is not None:
                 s.fill_(math.nan)
-        return y, mean, rstd, h, _amax_out(amax)
+        return y, mean_out, rstd_out, h, _amax_out(amax)
     scale_ptr = isinstance(out_scale, torch.Tensor)
     fusion = (has_res, h is not None, h_dtype, out_dtype if fp8 else None, scale_ptr, want_amax,
               mod_scale is not None, mod_shift is not None, gate is not None)
     itemsize = max(t.element_size() for t in (x, y, h, residual, gate) if t is not None)
     w_rows = _param_rows(weight, bias)
     cfg, constexprs, device_index, sms = _plan(
-        "fwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, store_stats, w_rows > 1),
+        "fwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, True, w_rows > 1),
         fusion if fusion != _NO_FWD_FUSION else ())
     # the widths the table routes to the CUDA backend's Hopper cluster kernels, for plain [M, N] rows
     cluster_ok = cfg.cuda and fusion == _NO_FWD_FUSION and w_rows == 1 and weight_offset == 0 and x.dim() == 2 \
@@ -253,7 +261,7 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     prepared = _on_clusters("fwd", x, (), weight, bias, activation, rms) if cluster_ok else None
     if prepared is not None:
         _cuda_cluster().launch_fwd(prepared, x, y, weight, bias, mean, rstd, eps)
-        return y, mean, rstd, h, _amax_out(amax)
+        return y, mean_out, rstd_out, h, _amax_out(amax)
     row_blocks = -(-M // cfg.block_m)
     sync, scratch = _scratch(cfg, sms * 32 // cfg.split + 1, device)
     inner, sx_o, sx_i, sx_c = _strides(x)
@@ -267,7 +275,7 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
         _kernels().fwd((row_blocks,), args, constexprs, cfg.options, device_index)
     else:
         _launch_persistent(_kernels().fwd, cfg, args, constexprs, row_blocks, device_index, sms)
-    return y, mean, rstd, h, _amax_out(amax)
+    return y, mean_out, rstd_out, h, _amax_out(amax)
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
