@@ -43,7 +43,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _host, _library, backends, compile_fusion
+from . import _cpu, _host, _library, backends, compile_fusion
 from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, param_rows, row_norm_forward_fused, \
     transforms_active
 from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view, sample_rows
@@ -414,64 +414,12 @@ def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, 
                          residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast)
 
 
-# ----------------------------------------------------------------------------- CPU fast path
-
-def _cpu_param(p, shape) -> bool:
-    return p is None or (type(p) in _library._PLAIN and p.is_cpu and p.dtype in _FLOAT_DTYPES and p.shape == shape)
-
-
-def _cpu_eligible(x, backend, activation, eps, *tensors) -> bool:
-    """A CPU call torch's own ops compute as normkit does (torch_backend.cpu_row_norm / cpu_group_norm):
-    backend None or "torch", float dtypes, nothing empty, outside torch.compile, dispatch modes,
-    subclasses, torch.func transforms and CPU autocast (those keep the custom op and autograd.Function,
-    whose rules they need)."""
-    return (backend is None or backend == "torch") and x.dtype in _FLOAT_DTYPES and type(eps) is float and \
-        (activation is None or activation in ACTIVATIONS) and x.numel() > 0 and \
-        not _library.needed(x, *tensors) and not transforms_active() and not torch.is_autocast_enabled("cpu")
-
-
-def _cpu_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
-                  weight_offset, out_dtype):
-    """The output of a CPU LayerNorm/RMSNorm through torch's own ops, or None: only arguments of the
-    plain kinds checked here take it (cheap checks: this is most of the call's Python); any other
-    call (every bad argument included, whose error the full checks raise) goes on to the full path."""
-    if type(normalized_shape) is int:
-        if x.dim() == 0 or not 0 < normalized_shape == x.shape[-1]:
-            return None
-        shape = (normalized_shape,)
-    elif type(normalized_shape) in (tuple, torch.Size) and normalized_shape and \
-            all(type(s) is int and s > 0 for s in normalized_shape) and x.dim() >= len(normalized_shape) and \
-            x.shape[x.dim() - len(normalized_shape):] == normalized_shape:
-        shape = normalized_shape
-    else:
-        return None
-    if rms and eps is None:
-        eps = default_rms_eps(x.dtype)
-    if not (_cpu_param(weight, shape) and _cpu_param(bias, shape) and _cpu_eligible(x, backend, activation, eps,
-                                                                                        weight, bias, residual)):
-        return None
-    if type(weight_offset) not in (int, float) or (weight_offset and (weight is None or
-                                                                        not math.isfinite(weight_offset))):
-        return None
-    if out_dtype is not None and out_dtype not in _FLOAT_DTYPES:
-        return None
-    if residual is None:
-        if prenorm is not False or residual_dtype is not None:
-            return None
-    elif not (_cpu_param(residual, x.shape) and type(prenorm) is bool and
-              (residual_dtype is None or residual_dtype in _FLOAT_DTYPES)):
-        return None
-    y, h = backends.get("torch").cpu_row_norm(x, shape, weight, bias, eps, rms, activation, residual, residual_dtype,
-                                               weight_offset, out_dtype)
-    return (y, h) if prenorm else y
-
-
 def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
                     residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast: bool, scale=None,
                     shift=None, gate=None):
     if type(x) is torch.Tensor and x.is_cpu and scale is None and shift is None and gate is None and \
-            out_scale is None and return_amax is False:
-        y = _cpu_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
+            out_scale is None and return_amax is False:  # torch's own ops for plain arguments (normkit/_cpu.py)
+        y = _cpu.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
                           residual_dtype, weight_offset, out_dtype)
         if y is not None:
             return y
@@ -590,13 +538,10 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     (None, "silu", "mish", "gelu", "gelu_tanh", "relu") in the same kernel. NCHW and channels_last
     inputs are read in place, and the output keeps the input's memory format. Under CUDA autocast it
     computes in float32 and returns float32, as torch's group_norm does."""
-    # CPU: torch's own ops (torch_backend.cpu_group_norm) for plain arguments; anything else, bad
-    # arguments included, goes on to the checks below
-    if type(x) is torch.Tensor and x.is_cpu and x.dim() >= 2 and type(num_groups) is int and \
-            num_groups > 0 and x.shape[1] % num_groups == 0 and _cpu_param(weight, x.shape[1:2]) and \
-            _cpu_param(bias, x.shape[1:2]) and x.is_contiguous() and _cpu_eligible(x, backend, activation, eps,
-                                                                                   weight, bias):
-        return backends.get("torch").cpu_group_norm(x, num_groups, weight, bias, eps, activation)
+    if type(x) is torch.Tensor and x.is_cpu:  # torch's own ops for plain arguments (normkit/_cpu.py)
+        y = _cpu.group_norm(x, num_groups, weight, bias, eps, activation, backend)
+        if y is not None:
+            return y
     fast = _host.fast
     if fast is not None and not _is_compiling():
         y = fast.group_norm(x, num_groups, weight, bias, eps, activation, backend)

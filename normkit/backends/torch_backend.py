@@ -172,59 +172,6 @@ def _native_group_norm_bwd(dy, x, num_groups, weight, mean, rstd, dweight_dtype,
         num_groups, [True, dweight_dtype is not None, dbias_dtype is not None])
     return (dx.to(x.dtype), *_param_grads(dw, db, dweight_dtype, dbias_dtype))
 
-# ----------------------------------------------------------------------------- the CPU fast path
-# The public functions' CPU calls with plain arguments (normkit.functional._cpu_row_norm) run these:
-# torch's own ops, differentiated by torch's own autograd (double backward, forward AD included),
-# without normkit's autograd.Function and backend dispatch, whose per-call Python costs more than
-# torch's kernels at model sizes. In fp32 (float64 for float64) as above; LayerNorm and GroupNorm
-# see data shifted by each row's (group's) first element, as the kernels do: torch's CPU kernels
-# alone lose 3e-4 on rows offset by 1e4. The shift is detached: a norm's output does not change
-# when a constant is added to its row (group), so its derivatives through the shift are zero.
-
-def _to(t, dtype):
-    """t in dtype; t itself when it has it (Tensor.to's call costs a microsecond even then)."""
-    return t if t is None or t.dtype == dtype else t.to(dtype)
-
-
-def _first(xf, dims: int):
-    """xf's first element over its last `dims` dims, kept as size-1 dims, detached."""
-    first = xf[..., :1] if dims == 1 else xf[(Ellipsis,) + (slice(0, 1),) * dims]
-    return first.detach() if first.requires_grad else first
-
-
-def cpu_row_norm(x, shape: tuple, weight, bias, eps: float, rms: bool, activation=None, residual=None, h_dtype=None,
-                 weight_offset=0.0, out_dtype=None):
-    """(y, h or None): LayerNorm/RMSNorm over x's trailing dims `shape` with normkit's plain options
-    (residual, weight_offset, activation, out_dtype), in differentiable torch ops."""
-    acc = _acc(x)
-    h = None
-    if residual is not None:  # h = x + residual summed in fp32, rounded to h's dtype, then normalized
-        h = _to(_to(x, acc) + _to(residual, acc), h_dtype or residual.dtype)
-        xf = _to(h, acc)
-    else:
-        xf = _to(x, acc)
-    w = _to(weight, acc)
-    if weight_offset:
-        w = w + weight_offset
-    if rms:  # torch's rms_norm computes x * rsqrt(mean(x^2) + eps) * w, as normkit does (bitwise in fp32)
-        y = torch.rms_norm(xf, shape, w, eps)
-    else:
-        y = torch.layer_norm(xf - _first(xf, len(shape)), shape, w, _to(bias, acc), eps, False)
-    if activation is not None:
-        y = _ACTIVATIONS[activation](y)
-    return _to(y, out_dtype or x.dtype), h
-
-
-def cpu_group_norm(x, num_groups: int, weight, bias, eps: float, activation=None):
-    """act(GroupNorm(x)) of a contiguous x in differentiable torch ops."""
-    xg = _to(x, _acc(x)).view(x.shape[0], num_groups, -1)
-    y = torch.group_norm((xg - _first(xg, 1)).view_as(x), num_groups, _to(weight, xg.dtype), _to(bias, xg.dtype),
-                         eps, False)
-    if activation is not None:
-        y = _ACTIVATIONS[activation](y)
-    return _to(y, x.dtype)
-
-
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
     y, mean, rstd, _, _ = row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation)
     return y, mean, rstd
