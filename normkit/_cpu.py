@@ -5,7 +5,8 @@ of _autograd.py) costs tens of microseconds of Python per call, more than torch'
 model sizes: patched models ran 1.5-10x slower on the CPU (issue #22). The public functions first
 offer a call here; it is served when every argument is of the plain kinds checked below (cheap
 checks: they are most of the call's Python), and goes on to the general path otherwise, which raises
-the errors for bad arguments. Served:
+the errors for bad arguments. Only the default backend (backend=None) is served: backend="torch"
+names normkit's torch backend (normkit/backends/torch_backend.py), whose code its tests exercise. Served:
   RMSNorm    torch.rms_norm in fp32 (float64 for float64): x * rsqrt(mean(x^2) + eps) * w, as normkit
              computes (bitwise equal in fp32), differentiated by torch's autograd (composite ops: right
              at every order).
@@ -18,7 +19,7 @@ the errors for bad arguments. Served:
              general path: their dx is exactly 0, torch's backward leaves rounding error.
   with residual / prenorm / residual_dtype, weight_offset, activation, out_dtype (not float8) in torch
   ops around them. Not served: float8 out, return_amax, scale/shift, gate, per-head weights, empty
-  tensors, channels_last GroupNorm (it keeps the memory format), other backends, torch.compile,
+  tensors, channels_last GroupNorm (it keeps the memory format), a backend named, torch.compile,
   dispatch modes, tensor subclasses, torch.func transforms and forward AD, CPU autocast.
 """
 from __future__ import annotations
@@ -46,12 +47,17 @@ def _to(t, dtype):
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
+def _dense(t):
+    """t contiguous, as normkit's outputs are (torch's elementwise ops keep a permuted input's layout)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _param(p, shape) -> bool:
     return p is None or (type(p) in _PLAIN and p.is_cpu and p.dtype in _FLOAT and p.shape == shape)
 
 
 def _eligible(x, backend, activation, eps, *tensors) -> bool:
-    return (backend is None or backend == "torch") and x.dtype in _FLOAT and type(eps) is float and \
+    return backend is None and x.dtype in _FLOAT and type(eps) is float and \
         (activation is None or activation in ACTIVATIONS) and x.numel() > 0 and not _needed(x, *tensors) and \
         not transforms_active() and not torch.is_autocast_enabled("cpu")
 
@@ -186,8 +192,8 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
         y = _ln_apply(xf, w, b, shape, eps, activation)
     else:
         y = _act(_ln(xf, shape, w, b, eps)[1], activation)
-    y = _to(y, out_dtype or x.dtype)
-    return (y, h) if prenorm else y
+    y = _dense(_to(y, out_dtype or x.dtype))
+    return (y, _dense(h)) if prenorm else y
 
 
 def group_norm(x, num_groups, weight, bias, eps, activation, backend):
