@@ -25,7 +25,7 @@ import math
 import torch
 
 from . import _library
-from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, transforms_active
+from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, _differentiable_backward_wanted, transforms_active
 from .backends import torch_backend as _tb
 from .reference import ACTIVATIONS, default_rms_eps
 
@@ -44,11 +44,13 @@ def _eligible(x, backend, activation, eps, *tensors) -> bool:
         not transforms_active() and not torch.is_autocast_enabled("cpu")
 
 
-def _grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _grad(x, weight, bias, residual=None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad) or
+                                        (bias is not None and bias.requires_grad) or
+                                        (residual is not None and residual.requires_grad))
 
 
-class _RowNorm(torch.autograd.Function):
+class CpuRowNorm(torch.autograd.Function):
     """RowNormFn without its statistics outputs and argument plumbing, for rows [..., N] (x, residual)
     and [N] parameters: the torch backend's forward, and RowNormFn's backward on the same saved
     tensors and arguments. Old-style forward(ctx, ...): apply binds no signature."""
@@ -65,10 +67,19 @@ class _RowNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh):
-        return RowNormFn.backward(ctx, dy, dh, None, None, None)
+        nx, nw, nb, nr = ctx.needs_input_grad[:4]
+        if dy is None or dh is not None or nr or _differentiable_backward_wanted():
+            return RowNormFn.backward(ctx, dy, dh, None, None, None)
+        # no residual: the torch backend's backward with the arguments RowNormFn's would pass it, minus its plumbing
+        z, weight, bias, mean, rstd = ctx.saved_tensors[:5]
+        _, _, rms, activation, opts = ctx.args[:5]
+        dx, _, dw, db = _tb.row_norm_bwd_fused(dy, z, weight, mean, rstd, rms, weight.dtype if nw else None,
+                                               bias.dtype if nb else None, bias=bias, activation=activation,
+                                               weight_offset=opts.weight_offset)
+        return dx if nx else None, dw, db, None, None, None, None, None
 
 
-class _GroupNorm(torch.autograd.Function):
+class CpuGroupNorm(torch.autograd.Function):
     """GroupNormFn without its statistics outputs, for a contiguous x [B, C, S]."""
 
     @staticmethod
@@ -81,12 +92,19 @@ class _GroupNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return GroupNormFn.backward(ctx, dy, None, None)
+        if dy is None or _differentiable_backward_wanted():
+            return GroupNormFn.backward(ctx, dy, None, None)
+        x, weight, bias, mean, rstd = ctx.saved_tensors  # as GroupNormFn's, minus its layout plumbing
+        num_groups, _, activation, _ = ctx.args
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        dx, dw, db = _tb.group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation,
+                                        weight.dtype if nw else None, bias.dtype if nb else None)
+        return dx if nx else None, dw, db, None, None, None, None
 
 
 # C++ apply: torch.autograd.Function.apply's Python (functorch checks) is for transforms, never served here
-_row_apply = super(torch.autograd.Function, _RowNorm).apply
-_group_apply = super(torch.autograd.Function, _GroupNorm).apply
+_row_apply = super(torch.autograd.Function, CpuRowNorm).apply
+_group_apply = super(torch.autograd.Function, CpuGroupNorm).apply
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -141,13 +159,15 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
 
 def group_norm(x, num_groups, weight, bias, eps, activation, backend):
     """act(GroupNorm(x)) of a CPU call, or None: not served here."""
-    if x.dim() < 2 or type(num_groups) is not int or num_groups <= 0 or x.shape[1] % num_groups or \
-            not (_param(weight, x.shape[1:2]) and _param(bias, x.shape[1:2]) and x.is_contiguous() and
-                 _eligible(x, backend, activation, eps, weight, bias)) or x.numel() <= x.shape[0] * num_groups:
+    if x.dim() < 2 or type(num_groups) is not int or num_groups <= 0 or x.shape[1] % num_groups:
+        return None
+    c = x.shape[1:2]
+    if not (_param(weight, c) and _param(bias, c) and x.is_contiguous() and
+            _eligible(x, backend, activation, eps, weight, bias)) or x.numel() <= x.shape[0] * num_groups:
         return None
     x3 = x if x.dim() == 3 else x.view(x.shape[0], x.shape[1], -1)
     if _grad(x, weight, bias):
         y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb)
     else:
-        y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]
+        y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation, store_stats=False)[0]
     return y if x.dim() == 3 else y.view_as(x)

@@ -21,12 +21,14 @@ _ACTIVATIONS = {
 # their derivatives as aten's own backward ops (g * act'(z)): no autograd needed, which matters
 # inside a custom op, where autograd is switched off at the dispatcher
 _aten = torch.ops.aten
+# (the overloads' C++ callables: an op packet's Python __call__ costs microseconds per CPU call)
+_threshold_bwd, _gelu_bwd = _aten.threshold_backward.default._op, _aten.gelu_backward.default._op
 _ACTIVATION_GRADS = {
-    "relu": lambda g, z: _aten.threshold_backward(g, z, 0),
-    "silu": _aten.silu_backward,
-    "mish": _aten.mish_backward,
-    "gelu": lambda g, z: _aten.gelu_backward(g, z),
-    "gelu_tanh": lambda g, z: _aten.gelu_backward(g, z, approximate="tanh"),
+    "relu": lambda g, z: _threshold_bwd(g, z, 0),
+    "silu": _aten.silu_backward.default._op,
+    "mish": _aten.mish_backward.default._op,
+    "gelu": lambda g, z: _gelu_bwd(g, z),
+    "gelu_tanh": lambda g, z: _gelu_bwd(g, z, approximate="tanh"),
 }
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -118,8 +120,8 @@ def _to(t, dtype):
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _native_cpu(x, *params) -> bool:
-    return x.is_cpu and x.numel() > 0 and all(p is None or p.dim() == 1 for p in params)
+def _native_cpu(x, weight, bias) -> bool:
+    return x.is_cpu and x.numel() > 0 and (weight is None or weight.dim() == 1) and (bias is None or bias.dim() == 1)
 
 
 def _shifted(xf):
@@ -137,7 +139,7 @@ def _native_layer_norm(x, weight, bias, eps, store_stats=True, weight_offset=0.0
                                               _to(bias, acc), eps)
     if not store_stats:
         return y, None, None
-    return y, (shift + mean_s).view(x.shape[:-1]), rstd.view(x.shape[:-1])
+    return y, (shift + mean_s).squeeze(-1), rstd.squeeze(-1)
 
 
 def _param_grads(dw, db, dweight_dtype, dbias_dtype):
@@ -147,24 +149,26 @@ def _param_grads(dw, db, dweight_dtype, dbias_dtype):
 
 
 def _native_layer_norm_bwd(dy, x, weight, rstd, dweight_dtype, dbias_dtype, weight_offset=0.0):
-    N, lead, acc = x.shape[-1], x.shape[:-1], _acc(x)
-    xs, _ = _shifted(_to(x, acc))
+    N, acc = x.shape[-1], _acc(x)
+    xf = _to(x, acc)
+    xs = xf - xf[..., :1]
+    mean_s = xs.mean(-1, keepdim=True)
     w = _to(weight, acc)
     b = xs.new_zeros(N) if dbias_dtype is not None else None  # torch's backward only asks whether there is one
-    dx, dw, db = _ln_bwd(_to(dy, acc), xs, [N], xs.mean(-1, keepdim=True), _to(rstd, acc).reshape(*lead, 1),
+    dx, dw, db = _ln_bwd(_to(dy, acc), xs, [N], mean_s, _to(rstd, acc).view_as(mean_s),
                          w + weight_offset if weight_offset else w, b,
                          [True, dweight_dtype is not None, dbias_dtype is not None])
     return (dx, *_param_grads(dw, db, dweight_dtype, dbias_dtype))
 
 
-def _native_group_norm(x, num_groups, weight, bias, eps):
-    """(y in the compute dtype, mean, rstd) of a contiguous x [B, C, S]."""
+def _native_group_norm(x, num_groups, weight, bias, eps, store_stats=True):
+    """(y in the compute dtype, mean, rstd) of a contiguous x [B, C, S]; no statistics unless store_stats."""
     B, C, S = x.shape
     acc = _acc(x)
     xs, shift = _shifted(_to(x, acc).view(B, num_groups, -1))
-    y, mean_s, rstd = torch.native_group_norm(xs.view(B, C, S), _to(weight, acc), _to(bias, acc), B, C, S,
-                                              num_groups, eps)
-    return y, shift.view(B, num_groups) + mean_s, rstd
+    y, mean_s, rstd = torch.native_group_norm(xs.view_as(x), _to(weight, acc), _to(bias, acc), B, C, S, num_groups,
+                                              eps)
+    return (y, shift.view(B, num_groups) + mean_s, rstd) if store_stats else (y, None, None)
 
 
 def _like(x, t):
@@ -185,14 +189,18 @@ def _channel_affine(z, weight, bias):
 def _native_group_norm_bwd(dy, x, num_groups, weight, bias, rstd, activation, dweight_dtype, dbias_dtype):
     B, C, S = x.shape
     acc = _acc(x)
-    xs, _ = _shifted(_to(x, acc).view(B, num_groups, -1))
-    mean_s = xs.mean(-1)
-    rstd = _to(rstd, acc)
-    dy = _to(dy, acc)
+    xg = _to(x, acc).view(B, num_groups, -1)
+    xs = xg - xg[..., :1]
+    mean_s = xs.mean(-1, keepdim=True)
+    rstd, dy, w = _to(rstd, acc), _to(dy, acc), _to(weight, acc)
     if activation is not None:  # dy through the activation at the recomputed pre-activation value
-        z = _channel_affine(((xs - mean_s[:, :, None]) * rstd[:, :, None]).view(B, C, S), weight, bias)
+        z = ((xs - mean_s) * rstd.unsqueeze(-1)).view_as(x)
+        if w is not None:
+            z = z * w.unsqueeze(-1) if bias is None else torch.addcmul(_to(bias, acc).unsqueeze(-1), z, w.unsqueeze(-1))
+        elif bias is not None:
+            z = z + _to(bias, acc).unsqueeze(-1)
         dy = _ACTIVATION_GRADS[activation](dy, z)
-    dx, dw, db = _gn_bwd(dy.contiguous(), xs.view(B, C, S), mean_s, rstd, _to(weight, acc), B, C, S, num_groups,
+    dx, dw, db = _gn_bwd(dy.contiguous(), xs.view_as(x), mean_s.view_as(rstd), rstd, w, B, C, S, num_groups,
                          [True, dweight_dtype is not None, dbias_dtype is not None])
     return (_to(dx, x.dtype), *_param_grads(dw, db, dweight_dtype, dbias_dtype))
 
@@ -322,11 +330,12 @@ def _channel_vec(p, num_groups, S, acc):
         1, num_groups, -1)
 
 
-def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
+def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None, store_stats: bool = True):
+    """store_stats=False (the CPU fast path's inference): mean and rstd may come back None."""
     acc = _acc(x)
     B, C, S = x.shape
     if x.is_contiguous() and _native_cpu(x, weight, bias):
-        y, mean, rstd = _native_group_norm(x, num_groups, weight, bias, eps)
+        y, mean, rstd = _native_group_norm(x, num_groups, weight, bias, eps, store_stats)
         if activation is not None:  # in fp32: one rounding to x's dtype
             y = _ACTIVATIONS[activation](y)
         return _like(x, _to(y, x.dtype)), mean, rstd
