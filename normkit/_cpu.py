@@ -169,5 +169,5 @@ def group_norm(x, num_groups, weight, bias, eps, activation, backend):
     if _grad(x, weight, bias):
         y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb)
     else:
-        y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation, store_stats=False)[0]
+        y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]
     return y if x.dim() == 3 else y.view_as(x)

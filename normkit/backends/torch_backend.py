@@ -161,14 +161,14 @@ def _native_layer_norm_bwd(dy, x, weight, rstd, dweight_dtype, dbias_dtype, weig
     return (dx, *_param_grads(dw, db, dweight_dtype, dbias_dtype))
 
 
-def _native_group_norm(x, num_groups, weight, bias, eps, store_stats=True):
-    """(y in the compute dtype, mean, rstd) of a contiguous x [B, C, S]; no statistics unless store_stats."""
+def _native_group_norm(x, num_groups, weight, bias, eps):
+    """(y in the compute dtype, mean, rstd) of a contiguous x [B, C, S]."""
     B, C, S = x.shape
     acc = _acc(x)
     xs, shift = _shifted(_to(x, acc).view(B, num_groups, -1))
     y, mean_s, rstd = torch.native_group_norm(xs.view_as(x), _to(weight, acc), _to(bias, acc), B, C, S, num_groups,
                                               eps)
-    return (y, shift.view(B, num_groups) + mean_s, rstd) if store_stats else (y, None, None)
+    return y, shift.view(B, num_groups) + mean_s, rstd
 
 
 def _like(x, t):
@@ -330,12 +330,11 @@ def _channel_vec(p, num_groups, S, acc):
         1, num_groups, -1)
 
 
-def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None, store_stats: bool = True):
-    """store_stats=False (the CPU fast path's inference): mean and rstd may come back None."""
+def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
     acc = _acc(x)
     B, C, S = x.shape
     if x.is_contiguous() and _native_cpu(x, weight, bias):
-        y, mean, rstd = _native_group_norm(x, num_groups, weight, bias, eps, store_stats)
+        y, mean, rstd = _native_group_norm(x, num_groups, weight, bias, eps)
         if activation is not None:  # in fp32: one rounding to x's dtype
             y = _ACTIVATIONS[activation](y)
         return _like(x, _to(y, x.dtype)), mean, rstd
