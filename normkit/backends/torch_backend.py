@@ -113,6 +113,7 @@ def _param_sum(t, heads: int):
 # and the custom op reach these same functions: the same bits either way.
 _ln_bwd = torch.ops.aten.native_layer_norm_backward.default._op  # the overload's C++ callable: no Python __call__
 _gn_bwd = torch.ops.aten.native_group_norm_backward.default._op
+_fused_rms_norm = torch.ops.aten._fused_rms_norm.default._op
 
 
 def _to(t, dtype):
@@ -221,11 +222,16 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
         h = hs.contiguous() if store_h else None
         xf = _to(hs, acc)
     if gate is None and mod_scale is None and mod_shift is None and out_dtype not in FP8_MAX and not want_amax and \
-            (not rms or not store_stats) and _native_cpu(xf, weight, bias):
-        if rms:  # torch's rms_norm: the ops below, bitwise
+            _native_cpu(xf, weight, bias):
+        if rms:  # torch's rms_norm (with rstd: its _fused_rms_norm): the ops below, bitwise
             w = _to(weight, acc)
-            y, mean, rstd = torch.rms_norm(xf, (xf.shape[-1],), w + weight_offset if weight_offset else w, eps), \
-                None, None
+            w = w + weight_offset if weight_offset else w
+            mean = None
+            if store_stats:
+                y, rstd = _fused_rms_norm(xf, [xf.shape[-1]], w, eps)
+                rstd = rstd.squeeze(-1)
+            else:
+                y, rstd = torch.rms_norm(xf, (xf.shape[-1],), w, eps), None
         else:
             y, mean, rstd = _native_layer_norm(xf, weight, bias, eps, store_stats, weight_offset)
         if activation is not None:  # y in fp32: one rounding to the output's dtype
