@@ -113,7 +113,9 @@ def _param_sum(t, heads: int):
 # and the custom op reach these same functions: the same bits either way.
 _ln_bwd = torch.ops.aten.native_layer_norm_backward.default._op  # the overload's C++ callable: no Python __call__
 _gn_bwd = torch.ops.aten.native_group_norm_backward.default._op
-_fused_rms_norm = torch.ops.aten._fused_rms_norm.default._op
+# rms_norm's (y, rstd); torch < 2.8 has none: RMSNorm with statistics then takes the composite below
+_fused_rms_norm = getattr(getattr(torch.ops.aten, "_fused_rms_norm", None), "default", None)
+_fused_rms_norm = None if _fused_rms_norm is None else _fused_rms_norm._op
 
 
 def _to(t, dtype):
@@ -222,7 +224,7 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
         h = hs.contiguous() if store_h else None
         xf = _to(hs, acc)
     if gate is None and mod_scale is None and mod_shift is None and out_dtype not in FP8_MAX and not want_amax and \
-            _native_cpu(xf, weight, bias):
+            (not rms or not store_stats or _fused_rms_norm is not None) and _native_cpu(xf, weight, bias):
         if rms:  # torch's rms_norm (with rstd: its _fused_rms_norm): the ops below, bitwise
             w = _to(weight, acc)
             w = w + weight_offset if weight_offset else w
