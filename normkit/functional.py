@@ -43,7 +43,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _host, _library, backends, compile_fusion
+from . import _cpu, _host, _library, backends, compile_fusion
 from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, param_rows, row_norm_forward_fused, \
     transforms_active
 from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view, sample_rows
@@ -422,6 +422,12 @@ def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, 
 def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
                     residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast: bool, scale=None,
                     shift=None, gate=None):
+    if type(x) is torch.Tensor and x.is_cpu and scale is None and shift is None and gate is None and \
+            out_scale is None and return_amax is False:  # torch's own ops for plain arguments (normkit/_cpu.py)
+        y = _cpu.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
+                          residual_dtype, weight_offset, out_dtype)
+        if y is not None:
+            return y
     op = "rms_norm" if rms else "layer_norm"
     if rms:
         _check_tensor(x, "x")
@@ -537,6 +543,10 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     (None, "silu", "mish", "gelu", "gelu_tanh", "relu") in the same kernel. NCHW and channels_last
     inputs are read in place, and the output keeps the input's memory format. Under CUDA autocast it
     computes in float32 and returns float32, as torch's group_norm does."""
+    if type(x) is torch.Tensor and x.is_cpu:  # torch's own ops for plain arguments (normkit/_cpu.py)
+        y = _cpu.group_norm(x, num_groups, weight, bias, eps, activation, backend)
+        if y is not None:
+            return y
     fast = _host.fast
     if fast is not None and not _is_compiling():
         y = fast.group_norm(x, num_groups, weight, bias, eps, activation, backend)

@@ -21,12 +21,14 @@ _ACTIVATIONS = {
 # their derivatives as aten's own backward ops (g * act'(z)): no autograd needed, which matters
 # inside a custom op, where autograd is switched off at the dispatcher
 _aten = torch.ops.aten
+# (the overloads' C++ callables: an op packet's Python __call__ costs microseconds per CPU call)
+_threshold_bwd, _gelu_bwd = _aten.threshold_backward.default._op, _aten.gelu_backward.default._op
 _ACTIVATION_GRADS = {
-    "relu": lambda g, z: _aten.threshold_backward(g, z, 0),
-    "silu": _aten.silu_backward,
-    "mish": _aten.mish_backward,
-    "gelu": lambda g, z: _aten.gelu_backward(g, z),
-    "gelu_tanh": lambda g, z: _aten.gelu_backward(g, z, approximate="tanh"),
+    "relu": lambda g, z: _threshold_bwd(g, z, 0),
+    "silu": _aten.silu_backward.default._op,
+    "mish": _aten.mish_backward.default._op,
+    "gelu": lambda g, z: _gelu_bwd(g, z),
+    "gelu_tanh": lambda g, z: _gelu_bwd(g, z, approximate="tanh"),
 }
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -48,8 +50,13 @@ def _acc(x: torch.Tensor) -> torch.dtype:
 
 
 def _xhat(x, mean, rstd):
-    xf = x.to(_acc(x))
-    return (xf if mean is None else xf - mean[..., None]) * rstd[..., None]
+    """xhat of rows x; with a mean (LayerNorm), from the data shifted by each row's first element and
+    that data's own mean: the stored mean rounds at x's magnitude (5e-4 on rows offset by 1e4)."""
+    xf = _to(x, _acc(x))
+    if mean is None:
+        return xf * rstd[..., None]
+    xs = xf - xf[..., :1]
+    return (xs - xs.mean(-1, keepdim=True)) * rstd[..., None]
 
 
 def _param(p, like, acc):
@@ -95,19 +102,29 @@ def _param_sum(t, heads: int):
 
 
 # ----------------------------------------------------------------------------- torch's own CPU kernels
-# On the CPU the plain LayerNorm and GroupNorm (no fused options) run torch's own kernels, many
-# times faster than the composite ops below (which stay for what torch lacks: fused epilogues,
-# RMSNorm, per-head weights). They run in fp32 (float64 for float64), as normkit computes: torch's
-# CPU kernels alone lose 3e-4 on rows offset by 1e4 and round bf16 dweight products to bf16. So
-# the forward normalizes data shifted by each row's (group's) first element, as the kernels do, and
-# the backward gets fp32 x and dy with the stored statistics, as the composite backward does.
+# On the CPU, LayerNorm and GroupNorm run torch's own kernels (many times faster than the composite
+# ops below, which stay for what torch lacks: float8 outputs, amax, modulation, gates, per-head
+# weights) and RMSNorm torch's rms_norm where the composite is not needed (the same ops, bitwise).
+# They run in fp32 (float64 for float64), as normkit computes, on data shifted by each row's
+# (group's) first element, as the kernels do: torch's CPU kernels alone lose 3e-4 on rows offset
+# by 1e4 (they compute y = x * a + b, whose product rounds at x's magnitude) and round bf16 dweight
+# products to bf16. The backward shifts x again and takes the shifted data's mean from it (the
+# stored mean rounds at x's magnitude). Both eager paths (normkit/_cpu.py, the autograd.Functions)
+# and the custom op reach these same functions: the same bits either way.
+_ln_bwd = torch.ops.aten.native_layer_norm_backward.default._op  # the overload's C++ callable: no Python __call__
+_gn_bwd = torch.ops.aten.native_group_norm_backward.default._op
+# rms_norm's (y, rstd); torch < 2.8 has none: RMSNorm with statistics then takes the composite below
+_fused_rms_norm = getattr(getattr(torch.ops.aten, "_fused_rms_norm", None), "default", None)
+_fused_rms_norm = None if _fused_rms_norm is None else _fused_rms_norm._op
 
-def _native_cpu(x, *params) -> bool:
-    return x.device.type == "cpu" and all(p is None or p.dim() == 1 for p in params) and x.numel() > 0
+
+def _to(t, dtype):
+    """t in dtype; t itself when it has it (Tensor.to's call costs a microsecond even then)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _native_weight(x, weight, n):
-    return weight.to(_acc(x)) if weight is not None else x.new_ones(n, dtype=_acc(x))
+def _native_cpu(x, weight, bias) -> bool:
+    return x.is_cpu and x.numel() > 0 and (weight is None or weight.dim() == 1) and (bias is None or bias.dim() == 1)
 
 
 def _shifted(xf):
@@ -116,37 +133,45 @@ def _shifted(xf):
     return xf - shift, shift
 
 
-def _native_layer_norm(x, weight, bias, eps):
-    N = x.shape[-1]
-    xs, shift = _shifted(x.to(_acc(x)))
-    b = bias.to(xs.dtype) if bias is not None else None
-    y, mean_s, rstd = torch.ops.aten.native_layer_norm(xs, [N], _native_weight(x, weight, N), b, eps)
-    return y, (shift + mean_s).reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+def _native_layer_norm(x, weight, bias, eps, store_stats=True, weight_offset=0.0):
+    """(y in the compute dtype, mean, rstd) of rows x [..., N]; no statistics unless store_stats."""
+    acc = _acc(x)
+    xs, shift = _shifted(_to(x, acc))
+    w = _to(weight, acc)
+    y, mean_s, rstd = torch.native_layer_norm(xs, (x.shape[-1],), w + weight_offset if weight_offset else w,
+                                              _to(bias, acc), eps)
+    if not store_stats:
+        return y, None, None
+    return y, (shift + mean_s).squeeze(-1), rstd.squeeze(-1)
 
 
 def _param_grads(dw, db, dweight_dtype, dbias_dtype):
     """torch's fp32 weight/bias gradients in the dtypes asked for (None where not asked)."""
-    return (None if dweight_dtype is None else dw.to(dweight_dtype),
-            None if dbias_dtype is None else db.to(dbias_dtype))
+    return (None if dweight_dtype is None else _to(dw, dweight_dtype),
+            None if dbias_dtype is None else _to(db, dbias_dtype))
 
 
-def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype):
-    N, lead, acc = x.shape[-1], x.shape[:-1], _acc(x)
-    w = _native_weight(x, weight, N)
-    b = w.new_zeros(N) if dbias_dtype is not None else None  # torch's backward only asks whether there is one
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dy.to(acc), x.to(acc), [N], mean.reshape(*lead, 1).to(acc), rstd.reshape(*lead, 1).to(acc), w, b,
-        [True, dweight_dtype is not None, dbias_dtype is not None])
+def _native_layer_norm_bwd(dy, x, weight, rstd, dweight_dtype, dbias_dtype, weight_offset=0.0):
+    N, acc = x.shape[-1], _acc(x)
+    xf = _to(x, acc)
+    xs = xf - xf[..., :1]
+    mean_s = xs.mean(-1, keepdim=True)
+    w = _to(weight, acc)
+    b = xs.new_zeros(N) if dbias_dtype is not None else None  # torch's backward only asks whether there is one
+    dx, dw, db = _ln_bwd(_to(dy, acc), xs, [N], mean_s, _to(rstd, acc).view_as(mean_s),
+                         w + weight_offset if weight_offset else w, b,
+                         [True, dweight_dtype is not None, dbias_dtype is not None])
     return (dx, *_param_grads(dw, db, dweight_dtype, dbias_dtype))
 
 
 def _native_group_norm(x, num_groups, weight, bias, eps):
+    """(y in the compute dtype, mean, rstd) of a contiguous x [B, C, S]."""
     B, C, S = x.shape
-    xs, shift = _shifted(x.to(_acc(x)).reshape(B, num_groups, -1))
-    b = bias.to(xs.dtype) if bias is not None else None
-    y, mean_s, rstd = torch.ops.aten.native_group_norm(xs.reshape(B, C, S), _native_weight(x, weight, C), b,
-                                                       B, C, S, num_groups, eps)
-    return y.to(x.dtype), shift.reshape(B, num_groups) + mean_s, rstd
+    acc = _acc(x)
+    xs, shift = _shifted(_to(x, acc).view(B, num_groups, -1))
+    y, mean_s, rstd = torch.native_group_norm(xs.view_as(x), _to(weight, acc), _to(bias, acc), B, C, S, num_groups,
+                                              eps)
+    return y, shift.view(B, num_groups) + mean_s, rstd
 
 
 def _like(x, t):
@@ -164,16 +189,27 @@ def _channel_affine(z, weight, bias):
     return z + bias.to(z.dtype)[:, None] if bias is not None else z
 
 
-def _native_group_norm_bwd(dy, x, num_groups, weight, mean, rstd, dweight_dtype, dbias_dtype):
+def _native_group_norm_bwd(dy, x, num_groups, weight, bias, rstd, activation, dweight_dtype, dbias_dtype):
     B, C, S = x.shape
     acc = _acc(x)
-    dx, dw, db = torch.ops.aten.native_group_norm_backward(
-        dy.to(acc).contiguous(), x.to(acc), mean.to(acc), rstd.to(acc), _native_weight(x, weight, C), B, C, S,
-        num_groups, [True, dweight_dtype is not None, dbias_dtype is not None])
-    return (dx.to(x.dtype), *_param_grads(dw, db, dweight_dtype, dbias_dtype))
+    xg = _to(x, acc).view(B, num_groups, -1)
+    xs = xg - xg[..., :1]
+    mean_s = xs.mean(-1, keepdim=True)
+    rstd, dy, w = _to(rstd, acc), _to(dy, acc), _to(weight, acc)
+    if activation is not None:  # dy through the activation at the recomputed pre-activation value
+        z = ((xs - mean_s) * rstd.unsqueeze(-1)).view_as(x)
+        if w is not None:
+            z = z * w.unsqueeze(-1) if bias is None else torch.addcmul(_to(bias, acc).unsqueeze(-1), z, w.unsqueeze(-1))
+        elif bias is not None:
+            z = z + _to(bias, acc).unsqueeze(-1)
+        dy = _ACTIVATION_GRADS[activation](dy, z)
+    dx, dw, db = _gn_bwd(dy.contiguous(), xs.view_as(x), mean_s.view_as(rstd), rstd, w, B, C, S, num_groups,
+                         [True, dweight_dtype is not None, dbias_dtype is not None])
+    return (_to(dx, x.dtype), *_param_grads(dw, db, dweight_dtype, dbias_dtype))
+
 
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
-    y, mean, rstd, _, _ = row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation)
+    y, mean, rstd, _, _ = row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=store_stats)
     return y, mean, rstd
 
 
@@ -181,16 +217,28 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
                        residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
                        want_amax=False, mod_scale=None, mod_shift=None, gate=None):
     acc = _acc(x)
-    if not rms and residual is None and gate is None and mod_scale is None and mod_shift is None and not weight_offset and out_dtype in (None, x.dtype, acc) and not want_amax and \
-            (activation is None or (out_dtype or x.dtype) == acc) and _native_cpu(x, weight, bias):
-        y, mean, rstd = _native_layer_norm(x, weight, bias, eps)  # y in fp32: one rounding to the output's dtype
-        return _ACTIVATIONS[activation](y).to(out_dtype or x.dtype).contiguous(), mean, rstd, None, None
-    xf = x.to(acc) if gate is None else _gated(x, gate, acc)
+    xf = _to(x, acc) if gate is None else _gated(x, gate, acc)
     h = None
     if residual is not None:
-        hs = (xf + residual.to(acc)).to(h_dtype or residual.dtype)
+        hs = _to(xf + _to(residual, acc), h_dtype or residual.dtype)
         h = hs.contiguous() if store_h else None
-        xf = hs.to(acc)
+        xf = _to(hs, acc)
+    if gate is None and mod_scale is None and mod_shift is None and out_dtype not in FP8_MAX and not want_amax and \
+            (not rms or not store_stats or _fused_rms_norm is not None) and _native_cpu(xf, weight, bias):
+        if rms:  # torch's rms_norm (with rstd: its _fused_rms_norm): the ops below, bitwise
+            w = _to(weight, acc)
+            w = w + weight_offset if weight_offset else w
+            mean = None
+            if store_stats:
+                y, rstd = _fused_rms_norm(xf, [xf.shape[-1]], w, eps)
+                rstd = rstd.squeeze(-1)
+            else:
+                y, rstd = torch.rms_norm(xf, (xf.shape[-1],), w, eps), None
+        else:
+            y, mean, rstd = _native_layer_norm(xf, weight, bias, eps, store_stats, weight_offset)
+        if activation is not None:  # y in fp32: one rounding to the output's dtype
+            y = _ACTIVATIONS[activation](y)
+        return _to(y, out_dtype or x.dtype).contiguous(), mean, rstd, h, None
     if rms:
         mean, xc = None, xf
     else:
@@ -234,10 +282,10 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     if gate is not None:
         xg = x
         x = _gated(x, gate, acc)
-    if not rms and activation is None and gate is None and not modulated and not weight_offset and dh is None and dres_dtype is None and \
+    if not rms and activation is None and gate is None and not modulated and dh is None and dres_dtype is None and \
             N > 1 and _native_cpu(x, weight, bias):  # N = 1: dx is exactly 0 below
-        dx, dw, db = _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype)
-        return dx.to(dx_dtype or x.dtype).contiguous(), None, dw, db
+        dx, dw, db = _native_layer_norm_bwd(dy, x, weight, rstd, dweight_dtype, dbias_dtype, weight_offset)
+        return _to(dx, dx_dtype or x.dtype).contiguous(), None, dw, db
     lead = x.shape[:-1]  # the statistics come flat, one per row
     rstd = rstd.reshape(lead)
     xhat = _xhat(x, None if rms else mean.reshape(lead).to(acc), rstd.to(acc))
@@ -293,9 +341,11 @@ def _channel_vec(p, num_groups, S, acc):
 def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
     acc = _acc(x)
     B, C, S = x.shape
-    if (activation is None or x.dtype == acc) and x.is_contiguous() and _native_cpu(x, weight, bias):
+    if x.is_contiguous() and _native_cpu(x, weight, bias):
         y, mean, rstd = _native_group_norm(x, num_groups, weight, bias, eps)
-        return _like(x, _ACTIVATIONS[activation](y)), mean, rstd
+        if activation is not None:  # in fp32: one rounding to x's dtype
+            y = _ACTIVATIONS[activation](y)
+        return _like(x, _to(y, x.dtype)), mean, rstd
     xg = _groups(x, num_groups, acc)
     # shifted two-pass statistics, as the kernels (empty groups: statistics 0/0)
     shift = xg[:, :, :1] if xg.shape[2] else xg.new_zeros(B, num_groups, 1)
@@ -316,15 +366,13 @@ def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
 def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
     acc = _acc(x)
     B, C, S = x.shape
-    if (activation is None or x.dtype == acc) and x.is_contiguous() and C // num_groups * S > 1 and \
-            _native_cpu(x, weight, bias):
-        if activation is not None:  # dy through the activation at the recomputed pre-activation value
-            z = ((_groups(x, num_groups, acc) - mean[:, :, None]) * rstd[:, :, None]).reshape(B, C, S)
-            z = _channel_affine(z, weight, bias)
-            dy = _ACTIVATION_GRADS[activation](dy.to(acc), z)
-        dx, dw, db = _native_group_norm_bwd(dy, x, num_groups, weight, mean, rstd, dweight_dtype, dbias_dtype)
+    if x.is_contiguous() and C // num_groups * S > 1 and _native_cpu(x, weight, bias):
+        dx, dw, db = _native_group_norm_bwd(dy, x, num_groups, weight, bias, rstd, activation, dweight_dtype,
+                                            dbias_dtype)
         return _like(x, dx), dw, db
-    xhat = (_groups(x, num_groups, acc) - mean.to(acc)[:, :, None]) * rstd.to(acc)[:, :, None]
+    xg = _groups(x, num_groups, acc)
+    xs = xg - xg[:, :, :1]  # shifted, with its own mean: the stored mean rounds at x's magnitude
+    xhat = (xs - xs.mean(2, keepdim=True)) * rstd.to(acc)[:, :, None]
     g = _groups(dy, num_groups, acc)
     w = _channel_vec(weight, num_groups, S, acc) if weight is not None else None
     if activation is not None:

@@ -1,0 +1,173 @@
+"""The CPU fast path: plain LayerNorm / RMSNorm / GroupNorm calls on CPU tensors, straight to the
+torch backend's functions.
+
+normkit's general path (argument checks, flattening to rows, backend dispatch, the autograd.Functions
+of _autograd.py with their statistics outputs) costs tens of microseconds of Python per call, more
+than torch's CPU kernels take at model sizes: patched models ran 1.5-10x slower on the CPU (issue
+#22). The public functions first offer a call here; it is served when every argument is of the
+plain kinds checked below (cheap checks: they are most of the call's Python), and goes on to the
+general path otherwise, which raises the errors for bad arguments. A served call runs the torch
+backend's own entry points (backends/torch_backend.py: torch's CPU kernels on shifted data, see
+there), the same ones the general path and the custom op run, so eager and compiled calls give the
+same bits; with autograd, through slim autograd.Functions whose backward is RowNormFn's and
+GroupNormFn's own (torch's backward kernels; the differentiable closed form for create_graph).
+Only the default backend (backend=None) is served: backend="torch" names the general path to the
+same functions, which its tests exercise. Served: LayerNorm, RMSNorm with residual / prenorm /
+residual_dtype, weight_offset, activation, out_dtype (not float8); GroupNorm of contiguous x with
+activation. Not served: float8 out, return_amax, scale/shift, gate, per-head weights, empty tensors,
+one-element rows (LayerNorm) and groups, channels_last GroupNorm, a backend named, torch.compile,
+dispatch modes, tensor subclasses, torch.func transforms and forward AD, CPU autocast.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _library
+from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, _differentiable_backward_wanted, transforms_active
+from .backends import torch_backend as _tb
+from .reference import ACTIVATIONS, default_rms_eps
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PLAIN = _library._PLAIN
+_needed = _library.needed
+
+
+def _param(p, shape) -> bool:
+    return p is None or (type(p) in _PLAIN and p.is_cpu and p.dtype in _FLOAT and p.shape == shape)
+
+
+def _eligible(x, backend, activation, eps, *tensors) -> bool:
+    return backend is None and x.dtype in _FLOAT and type(eps) is float and \
+        (activation is None or activation in ACTIVATIONS) and x.numel() > 0 and not _needed(x, *tensors) and \
+        not transforms_active() and not torch.is_autocast_enabled("cpu")
+
+
+def _grad(x, weight, bias, residual=None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad) or
+                                        (bias is not None and bias.requires_grad) or
+                                        (residual is not None and residual.requires_grad))
+
+
+class CpuRowNorm(torch.autograd.Function):
+    """RowNormFn without its statistics outputs and argument plumbing, for rows [..., N] (x, residual)
+    and [N] parameters: the torch backend's forward, and RowNormFn's backward on the same saved
+    tensors and arguments. Old-style forward(ctx, ...): apply binds no signature."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, rms, activation, opts):
+        y, mean, rstd, h, _ = _tb.row_norm_fwd_fused(
+            x, weight, bias, eps, rms, activation=activation, residual=residual, h_dtype=opts.residual_dtype,
+            store_h=residual is not None, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype)
+        ctx.save_for_backward(x if h is None else h, weight, bias, mean, rstd, None, None, None)
+        ctx.args = (1, eps, rms, activation, opts, _tb, x.dtype, None if residual is None else residual.dtype)
+        ctx.set_materialize_grads(False)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        nx, nw, nb, nr = ctx.needs_input_grad[:4]
+        if dy is None or dh is not None or nr or _differentiable_backward_wanted():
+            return RowNormFn.backward(ctx, dy, dh, None, None, None)
+        # no residual: the torch backend's backward with the arguments RowNormFn's would pass it, minus its plumbing
+        z, weight, bias, mean, rstd = ctx.saved_tensors[:5]
+        _, _, rms, activation, opts = ctx.args[:5]
+        dx, _, dw, db = _tb.row_norm_bwd_fused(dy, z, weight, mean, rstd, rms, weight.dtype if nw else None,
+                                               bias.dtype if nb else None, bias=bias, activation=activation,
+                                               weight_offset=opts.weight_offset)
+        return dx if nx else None, dw, db, None, None, None, None, None
+
+
+class CpuGroupNorm(torch.autograd.Function):
+    """GroupNormFn without its statistics outputs, for a contiguous x [B, C, S]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, num_groups, eps, activation, backend):
+        y, mean, rstd = _tb.group_norm_fwd(x, num_groups, weight, bias, eps, activation)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.args = (num_groups, eps, activation, backend)
+        ctx.set_materialize_grads(False)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None or _differentiable_backward_wanted():
+            return GroupNormFn.backward(ctx, dy, None, None)
+        x, weight, bias, mean, rstd = ctx.saved_tensors  # as GroupNormFn's, minus its layout plumbing
+        num_groups, _, activation, _ = ctx.args
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        dx, dw, db = _tb.group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation,
+                                        weight.dtype if nw else None, bias.dtype if nb else None)
+        return dx if nx else None, dw, db, None, None, None, None
+
+
+# C++ apply: torch.autograd.Function.apply's Python (functorch checks) is for transforms, never served here
+_row_apply = super(torch.autograd.Function, CpuRowNorm).apply
+_group_apply = super(torch.autograd.Function, CpuGroupNorm).apply
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
+             weight_offset, out_dtype):
+    """y (or (y, h) with prenorm) of a CPU LayerNorm/RMSNorm call, or None: not served here."""
+    if type(normalized_shape) is int:
+        if x.dim() == 0 or not 0 < normalized_shape == x.shape[-1]:
+            return None
+        shape = (normalized_shape,)
+    elif type(normalized_shape) in (tuple, torch.Size) and normalized_shape and \
+            all(type(s) is int and s > 0 for s in normalized_shape) and x.dim() >= len(normalized_shape) and \
+            x.shape[x.dim() - len(normalized_shape):] == normalized_shape:
+        shape = tuple(normalized_shape)
+    else:
+        return None
+    if rms and eps is None:
+        eps = default_rms_eps(x.dtype)
+    elif not rms and math.prod(shape) == 1:
+        return None
+    if not (_param(weight, shape) and _param(bias, shape) and _eligible(x, backend, activation, eps, weight, bias,
+                                                                        residual)):
+        return None
+    if type(weight_offset) not in (int, float) or (weight_offset and (weight is None or
+                                                                        not math.isfinite(weight_offset))):
+        return None
+    if out_dtype is not None and out_dtype not in _FLOAT:
+        return None
+    if residual is None:
+        if prenorm is not False or residual_dtype is not None:
+            return None
+    elif not (_param(residual, x.shape) and type(prenorm) is bool and (residual_dtype is None or
+                                                                        residual_dtype in _FLOAT)):
+        return None
+    k = len(shape)
+    if k > 1:  # rows of the flattened normalized dims, parameters flat, as the general path passes them
+        x, residual = x.flatten(-k), None if residual is None else residual.flatten(-k)
+        weight, bias = None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1)
+    opts = RowOptions(None if residual is None else (residual_dtype or residual.dtype), float(weight_offset),
+                      None if out_dtype == x.dtype else out_dtype)
+    if _grad(x, weight, bias, residual):
+        y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, PLAIN if opts == PLAIN else opts)
+    else:
+        y, _, _, h, _ = _tb.row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=False,
+                                               residual=residual, h_dtype=opts.residual_dtype, store_h=prenorm,
+                                               weight_offset=opts.weight_offset, out_dtype=opts.out_dtype)
+    if k > 1:
+        y, h = y.unflatten(-1, shape), None if h is None else h.unflatten(-1, shape)
+    return (y, h) if prenorm else y
+
+
+def group_norm(x, num_groups, weight, bias, eps, activation, backend):
+    """act(GroupNorm(x)) of a CPU call, or None: not served here."""
+    if x.dim() < 2 or type(num_groups) is not int or num_groups <= 0 or x.shape[1] % num_groups:
+        return None
+    c = x.shape[1:2]
+    if not (_param(weight, c) and _param(bias, c) and x.is_contiguous() and
+            _eligible(x, backend, activation, eps, weight, bias)) or x.numel() <= x.shape[0] * num_groups:
+        return None
+    x3 = x if x.dim() == 3 else x.view(x.shape[0], x.shape[1], -1)
+    if _grad(x, weight, bias):
+        y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb)
+    else:
+        y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]
+    return y if x.dim() == 3 else y.view_as(x)

@@ -1,0 +1,169 @@
+"""The CPU fast path (normkit/_cpu.py): plain CPU calls run torch's own ops, against the float64
+oracle, forward and backward, with rows and groups offset by 1e4; calls it does not serve (and
+every bad argument) take the general path with its errors."""
+import pytest
+import torch
+
+import normkit
+from normkit import _cpu
+from normkit import reference as ref
+
+from helpers import TOL, assert_close, param_tol, randn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def _tol(dtype, offset):
+    """TOL, and for float64 data offset by 1e4 the oracle's own rounding (offset * 2**-53 on values of size 1)."""
+    return max(TOL[dtype], 1e-10) if offset and dtype == torch.float64 else TOL[dtype]
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """Counts the calls the fast path served (returned a value for)."""
+    count = {"row": 0, "group": 0}
+    for name, key in (("row_norm", "row"), ("group_norm", "group")):
+        real = getattr(_cpu, name)
+
+        def spy(*args, _real=real, _key=key):
+            out = _real(*args)
+            count[_key] += out is not None
+            return out
+        monkeypatch.setattr(_cpu, name, spy)
+    return count
+
+
+def _grads(out, leaves, dy):
+    return torch.autograd.grad(out, [t for t in leaves if t is not None], dy)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4], ids=["centred", "offset1e4"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", ["plain", "silu", "residual+prenorm", "weight_offset", "out_dtype", "2d shape"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_row_norms_match_the_oracle(op, case, dtype, offset, served):
+    shape = (4, 6) if case == "2d shape" else (96,)
+    x = (offset + randn(3, 5, *shape, dtype=torch.float64)).to(dtype).requires_grad_()
+    p_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # mixed precision, as models run bf16
+    w = randn(*shape, dtype=p_dtype).requires_grad_()
+    b = randn(*shape, dtype=p_dtype).requires_grad_() if op == "layer_norm" else None
+    r = randn(*x.shape, dtype=dtype).requires_grad_() if case == "residual+prenorm" else None
+    kw = {"silu": dict(activation="silu"), "residual+prenorm": dict(residual=r, prenorm=True),
+          "weight_offset": dict(weight_offset=1.0), "out_dtype": dict(out_dtype=torch.float32)}.get(case, {})
+    args = (x, shape, w, b, 1e-5) if op == "layer_norm" else (x, shape, w, 1e-5)
+    out = getattr(normkit, op)(*args, **kw)
+    y, h = out if r is not None else (out, None)
+    assert served["row"] == 1
+    assert y.dtype == kw.get("out_dtype", dtype) and y.is_contiguous()
+    oracle = {"layer_norm": ref.layer_norm, "rms_norm": ref.rms_norm}[op]
+    oracle_kw = dict(residual=r, weight_offset=kw.get("weight_offset", 0.0))
+    h_ref = None if r is None else ref.residual_sum(x, r)
+    if h is not None:
+        assert h.dtype == dtype
+        assert_close(h, h_ref, _tol(dtype, offset), "h")
+    # the oracle normalizes what normkit normalized: h rounded to its dtype
+    z = x if h is None else h.detach()
+    y_ref = oracle(z, shape, w, *((b,) if op == "layer_norm" else ()), 1e-5, kw.get("activation"),
+                   weight_offset=oracle_kw["weight_offset"])[0]
+    err = assert_close(y, y_ref, max(_tol(dtype, offset), TOL[y.dtype]), f"{op} {case} y")
+    if offset and dtype == torch.float32 and case not in ("residual+prenorm",):
+        assert err < 1e-5, f"offset rows: {err:.3g} (shifted statistics keep ~1e-7)"
+    dy = randn(*x.shape, dtype=y.dtype)
+    leaves = [x, w, b] if r is None else [x, w, b, r]
+    got = _grads(y, leaves, dy)
+    backward = {"layer_norm": ref.layer_norm_backward, "rms_norm": ref.rms_norm_backward}[op]
+    dz, dw, *db = backward(dy, z, shape, w, *((b,) if op == "layer_norm" else ()), 1e-5, kw.get("activation"),
+                           weight_offset=oracle_kw["weight_offset"])
+    assert_close(got[0], dz, _tol(dtype, offset), f"{op} {case} dx")
+    assert_close(got[1], dw, max(param_tol(w.dtype, dtype), _tol(dtype, offset)), f"{op} {case} dweight")
+    if b is not None:
+        assert_close(got[2], db[0], max(param_tol(b.dtype, dtype), _tol(dtype, offset)), f"{op} {case} dbias")
+    if r is not None:  # dresidual = dx: h = x + r
+        assert_close(got[-1], dz, _tol(dtype, offset), f"{op} {case} dresidual")
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4], ids=["centred", "offset1e4"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("activation", [None, "mish"])
+@pytest.mark.parametrize("shape", [(2, 32, 16), (3, 8, 5, 7), (2, 16)], ids=["1d", "2d", "no-spatial"])
+def test_group_norm_matches_the_oracle(shape, activation, dtype, offset, served):
+    # each group at its own offset: a shift by one value per sample would not keep them exact
+    g = torch.arange(4, dtype=torch.float64).repeat_interleave(shape[1] // 4).reshape(1, shape[1], *[1] * (len(shape) - 2))
+    x = (offset * (1 + g) + randn(*shape, dtype=torch.float64)).to(dtype).requires_grad_()
+    p_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    w, b = randn(shape[1], dtype=p_dtype).requires_grad_(), randn(shape[1], dtype=p_dtype).requires_grad_()
+    y = normkit.group_norm(x, 4, w, b, 1e-5, activation=activation)
+    assert served["group"] == 1 and y.dtype == dtype
+    err = assert_close(y, ref.group_norm(x, 4, w, b, 1e-5, activation)[0], _tol(dtype, offset), "y")
+    if offset and dtype == torch.float32:
+        assert err < 1e-5, f"offset groups: {err:.3g} (shifted statistics keep ~1e-7)"
+    dy = randn(*shape, dtype=dtype)
+    dx, dw, db = _grads(y, [x, w, b], dy)
+    dx_ref, dw_ref, db_ref = ref.group_norm_backward(dy, x, 4, w, b, 1e-5, activation)
+    assert_close(dx, dx_ref, _tol(dtype, offset), "dx")
+    assert_close(dw, dw_ref, max(param_tol(w.dtype, dtype), _tol(dtype, offset)), "dweight")
+    assert_close(db, db_ref, max(param_tol(b.dtype, dtype), _tol(dtype, offset)), "dbias")
+
+
+def test_nan_stays_in_its_row_and_group():
+    x = randn(6, 50)
+    x[2, 7] = float("nan")
+    y = normkit.layer_norm(x, 50)
+    assert torch.isnan(y[2]).all() and not torch.isnan(y[torch.arange(6) != 2]).any()
+    xg = randn(2, 8, 10)
+    xg[1, 3, 4] = float("nan")  # group 1 of sample 1 (channels 2-3)
+    yg = normkit.group_norm(xg, 4)
+    nan = torch.isnan(yg)
+    assert nan[1, 2:4].all() and nan.sum() == 20
+
+
+def test_create_graph_uses_the_differentiable_backward(served):
+    """Third order through the fast path's LayerNorm and GroupNorm matches the float64 oracle's
+    (torch's own LayerNorm is 0.2 off there: its double backward is not differentiated correctly)."""
+    for op, x, f in (("row", randn(3, 9, dtype=torch.float64), lambda t: normkit.layer_norm(t, 9)),
+                     ("group", randn(2, 8, 3, dtype=torch.float64), lambda t: normkit.group_norm(t, 2, activation="silu"))):
+        x.requires_grad_()
+        x64 = x.detach().clone().requires_grad_()
+        ref_f = (lambda t: ref.layer_norm(t, (9,))[0]) if op == "row" else \
+            (lambda t: ref.group_norm(t, 2, activation_name="silu")[0])
+        out = []
+        for fn, t in ((f, x), (ref_f, x64)):
+            g1, = torch.autograd.grad(fn(t).pow(3).sum(), t, create_graph=True)
+            g2, = torch.autograd.grad(g1.sin().sum(), t, create_graph=True)
+            out.append(torch.autograd.grad(g2.pow(2).sum(), t)[0])
+        assert_close(out[0], out[1], 1e-9, f"{op} third order")
+    assert served == {"row": 1, "group": 1}
+
+
+def test_non_contiguous_rows_give_contiguous_outputs():
+    x = randn(8, 6, 32).transpose(0, 1)  # last dim contiguous, rows permuted
+    for y in (normkit.rms_norm(x, 32), normkit.layer_norm(x, 32), normkit.rms_norm(x, 32, residual=x, prenorm=True)[1]):
+        assert y.is_contiguous()
+    assert_close(normkit.rms_norm(x, 32), ref.rms_norm(x, (32,))[0], TOL[torch.float32], "rms of permuted rows")
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, w: normkit.layer_norm(x, (True,)), TypeError, "normalized_shape"),
+    (lambda x, w: normkit.layer_norm(x, 16, w[:8]), ValueError, "weight: expected shape"),
+    (lambda x, w: normkit.layer_norm(x, 16, eps="1e-5"), TypeError, "eps"),
+    (lambda x, w: normkit.rms_norm(x, 16, w, activation="tanh"), ValueError, "activation"),
+    (lambda x, w: normkit.rms_norm(x, 16, None, weight_offset=1.0), ValueError, "weight_offset"),
+    (lambda x, w: normkit.rms_norm(x, 16, w, prenorm=True), ValueError, "prenorm"),
+    (lambda x, w: normkit.rms_norm(x, 16, w, residual=x[:, :8]), ValueError, "residual"),
+    (lambda x, w: normkit.layer_norm(x, 16, backend="nope"), ValueError, "backend"),
+    (lambda x, w: normkit.group_norm(x, True), ValueError, "num_groups"),
+    (lambda x, w: normkit.group_norm(x, 3), ValueError, "num_groups"),
+    (lambda x, w: normkit.group_norm(x, 4, w[:4]), ValueError, "weight"),
+])
+def test_bad_arguments_raise_the_general_paths_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call(randn(4, 16), randn(16))
+
+
+def test_calls_it_does_not_serve_take_the_general_path(served):
+    x, w = randn(4, 2, 16), randn(16)
+    normkit.rms_norm(x, 16, w, return_amax=True)
+    normkit.layer_norm(x, 16, randn(2, 16))  # per-head weight
+    normkit.layer_norm(x, 16, w, scale=randn(4, 16))
+    normkit.group_norm(randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last), 4)
+    assert served == {"row": 0, "group": 0}
