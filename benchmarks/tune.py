@@ -140,7 +140,15 @@ def tune_point(direction, n, dtype, table, log):
     configs.OVERRIDES.pop((direction, elem, n), None)
     if good:
         ms, cand, err, _ = good[0]
-        table.setdefault(direction, {}).setdefault(str(elem), {})[str(n)] = list(cand)
+        rows = table.setdefault(direction, {}).setdefault(str(elem), {})
+        kept = rows.get(str(n))
+        # rows this tuner cannot measure (per-op rows, the backward's prefetch flag: benchmarks/
+        # bwd_sweep.py chose them) stay as they are; the best candidate is only logged
+        if isinstance(kept, dict) or (isinstance(kept, list) and len(kept) >= 6):  # 6th value: prefetch
+            log(f"KEPT {direction} {str(dtype)[6:]} N={n}: {kept} (from bwd_sweep); best here {cand} "
+                f"{gbytes / ms * 1e3:.0f} GB/s")
+            return
+        rows[str(n)] = list(cand)
         log(f"BEST {direction} {str(dtype)[6:]} N={n}: {cand} {gbytes / ms * 1e3:.0f} GB/s "
             f"({len(cands)} candidates, {time.time() - t0:.0f}s)")
 
