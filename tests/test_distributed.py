@@ -33,7 +33,16 @@ def _torchrun(script, *args, timeout=600):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        # a gloo worker process aborts now and then on a 2-core machine ("terminate called without an
+        # active exception", SIGABRT in one rank; about 1 run in 3 under pytest-xdist, in main's CI
+        # too): one new pair of workers, and a failure only if that one fails as well (both outputs)
+        first = proc
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        if proc.returncode != 0:
+            proc.stderr = f"first attempt:\n{first.stderr[-3000:]}\nsecond attempt:\n{proc.stderr}"
+    return proc
 
 
 # ----------------------------------------------------------------------------- the checks (in the workers)
@@ -221,6 +230,7 @@ def _worker_main(out_path):
     if rank == 0:
         merged = {n: "\n".join(r[n] for r in gathered if r[n]) or None for n in CHECKS}
         Path(out_path).write_text(json.dumps(merged))
+    dist.barrier()  # both ranks tear down together, after rank 0 has written the results
     dist.destroy_process_group()
 
 
