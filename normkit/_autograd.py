@@ -43,6 +43,11 @@ def transforms_active() -> bool:
     return _interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
 
 
+def needs_autograd(*tensors) -> bool:
+    """Grad mode is on and one of `tensors` (None allowed) requires a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 @dataclass(frozen=True)
 class RowOptions:
     """The fused options of a LayerNorm/RMSNorm call that are not tensors (hashable). The residual

@@ -25,11 +25,12 @@ import math
 import torch
 
 from . import _library
-from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, _differentiable_backward_wanted, transforms_active
+from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, _differentiable_backward_wanted, needs_autograd, \
+    transforms_active
 from .backends import torch_backend as _tb
 from .reference import ACTIVATIONS, default_rms_eps
 
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT = _tb.DTYPES
 _PLAIN = _library._PLAIN
 _needed = _library.needed
 
@@ -42,12 +43,6 @@ def _eligible(x, backend, activation, eps, *tensors) -> bool:
     return backend is None and x.dtype in _FLOAT and type(eps) is float and \
         (activation is None or activation in ACTIVATIONS) and x.numel() > 0 and not _needed(x, *tensors) and \
         not transforms_active() and not torch.is_autocast_enabled("cpu")
-
-
-def _grad(x, weight, bias, residual=None) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad) or
-                                        (bias is not None and bias.requires_grad) or
-                                        (residual is not None and residual.requires_grad))
 
 
 class CpuRowNorm(torch.autograd.Function):
@@ -146,7 +141,7 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
         weight, bias = None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1)
     opts = RowOptions(None if residual is None else (residual_dtype or residual.dtype), float(weight_offset),
                       None if out_dtype == x.dtype else out_dtype)
-    if _grad(x, weight, bias, residual):
+    if needs_autograd(x, weight, bias, residual):
         y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, PLAIN if opts == PLAIN else opts)
     else:
         y, _, _, h, _ = _tb.row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=False,
@@ -166,7 +161,7 @@ def group_norm(x, num_groups, weight, bias, eps, activation, backend):
             _eligible(x, backend, activation, eps, weight, bias)) or x.numel() <= x.shape[0] * num_groups:
         return None
     x3 = x if x.dim() == 3 else x.view(x.shape[0], x.shape[1], -1)
-    if _grad(x, weight, bias):
+    if needs_autograd(x, weight, bias):
         y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb)
     else:
         y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]

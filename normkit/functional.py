@@ -44,8 +44,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _cpu, _host, _library, backends, compile_fusion
-from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, param_rows, row_norm_forward_fused, \
-    transforms_active
+from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, needs_autograd, param_rows, \
+    row_norm_forward_fused, transforms_active
 from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view, sample_rows
 from .reference import ACTIVATIONS, default_rms_eps
 
@@ -162,12 +162,8 @@ def _param_grad_dtype(p, wanted: bool):
     return p.dtype if (p is not None and wanted) else None
 
 
-def _needs_autograd(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _forward_only_check(backend, op, *tensors) -> None:
-    if not getattr(backend, "HAS_BACKWARD", True) and _needs_autograd(*tensors):
+    if not getattr(backend, "HAS_BACKWARD", True) and needs_autograd(*tensors):
         raise backends.BackendUnavailableError(
             f"backend={backend.NAME!r} cannot run {op} with autograd: it has no backward, and x, weight or "
             "bias requires grad; call it under torch.no_grad() or on detached tensors, or use backend='torch'")
@@ -375,7 +371,7 @@ def _row_norm(x, shape, weight, bias, eps, rms, activation, backend_name, op, re
                                                    residual, scale, opts, mod_scale, mod_shift, gate)
         return _outputs(y, h, amax, prenorm, opts.return_amax)
     backend = backends.resolve(backend_name, x, op)
-    if _needs_autograd(x, weight, bias, residual, mod_scale, mod_shift, gate) or transforms_active():
+    if needs_autograd(x, weight, bias, residual, mod_scale, mod_shift, gate) or transforms_active():
         _forward_only_check(backend, op, x, weight, bias, mod_scale, mod_shift, gate)
         check_backend(backend, opts, residual)
         y, h, _, _, amax = RowNormFn.apply(x, weight, bias, residual, scale, len(shape), eps, rms, activation, opts,
@@ -565,7 +561,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
             compile_fusion.traced()
         return _library.group_norm(x, num_groups, weight, bias, eps, backend, activation=activation)
     be = backends.resolve(backend, x, "group_norm")
-    if _needs_autograd(x, weight, bias) or transforms_active():
+    if needs_autograd(x, weight, bias) or transforms_active():
         _forward_only_check(be, "group_norm", x, weight, bias)
         return GroupNormFn.apply(x, weight, bias, num_groups, eps, activation, be)[0]
     y3, _, _ = be.group_norm_fwd(bcs(x, is_channels_last(x)), num_groups, weight, bias, eps, activation)
