@@ -132,7 +132,8 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     """Everything about a launch that depends only on its kind, computed once:
     (config, constexprs, device index, SM count). itemsize: the widest element the launch moves
     (a bf16 -> fp32 launch is configured as fp32, so it runs exactly as fp32 -> fp32 does).
-    flags: (rms, has_w, has_b, activation, extra[, per-head parameters]); fusion: the fused
+    flags: (rms, has_w, has_b, activation, extra[, per-head parameters]), extra the backward's
+    (want dweight, want dbias) and None forward; fusion: the fused
     epilogue's constexprs."""
     device_index, arch, sms = _device_facts(device)
     rms, has_w, has_b, activation, extra, *per_row = flags
@@ -145,9 +146,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
         cfg = configs.RowConfig(1, min(chunk, cfg.block_n * cfg.split), 1, num_warps, configs.LOOPED_PROGRAMS_PER_SM,
                                 looped=True)
     constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b, PER_ROW_W=per_row)
-    if direction == "fwd":
-        constexprs["STORE_STATS"] = extra
-    else:
+    if direction == "bwd":
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
     constexprs["ACT"] = _kernels().act_codes[activation]
     if direction == "fwd":
@@ -238,10 +237,7 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     h_dtype = (h_dtype or residual.dtype) if has_res else None
     h = _out(x, h_dtype) if has_res and store_h else None
     amax = _zeros((1,), dtype=torch.int32, device=device) if want_amax else None
-    if not store_stats:
-        mean_out = rstd_out = None
-    else:
-        mean_out, rstd_out = mean, rstd
+    mean_out, rstd_out = (mean, rstd) if store_stats else (None, None)
     if M == 0 or N == 0:  # no rows; or empty rows, whose statistics are 0/0 (the kernel would read x[row, 0])
         for s in (mean_out, rstd_out):
             if s is not None:
@@ -253,7 +249,7 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     itemsize = max(t.element_size() for t in (x, y, h, residual, gate) if t is not None)
     w_rows = _param_rows(weight, bias)
     cfg, constexprs, device_index, sms = _plan(
-        "fwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, True, w_rows > 1),
+        "fwd", N, itemsize, device, (rms, weight is not None, bias is not None, activation, None, w_rows > 1),
         fusion if fusion != _NO_FWD_FUSION else ())
     # the widths the table routes to the CUDA backend's Hopper cluster kernels, for plain [M, N] rows
     cluster_ok = cfg.cuda and fusion == _NO_FWD_FUSION and w_rows == 1 and weight_offset == 0 and x.dim() == 2 \

@@ -241,7 +241,6 @@ def _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H: tl.con
 def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, block, group, k, it, M, N, INNER,
               sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, amax, cols, col_mask,
               IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
-              STORE_STATS: tl.constexpr,
               ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr,
               FP8: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
@@ -280,11 +279,11 @@ def _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, block, gro
     ms, mt = _load_mod(MS, MT, tl.where(row_mask, rows // mod_rps, 0), cols, col_mask, sms_r, smt_r, HAS_MS, HAS_MT)
     y = _epilogue(xc * rstd[:, None], w, b, ms, mt, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT)
     amax = _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H, FP8, WANT_AMAX)
-    if STORE_STATS:
-        first = row_mask & ((rows * 0 + k) == 0)  # vector form: the interpreter rejects a scalar mask term
-        tl.store(RSTD + rows, rstd, mask=first)
-        if not IS_RMS:
-            tl.store(MEAN + rows, shift + mean_s, mask=first)
+    # the statistics are always stored (backends/triton: the kernel without these stores rounds y differently)
+    first = row_mask & ((rows * 0 + k) == 0)  # vector form: the interpreter rejects a scalar mask term
+    tl.store(RSTD + rows, rstd, mask=first)
+    if not IS_RMS:
+        tl.store(MEAN + rows, shift + mean_s, mask=first)
     return amax
 
 
@@ -293,7 +292,6 @@ def row_norm_fwd_kernel(
     X, R, Y, H, W, B, MEAN, RSTD, AMAX, SCALE, SYNC, SCRATCH, MS, MT,
     M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr,
-    STORE_STATS: tl.constexpr,
     ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
     SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
@@ -307,7 +305,7 @@ def row_norm_fwd_kernel(
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         amax = _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, rows < M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
                            eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, MEAN, RSTD, IS_RMS, HAS_W, HAS_B,
-                           PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE,
+                           PER_ROW_W, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE,
                            BLOCK_M, BLOCK_N)
     elif not PERSISTENT:  # one row block per program
         cols = tl.arange(0, BLOCK_N)
@@ -316,7 +314,7 @@ def row_norm_fwd_kernel(
         x = _load_h(X, R, rows, rows < M, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE)
         amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, pid, pid, 0, 0, M, N, INNER,
                          sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, amax, cols,
-                         col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W, STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8,
+                         col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W, ACT, HAS_RES, STORE_H, H_ROUND, FP8,
                          WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE, BLOCK_M, BLOCK_N, 1)
     else:  # groups of SPLIT programs walk row blocks group, group + G, ...
         group = pid // SPLIT
@@ -337,7 +335,7 @@ def row_norm_fwd_kernel(
             amax = _fwd_tile(x, X, R, Y, H, W, B, MEAN, RSTD, SYNC, SCRATCH, MS, MT, block, group, k,
                              (block - group) // num_groups, M, N, INNER, sx_o, sx_i, sr_o, sr_i, eps, W_ROWS, w_offset,
                              scale, mod_rps, sms_r, smt_r, amax, cols, col_mask, IS_RMS, HAS_W, HAS_B, PER_ROW_W,
-                             STORE_STATS, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE, BLOCK_M,
+                             ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE, BLOCK_M,
                              BLOCK_N, SPLIT)
         if SPLIT > 1:
             _group_exit(SYNC, group, num_groups, SPLIT)
@@ -348,7 +346,7 @@ def row_norm_fwd_kernel(
 @triton.jit
 def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS,
                 w_offset, scale, mod_rps, sms_r, smt_r, MEAN, RSTD, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
-                HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, STORE_STATS: tl.constexpr, ACT: tl.constexpr,
+                HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, ACT: tl.constexpr,
                 HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
                 WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
@@ -391,10 +389,9 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
         ms, mt = _load_mod(MS, MT, tl.where(row_mask, rows // mod_rps, 0), cols, col_mask, sms_r, smt_r, HAS_MS, HAS_MT)
         y = _epilogue(xhat, w, b, ms, mt, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT)
         amax = _store_outputs(Y, H, x, y, rows, cols, mask, N, scale, amax, STORE_H, FP8, WANT_AMAX)
-    if STORE_STATS:
-        tl.store(RSTD + rows, rstd, mask=row_mask)
-        if not IS_RMS:
-            tl.store(MEAN + rows, shift + mean_s, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    if not IS_RMS:
+        tl.store(MEAN + rows, shift + mean_s, mask=row_mask)
     return amax
 
 
