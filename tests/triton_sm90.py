@@ -47,7 +47,8 @@ def variants():
             (False, True, 2, True, True, 4, "tile", 0), (True, True, 1, True, True, 3, "split", 0),
             (False, True, 0, False, False, 0, "split", 0), (False, True, 1, True, True, 5, "looped", 0),
             (True, False, 0, True, False, 1, "looped", 0), (False, False, 0, False, False, 0, "tile", 3),
-            (True, True, 1, True, False, 2, "split", 1), (False, False, 0, False, False, 4, "looped", 2)]] + gated_fwd:
+            (True, True, 1, True, False, 2, "split", 1), (False, False, 0, False, False, 4, "looped", 2),
+            (True, False, 3, True, False, 0, "tile", 0), (False, False, 4, False, False, 0, "split", 0)]] + gated_fwd:
         cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, ACT=act, HAS_RES=res,
                   STORE_H=res, H_ROUND=1 if res else 0, FP8=fp8, SCALE_PTR=fp8 == 2, WANT_AMAX=amax,
                   BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024, SPLIT=4 if path == "split" else 1,

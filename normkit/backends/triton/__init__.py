@@ -32,7 +32,7 @@ def _interpreter_requested() -> bool:
 def _kernels():
     """The kernels wrapped in fast launchers; imports triton on first use only."""
     from . import group_norm, kernels
-    from .epilogue import ACT_CODES, FP8_CODES, H_ROUND_CODES
+    from .epilogue import ACT_CODES, FP8_CODES, FP8_HW, H_ROUND_CODES
     from .launch import Kernel
 
     class K:
@@ -48,6 +48,7 @@ def _kernels():
         gn_split_apply = Kernel(group_norm.group_norm_split_apply_kernel)
         act_codes = ACT_CODES
         fp8_codes = FP8_CODES
+        fp8_hw = FP8_HW
         h_round_codes = H_ROUND_CODES
         interpreted = fwd.interpreted
     return K
@@ -153,8 +154,11 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
         has_res, store_h, h_dtype, out_dtype, scale_ptr, want_amax, has_ms, has_mt, has_gate = \
             fusion or _NO_FWD_FUSION
         k = _kernels()
+        fp8 = k.fp8_codes.get(str(out_dtype), 0)
+        if fp8 and configs.FP8_HW_CAST and not k.interpreted and int(arch[3:] or 0) >= 89:  # the GPU's own float8 conversion
+            fp8 += k.fp8_hw
         constexprs.update(HAS_RES=has_res, STORE_H=store_h, H_ROUND=k.h_round_codes.get(str(h_dtype), 0),
-                          FP8=k.fp8_codes.get(str(out_dtype), 0), SCALE_PTR=scale_ptr, WANT_AMAX=want_amax,
+                          FP8=fp8, SCALE_PTR=scale_ptr, WANT_AMAX=want_amax,
                           HAS_MS=has_ms, HAS_MT=has_mt, HAS_GATE=has_gate)
     else:
         (constexprs["HAS_DH"], constexprs["HAS_DRES"], constexprs["HAS_MS"], constexprs["HAS_MT"],

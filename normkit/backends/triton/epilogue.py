@@ -69,9 +69,12 @@ def act_grad(z, g, ACT: tl.constexpr):
 
 # ----------------------------------------------------------------------------- output and residual epilogues
 # Codes: H_ROUND 0 none (fp32 h), 1 bfloat16, 2 float16: the dtype the residual sum h is rounded to
-# (and stored in) before it is normalized. FP8 0 none, 1 float8_e4m3fn, 2 float8_e5m2.
+# (and stored in) before it is normalized. FP8 0 none, 1 float8_e4m3fn, 2 float8_e5m2 (the integer
+# encoding below), 3 and 4 the same two by the GPU's own conversion (sm_89+, compiled kernels only:
+# the host adds FP8_HW to the code; the interpreter's float8 casts round wrongly).
 H_ROUND_CODES = {"torch.float32": 0, "torch.bfloat16": 1, "torch.float16": 2}
 FP8_CODES = {"torch.float8_e4m3fn": 1, "torch.float8_e5m2": 2}
+FP8_HW = 2
 
 
 @triton.jit
@@ -106,12 +109,26 @@ def _fp8_encode(v, MBITS: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, 
 
 
 @triton.jit
+def _fp8_convert(v, FP8_TY: tl.constexpr):
+    """_fp8_encode's bits by the GPU's conversion (cvt.rn.satfinite, one per two elements, instead of
+    ~20 integer and float ops per element, which made the float8 forward ALU-bound): rounded to
+    nearest even and saturated to +-max by the instruction itself (an explicit clamp or NaN fix-up
+    in Triton tripled the instruction count). One difference: a NaN is written as 0x7F whatever its
+    sign (torch's cast and the encoding keep the sign bit); it is a NaN either way."""
+    return v.to(FP8_TY).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
 def out_value(y, scale, OUT_TY: tl.constexpr, FP8: tl.constexpr):
     """What is stored for y: y in the output dtype, or the float8 bits of y * scale."""
     if FP8 == 1:
         return _fp8_encode(y * scale, 3, 7, -6, 0.015625, 448.0)
     elif FP8 == 2:
         return _fp8_encode(y * scale, 2, 15, -14, 6.103515625e-05, 57344.0)
+    elif FP8 == 3:
+        return _fp8_convert(y * scale, tl.float8e4nv)
+    elif FP8 == 4:
+        return _fp8_convert(y * scale, tl.float8e5)
     else:
         return y.to(OUT_TY)
 
