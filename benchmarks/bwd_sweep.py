@@ -35,6 +35,8 @@ WIDTHS = (1024, 2048, 4096, 8192)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the check part under TRITON_INTERPRET=1
 _OLD_COL_SUM = (32, 128, 4)  # the fixed block before this change
 _OLD_CUDA = {2: (16384, 32768, 65536, 131072, 262144)}  # both ops' cluster routes before this change
+# split-row candidates (rows per tile, columns per program, warps, programs per SM)
+WIDE_ROWS = ((2, 2048, 8, 2), (2, 4096, 16, 1), (4, 2048, 16, 1))
 
 
 def _rows(eb, table):
@@ -66,6 +68,12 @@ def variants(eb: int, widths=WIDTHS) -> dict:
     for cols, warps, per_sm in ((8192, 16, 1), (4096, 8, 2)):
         out[f"tri{cols // 1024}k"] = dict(rows=_rows(eb, {n: (1, n // cols, warps, per_sm, 1, True) for n in wide}),
                                           col_sum=None, cuda_off=True, only=tuple(wide))
+    # session 9: several rows per exchange (the split path's weight-gradient sums are [1, BLOCK_N]
+    # now, so a 2-row tile of LayerNorm fits two 8-warp programs per SM): m{rows}c{cols}w{warps}
+    for rows, cols, warps, per_sm in WIDE_ROWS:
+        out[f"m{rows}c{cols // 1024}kw{warps}"] = dict(
+            rows=_rows(eb, {n: (rows, n // cols, warps, per_sm, 1, True) for n in wide}), col_sum=None,
+            cuda_off=True, only=tuple(wide))
     return out
 
 
