@@ -36,7 +36,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the check part unde
 _OLD_COL_SUM = (32, 128, 4)  # the fixed block before this change
 _OLD_CUDA = {2: (16384, 32768, 65536, 131072, 262144)}  # both ops' cluster routes before this change
 # split-row candidates (rows per tile, columns per program, warps, programs per SM)
-WIDE_ROWS = ((2, 2048, 8, 2), (2, 4096, 16, 1), (4, 2048, 16, 1))
+WIDE_ROWS = ((2, 2048, 8, 2), (2, 4096, 16, 1), (4, 2048, 16, 1), (2, 1024, 4, 4))
 
 
 def _rows(eb, table):
@@ -322,7 +322,8 @@ def main():
     for part in parts:  # in the order asked: a run cut short keeps the first
         if part == "check":
             rows = []
-            check(rows, a.check_dtypes.split(","), a.check_variants.split(","))
+            if a.check_variants:  # "": only the wide checks
+                check(rows, a.check_dtypes.split(","), a.check_variants.split(","))
             if a.check_wide:
                 check(rows, ["bf16"], a.check_wide.split(","), [(3, 16384), (37, 16392), (5, 32768), (4, 65536),
                                                                (3, 131072), (2, 262144)])
