@@ -5,6 +5,8 @@ for normkit and the peers' equivalents, as ops of the benchmark table (ops.OPS).
     rms+add+pre, ln+add+pre  (y, h) = (norm(x + r), x + r)          (h: the new residual stream)
     rms+fp8, ln+fp8          y = float8_e4m3fn(norm(x) * scale)     (saturated; the backward passes
                                                                     dy through the cast)
+    rms+fp8+amax             (y8, max |norm(x)|)                    (delayed scaling's statistic too;
+                                                                    the amax takes no gradient)
 Peers: torch (x + r, then F.rms_norm / F.layer_norm; the cast in torch ops), torch.compile of the
 same, Liger's LigerFusedAddRMSNormFunction (RMSNorm + residual), quack's rmsnorm(residual=,
 prenorm=) (RMSNorm + residual). The byte model counts what a perfect fused kernel moves: a
@@ -37,10 +39,11 @@ class Fusion:
     residual: bool = False
     prenorm: bool = False
     fp8: bool = False
+    amax: bool = False  # also max |y| before the scale (forward output; no gradient)
 
     def outputs(self, direction: str) -> tuple:
         if direction == "fwd":
-            return ("y", "h") if self.prenorm else ("y",)
+            return (("y", "h") if self.prenorm else ("y",)) + (("amax",) if self.amax else ())
         return ("dx", "dresidual", "dweight", "dbias") if self.residual else ("dx", "dweight", "dbias")
 
 
@@ -51,6 +54,7 @@ FUSIONS = {
     "ln+add+pre": Fusion("ln", residual=True, prenorm=True),
     "rms+fp8": Fusion("rms", fp8=True),
     "ln+fp8": Fusion("ln", fp8=True),
+    "rms+fp8+amax": Fusion("rms", fp8=True, amax=True),
 }
 
 
@@ -84,7 +88,7 @@ def oracle_fwd(p, x, w, b, r=None):
     f = p.spec.fusion
     y = _norm64(p, x, w, b, r)
     if f.fp8:
-        return (reference.output_value(y, FP8, FP8_SCALE),)
+        return (reference.output_value(y, FP8, FP8_SCALE),) + ((reference.amax(y),) if f.amax else ())
     return (y, reference.residual_sum(x, r)) if f.prenorm else (y,)
 
 
@@ -111,7 +115,7 @@ def normkit_call(p, backend: Optional[str]):
     f, n, eps = p.spec.fusion, p.shape[-1], p.spec.eps
     kw = dict(backend=backend, prenorm=f.prenorm)
     if f.fp8:
-        kw.update(out_dtype=FP8, out_scale=FP8_SCALE)
+        kw.update(out_dtype=FP8, out_scale=FP8_SCALE, return_amax=f.amax)
     if f.base == "ln":
         return lambda x, w, b, r=None: normkit.layer_norm(x, n, w, b, eps, residual=r, **kw)
     return lambda x, w, b, r=None: normkit.rms_norm(x, n, w, eps, residual=r, **kw)
@@ -128,10 +132,13 @@ def torch_call(p):
     def call(x, w, b, r=None):
         h = x + r if r is not None else x
         y = norm(h, w, b)
+        amax = ()
         if f.fp8:  # the scale is invisible to autograd, as normkit's (and TransformerEngine's) cast is
             z = y.float()
+            amax = (z.detach().abs().amax(),) if f.amax else ()
             y = (z + (z * (FP8_SCALE - 1)).detach()).clamp(-448.0, 448.0).to(FP8)
-        return (y, h) if f.prenorm else y
+        out = (y, h) if f.prenorm else (y,)
+        return out + amax if len(out + amax) > 1 else y
     return call
 
 
