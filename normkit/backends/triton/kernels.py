@@ -584,7 +584,9 @@ def row_norm_bwd_kernel(
         col_mask = cols < N
         # split rows: the accumulators are [1, BLOCK_N], each tile's rows summed as it is done (its
         # few rows are in every thread's registers: no exchange), so a two-row tile holds half the
-        # registers of two rows of sums (LayerNorm, 2 x 2048 x 8 warps: 152 -> 128, two programs per SM)
+        # registers of two rows of sums (LayerNorm, 2 x 2048 x 8 warps: 152 -> 128, two programs per SM).
+        # Only while the warps lie along the columns (BLOCK_N >= 32 x warps x a 16-byte vector): a
+        # 4 x 2048 x 16-warp tile puts warps on rows and pays a cross-warp sum per tile (H100: 0.24-0.41)
         dw_acc = tl.zeros([BLOCK_M if SPLIT == 1 else 1, BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_M if SPLIT == 1 else 1, BLOCK_N], dtype=tl.float32)
         if HAS_MS or HAS_MT:  # the sample walk (SPLIT == 1, per-sample parameters are plain)
