@@ -15,7 +15,6 @@ but NaNs, which must be NaN in both. Writes DIR/{env.txt, check.csv, time.csv}; 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import functools
 import os
@@ -30,24 +29,12 @@ from normkit.backends.triton import configs as tc
 from normkit.bench.impls import compiled_path_problem, fresh_dynamo
 from normkit.bench.timing import copy_ceiling_gbps, make_timer
 
+from bwd_sweep import log, write_csv  # beside this script
+
 FP8, FP8_MAX, SCALE, EPS = torch.float8_e4m3fn, 448.0, 8.0, 1e-6
 WARM_MS, REP_MS = 10, 40
 RING_BYTES = 4 * 50 * 2**20  # more than 4x the H100/H200 L2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script under TRITON_INTERPRET=1
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def write_csv(path, rows):
-    keys = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def normkit_call(hw: bool, amax: bool, out=FP8):
