@@ -37,6 +37,7 @@ _OLD_COL_SUM = (32, 128, 4)  # the fixed block before this change
 _OLD_CUDA = {2: (16384, 32768, 65536, 131072, 262144)}  # both ops' cluster routes before this change
 # split-row candidates (rows per tile, columns per program, warps, programs per SM)
 WIDE_ROWS = ((2, 2048, 8, 2), (2, 4096, 16, 1), (4, 2048, 16, 1), (2, 1024, 4, 4))
+WIDE_ROWS_CAPPED = ((1, 4096, 8, 2), (2, 2048, 8, 2))
 
 
 def _rows(eb, table):
@@ -73,6 +74,12 @@ def variants(eb: int, widths=WIDTHS) -> dict:
     for rows, cols, warps, per_sm in WIDE_ROWS:
         out[f"m{rows}c{cols // 1024}kw{warps}"] = dict(
             rows=_rows(eb, {n: (rows, n // cols, warps, per_sm, 1, True) for n in wide}), col_sum=None,
+            cuda_off=True, only=tuple(wide))
+    # the same with ptxas's maxnreg at what per_sm programs leave (configs.reg_cap_for; offline
+    # ptxas: LayerNorm 1x4096x8 warps 160 -> 128, 2x2048x8 warps at 64K-256K 139 -> 121, no spills)
+    for rows, cols, warps, per_sm in WIDE_ROWS_CAPPED:
+        out[f"m{rows}c{cols // 1024}kw{warps}-cap"] = dict(
+            rows=_rows(eb, {n: (rows, n // cols, warps, per_sm, 1, True, True) for n in wide}), col_sum=None,
             cuda_off=True, only=tuple(wide))
     return out
 

@@ -46,6 +46,26 @@ def test_overrides_win_over_the_tuned_table():
         configs.row_config.cache_clear()
 
 
+def test_a_rows_reg_cap_is_the_maxnreg_its_programs_per_sm_leave():
+    """A row's 7th value compiles it with ptxas's maxnreg at the registers that programs_per_sm
+    programs of num_warps leave per thread (65536 per SM, a multiple of 8), else no cap."""
+    from normkit.backends.triton import configs
+
+    assert (configs.reg_cap_for(8, 2), configs.reg_cap_for(16, 1), configs.reg_cap_for(4, 3)) == (128, 128, 168)
+    assert configs.reg_cap_for(8, 1) == 0  # 256 per thread: nothing to cap
+    key = ("bwd", 2, 65536)
+    try:
+        for row, cap in (((1, 16, 8, 2, 1, True, True), 128), ((1, 16, 8, 2, 1, True), 0),
+                         ((1, 16, 8, 2, 1, True, False), 0)):
+            configs.OVERRIDES[key] = row
+            configs.row_config.cache_clear()
+            cfg = configs.row_config("bwd", 65536, 2, "sm_90")
+            assert cfg.reg_cap == cap and cfg.options == (8, 1) + ((cap,) if cap else ())
+    finally:
+        configs.OVERRIDES.pop(key, None)
+        configs.row_config.cache_clear()
+
+
 def test_tuned_rows_per_op_and_prefetch():
     """A measured width may hold a row per op; a row's 6th value turns the backward's prefetch on."""
     from normkit.backends.triton import configs

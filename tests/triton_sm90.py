@@ -76,15 +76,19 @@ def variants():
                                   ("DT_PART", mod & 2)) if not on]
         out.append((f"bwd rms={rms} dh={dh} dres={dres} per_row={per_row} mod={mod} gate={gate} {path} dy={dy}",
                     _source(kernels.row_norm_bwd_kernel, dict(BWD_ARGS, DY=dy), cx, absent, ["sdy_c", "sx_c"]), 8))
+        if path == "split" and not gate:  # a table row's reg_cap: ptxas maxnreg (configs.reg_cap_for)
+            out.append((out[-1][0] + " maxnreg=128", out[-1][1], (8, 128)))
     return out
 
 
 def main() -> int:
     failed = 0
     for name, src, warps in variants():
+        warps, maxnreg = warps if isinstance(warps, tuple) else (warps, None)
         t0 = time.time()
         try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1,
+                                                                              **({"maxnreg": maxnreg} if maxnreg else {})))
             print(f"ok {name} ({time.time() - t0:.1f} s)")
         except Exception as e:  # noqa: BLE001 - report every variant
             failed += 1

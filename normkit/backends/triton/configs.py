@@ -9,6 +9,9 @@ A configuration is looked up by (direction, element size in bytes, padded row wi
   prefetch         optional 6th value, backward only: a persistent program loads its next tile (in
                    x's dtype) before working on the current one (default PREFETCH_DEFAULT; split
                    rows always do)
+  reg_cap          optional 7th value (default False): compile with ptxas's maxnreg at what leaves
+                   room for programs_per_sm programs of num_warps on an SM (reg_cap_for), where
+                   ptxas would otherwise take a few more registers and halve the programs per SM
 The tile is block_m x (padded_n / split). Rows wider than MAX_TILED_N are walked in chunks by the
 looped kernels. The tables below are the defaults; measured tables for a GPU architecture, written
 by benchmarks/tune.py, live in tuned/<arch>.json next to this file and take precedence over the
@@ -36,10 +39,11 @@ class RowConfig:
     num_stages: int = 1  # 1: no software pipelining (it would stage tiles through shared memory)
     cuda: bool = False  # rows go to the CUDA backend's Hopper cluster kernels when the call allows
     prefetch: bool = False  # backward: the next tile's loads in flight while this one is worked on
+    reg_cap: int = 0  # ptxas maxnreg (0: its own choice)
 
     @property
     def options(self):
-        return self.num_warps, self.num_stages
+        return (self.num_warps, self.num_stages) + ((self.reg_cap,) if self.reg_cap else ())
 
 
 # default rows: padded_n -> (block_m, split, num_warps, programs_per_sm), per (direction, elem bytes)
@@ -134,13 +138,24 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
         block_m, split, num_warps, programs_per_sm, *rest = row
         num_stages = rest[0] if rest else 1
         prefetch = rest[1] if len(rest) > 1 else PREFETCH_DEFAULT
+        reg_cap = reg_cap_for(num_warps, programs_per_sm) if len(rest) > 2 and rest[2] else 0
         block_m *= key // padded
         # a split row needs its programs running side by side; the interpreter runs them in turn
         if not (interpreted and split > 1):
             return RowConfig(block_m, padded // split, split, num_warps, programs_per_sm, False, num_stages,
-                             cuda=cuda, prefetch=bool(prefetch))
+                             cuda=cuda, prefetch=bool(prefetch), reg_cap=reg_cap)
     chunk, num_warps = LOOPED[direction]
     return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda)
+
+
+REGS_PER_SM = 65536  # every NVIDIA GPU from sm_70 to sm_120
+
+
+def reg_cap_for(num_warps: int, programs_per_sm: int) -> int:
+    """The most registers per thread that let programs_per_sm programs of num_warps be resident
+    (allocated per warp in units of 256: a multiple of 8), at most ptxas's 255 (0: no cap needed)."""
+    cap = REGS_PER_SM // (max(programs_per_sm, 1) * num_warps * 32) // 8 * 8
+    return cap if cap < 248 else 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -55,12 +55,13 @@ class Kernel:
     def compiled(self, args, constexprs, options, device_index=0):
         """The CompiledKernel for this specialization, compiling it (without launching) if needed.
         Runtime args come first in every normkit kernel signature and constexprs last, in order;
-        `options` is (num_warps, num_stages)."""
+        `options` is (num_warps, num_stages[, maxnreg])."""
         key = (spec_key(args), tuple(constexprs.values()), options, device_index)
         kernel = self._compiled.get(key)
         if kernel is None:
-            num_warps, num_stages = options
-            kernel = self.jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, num_stages=num_stages, **constexprs)
+            num_warps, num_stages, *cap = options
+            kernel = self.jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, num_stages=num_stages,
+                                        **({"maxnreg": cap[0]} if cap else {}), **constexprs)
             if hasattr(kernel, "result"):  # async compile handles
                 kernel = kernel.result()
             kernel._init_handles()
