@@ -33,12 +33,14 @@ class Cap(torch.autograd.Function):
 
 def fhook(name):
     def f(m, i, o):
+        if name in cap:  # the first (training) run's tensors only
+            return None
         cap[name] = {"x": i[0].detach().clone(), "m": m}
         return Cap.apply(o, name)
     return f
 
 
-dev = "cuda"
+dev = "cuda" if torch.cuda.is_available() else "cpu"
 m = copy.deepcopy(base).to(dev, torch.bfloat16)
 names = [n for n, mod in m.named_modules() if type(mod).__name__ == "GroupNorm"]
 for n in names:
@@ -70,9 +72,9 @@ for n in names:
     # the conv before this norm: its weight gradient from each dx
     parent = m.get_submodule(n.rsplit(".", 1)[0])
     conv = parent[0] if isinstance(parent, torch.nn.Sequential) else None
-    if isinstance(conv, torch.nn.Conv2d) and "cin" in cap.get(n, {}) or isinstance(conv, torch.nn.Conv2d):
+    if isinstance(conv, torch.nn.Conv2d):
         inp = {}
-        h = conv.register_forward_hook(lambda mm, i, o: inp.setdefault("x", i[0].detach().clone()))
+        h = conv.register_forward_hook(lambda mm, i, o: None if "x" in inp else inp.update(x=i[0].detach().clone()))
         with torch.no_grad():
             fam.run(m, b)
         h.remove()
