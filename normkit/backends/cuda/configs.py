@@ -67,6 +67,9 @@ CLUSTER_SHAPES = {
     ("bwd", 4, 262144): (512, 8, 1, True),
 }
 CLUSTER_SMEM_MAX = 220 * 1024
+# PUSH kernels launch up to this many waves of resident clusters (each cluster walks rows past
+# that): at 64K-256K rows of 2^26 elements this is one row per cluster
+CLUSTER_PUSH_WAVES = 64
 CLUSTER_MIN_THREADS = 128
 CLUSTER_MAX_THREADS = 512  # block kernels: 128 registers per thread at most (see row_norm.cu)  # dynamic shared memory of the stages (the kernel has ~7 KB static)
 # the widths (padded to a power of two) the CUDA backend runs on clusters rather than on the
@@ -226,18 +229,20 @@ class ClusterPlan:
     cluster: int  # CTAs per row
     slice: int  # columns per CTA (a multiple of the pack)
     smem: int  # dynamic shared memory bytes (the stages)
-    recompute: bool = False  # backward: dx from the stage again (row_cluster.cu RECOMPUTE)
+    recompute: bool = False  # read the stage again (backward: dx, RECOMPUTE; forward: every pass, RELOAD)
+    push: bool = False  # forward: partials pushed by st.async to mbarriers, many clusters (PUSH)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> ClusterPlan | None:
     """The cluster kernel's plan for rows of `cols` columns, or None when they cannot take it
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
-    shape: (threads, items, stages[, recompute]); default: CLUSTER_SHAPES' for the width, else
-    CLUSTER_KERNELS'."""
+    shape: (threads, items, stages[, recompute[, push]]); default: CLUSTER_SHAPES' for the width,
+    else CLUSTER_KERNELS'."""
     shape = shape or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
         or CLUSTER_KERNELS[(direction, elem_bytes)]
     threads, items, stages, *rest = shape
-    recompute = bool(rest and rest[0]) and direction == "bwd"
+    recompute = bool(rest and rest[0])
+    push = len(rest) > 1 and bool(rest[1]) and direction == "fwd"
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:
         return None
@@ -254,7 +259,7 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
     smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
     if smem > CLUSTER_SMEM_MAX:
         return None
-    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute)
+    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push)
 
 
 def grid_blocks(work_blocks: int, sms: int, resident: int, waves: int) -> int:
