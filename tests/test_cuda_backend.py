@@ -462,8 +462,9 @@ def test_cluster_launches(cluster_recorded):
     cluster.launch_fwd(p, x, y, w, w, mean, rstd, 1e-5)
     name, grid, block, smem, args, cl = cluster_recorded[-1]
     plan = configs.plan_cluster("fwd", 65536, 2)
+    flags = ", ".join("true" if f else "false" for f in (plan.recompute, plan.push))
     assert name == (f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, "
-                    f"{plan.stages}, false, false>")
+                    f"{plan.stages}, {flags}>")
     assert cl == plan.cluster and grid == (p.grid_clusters(300) * cl, 1, 1) and block == (plan.threads, 1, 1)
     assert smem == plan.smem and args[-4:] == [300, 65536, plan.slice, 1e-5]
     # backward: one partial row per cluster, the dx kernel with the weight-gradient sums
@@ -497,7 +498,7 @@ def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
 
 def test_cluster_routes_are_data():
     """The Triton backend's table says which widths and ops run on the cluster kernels (measured
-    on the H200, the 16-bit backward again on the H100 in session 8): the 16-bit LayerNorm
+    on the H200, the 16-bit backward again on the H100 in session 8, the forward in session 9): the 16-bit LayerNorm
     backward from 32K, the RMSNorm one at 16K and 256K, the fp32 RMSNorm backward at 8K-32K;
     never under the interpreter; the bench's overrides win."""
     from normkit.backends.triton import configs as tc
@@ -510,6 +511,12 @@ def test_cluster_routes_are_data():
         assert not tc.row_config("bwd", 8192, 2, "sm_90", False, "ln").cuda
         assert tc.row_config("bwd", 8192, 4, "sm_90", False, "rms").cuda
         assert not tc.row_config("bwd", 8192, 4, "sm_90", False, "ln").cuda
+        # the push forward (session 9): 16-bit 64K-256K both ops, Triton's one program per row below
+        assert all(tc.row_config("fwd", n, 2, "sm_90", False, op).cuda for n in (65536, 131072, 262144)
+                   for op in ("ln", "rms"))
+        assert not tc.row_config("fwd", 32768, 2, "sm_90", False, "ln").cuda
+        assert tc.row_config("fwd", 262144, 4, "sm_90", False, "rms").cuda
+        assert not tc.row_config("fwd", 262144, 4, "sm_90", False, "ln").cuda
         assert not tc.row_config("bwd", 16384, 2, "sm_90", True, "ln").cuda  # interpreter
         assert not tc.row_config("bwd", 16384, 2, "sm_80", False, "ln").cuda  # no table for the arch
         tc.CUDA_OVERRIDES[("fwd", 2)] = (4096,)
