@@ -426,7 +426,9 @@ def test_cluster_plans():
     assert p.smem == 3 * 2 * p.slice * 2  # x and dy per stage
     assert configs.plan_cluster("bwd", 262144, 4, (512, 4, 2)) is None  # 16 CTAs of 16K fp32 columns: too much
     assert configs.plan_cluster("fwd", 2048, 2, (512, 4, 4)).threads == 128  # narrow rows: small CTAs
-    assert not configs.plan_cluster("fwd", 4096, 2, (512, 4, 4, True)).recompute  # a backward-only flag
+    p = configs.plan_cluster("fwd", 65536, 2, (256, 8, 1, True, True))  # forward: reload, push exchange
+    assert p.recompute and p.push and p.cluster == 4 and p.smem == 65536 * 2 // 4
+    assert not configs.plan_cluster("bwd", 65536, 2, (512, 2, 2, False, True)).push  # a forward-only flag
     for (direction, eb, n), shape in configs.CLUSTER_SHAPES.items():  # the measured shapes are used and valid
         p = configs.plan_cluster(direction, n, eb)
         assert p is not None and p.threads * p.items * (16 // eb) * p.cluster >= n
@@ -460,7 +462,9 @@ def test_cluster_launches(cluster_recorded):
     cluster.launch_fwd(p, x, y, w, w, mean, rstd, 1e-5)
     name, grid, block, smem, args, cl = cluster_recorded[-1]
     plan = configs.plan_cluster("fwd", 65536, 2)
-    assert name == f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, {plan.stages}>"
+    flags = ", ".join("true" if f else "false" for f in (plan.recompute, plan.push))
+    assert name == (f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, "
+                    f"{plan.stages}, {flags}>")
     assert cl == plan.cluster and grid == (p.grid_clusters(300) * cl, 1, 1) and block == (plan.threads, 1, 1)
     assert smem == plan.smem and args[-4:] == [300, 65536, plan.slice, 1e-5]
     # backward: one partial row per cluster, the dx kernel with the weight-gradient sums
@@ -475,12 +479,29 @@ def test_cluster_launches(cluster_recorded):
     assert grid == (3 * cl, 1, 1) and args[10] is dw_part and args[11] is None
 
 
+def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
+    """The push forward's grid is up to CLUSTER_PUSH_WAVES waves of resident clusters (about a row
+    each), not one persistent wave; its kernel name carries the reload and push flags."""
+    from normkit.backends.cuda import cluster
+    shape = (256, 8, 1, True, True)
+    monkeypatch.setitem(configs.CLUSTER_SHAPES, ("fwd", 2, 65536), shape)
+    persistent = cluster.prepare("fwd", 65536, torch.bfloat16, torch.float32, None, True, False, 0,
+                                 shape=shape[:3])
+    p = cluster.prepare("fwd", 65536, torch.bfloat16, torch.float32, None, True, False, 0)
+    assert p.plan.push and p.plan.recompute and p.clusters > persistent.clusters
+    x = torch.empty(5000, 65536, dtype=torch.bfloat16)
+    cluster.launch_fwd(p, x, torch.empty_like(x), None, None, None, torch.empty(5000), 1e-6)
+    name, grid, block, smem, args, cl = cluster_recorded[-1]
+    assert name.endswith(", 256, 8, 1, true, true>") and cl == 4
+    assert grid == (min(5000, persistent.clusters * configs.CLUSTER_PUSH_WAVES) * 4, 1, 1)
+
+
 def test_cluster_routes_are_data():
     """The Triton backend's table says which widths and ops run on the cluster kernels (measured
-    on the H200, the 16-bit backward again on the H100 in sessions 8 and 9): the 16-bit LayerNorm
-    backward from 64K, no 16-bit RMSNorm backward (Triton's two-row split tiles won at 16K and
-    256K in session 9), the fp32 RMSNorm backward at 8K-32K; never under the interpreter; the
-    bench's overrides win."""
+    on the H200, the 16-bit backward again on the H100 in sessions 8 and 9, the forward in session
+    9): the 16-bit LayerNorm backward from 64K, no 16-bit RMSNorm backward (Triton's two-row split
+    tiles won at 16K and 256K in session 9), the fp32 RMSNorm backward at 8K-32K; never under the
+    interpreter; the bench's overrides win."""
     from normkit.backends.triton import configs as tc
     tc.row_config.cache_clear()
     try:
@@ -491,6 +512,12 @@ def test_cluster_routes_are_data():
         assert not tc.row_config("bwd", 8192, 2, "sm_90", False, "ln").cuda
         assert tc.row_config("bwd", 8192, 4, "sm_90", False, "rms").cuda
         assert not tc.row_config("bwd", 8192, 4, "sm_90", False, "ln").cuda
+        # the push forward (session 9): 16-bit 64K-256K both ops, Triton's one program per row below
+        assert all(tc.row_config("fwd", n, 2, "sm_90", False, op).cuda for n in (65536, 131072, 262144)
+                   for op in ("ln", "rms"))
+        assert not tc.row_config("fwd", 32768, 2, "sm_90", False, "ln").cuda
+        assert tc.row_config("fwd", 262144, 4, "sm_90", False, "rms").cuda
+        assert not tc.row_config("fwd", 262144, 4, "sm_90", False, "ln").cuda
         assert not tc.row_config("bwd", 16384, 2, "sm_90", True, "ln").cuda  # interpreter
         assert not tc.row_config("bwd", 16384, 2, "sm_80", False, "ln").cuda  # no table for the arch
         tc.CUDA_OVERRIDES[("fwd", 2)] = (4096,)
@@ -895,6 +922,50 @@ def test_cluster_kernels_match_oracle(op, m, n, dtype, cuda_poison, monkeypatch)
     assert cb._on_clusters("fwd", x, (), w, None if rms else b, None, rms) is not None
     assert cb._on_clusters("bwd", x, (x,), w, None, None, rms, True) is not None
     check_fwd_bwd(op, x, (n,), w, b, backend="cuda", what=f"cluster {op} {m}x{n} {dtype}")
+
+
+# the push forward (quack's exchange): reload or registers, one or two stages
+PUSH_SHAPES = [(256, 8, 1, True, True), (256, 8, 1, False, True), (128, 8, 2, True, True)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("waves", [None, 1], ids=["rows", "walking"])
+@pytest.mark.parametrize("shape", PUSH_SHAPES, ids=lambda s: "x".join(map(str, s[:3])) + ("-reload" if s[3] else ""))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("op", OPS)
+def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monkeypatch):
+    """The push forward against the float64 oracle (y, mean, rstd) at awkward shapes, with clusters
+    of one row each and (waves=1) clusters walking rows, which reuses each exchange barrier at the
+    next phase; rows offset by 1e4; the same bits twice."""
+    from normkit.backends.cuda import cluster
+    eb = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setitem(configs.CLUSTER_KERNELS, ("fwd", eb), shape)
+    monkeypatch.setattr(configs, "CLUSTER_SHAPES", {})
+    monkeypatch.setitem(configs.CLUSTER_WIDTHS, ("fwd", eb), (16384, 262144))
+    if waves is not None:
+        monkeypatch.setattr(configs, "CLUSTER_PUSH_WAVES", waves)
+    cluster.prepare.cache_clear()
+    rms = op == "rms_norm"
+    try:
+        for m, n, offset in [(37, 16392, 0.0), (5, 24576, 0.0), (1, 65536, 0.0), (700, 65536, 0.0),
+                             (3, 262144, 0.0), (9, 32768, 1e4)]:
+            x = (randn(m, n, device=DEVICE) * 2 + 0.5 + offset).to(dtype)
+            w, b = randn(n, device=DEVICE), randn(n, device=DEVICE)
+            p = cb._on_clusters("fwd", x, (), w, None if rms else b, None, rms)
+            assert p is not None and p.plan.push and p.plan.recompute == shape[3]
+            y, mean, rstd = cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)
+            what = f"push {op} {m}x{n} {dtype} offset {offset}"
+            if rms:
+                y_ref, rstd_ref = ref.rms_norm(x, (n,), w, 1e-5)
+            else:
+                y_ref, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b, 1e-5)
+                assert_close(mean, mean_ref, 1e-6, what + " mean")
+            assert_close(y, y_ref, TOL[dtype], what)
+            assert_close(rstd, rstd_ref, 1e-4 if offset else 2e-5, what + " rstd")
+            assert torch.equal(y, cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)[0]), what
+    finally:
+        cluster.prepare.cache_clear()
 
 
 @pytest.mark.gpu

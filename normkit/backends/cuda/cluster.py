@@ -20,7 +20,8 @@ from . import configs, kernels
 class Prepared:
     plan: configs.ClusterPlan
     kernel: object  # driver.Kernel
-    clusters: int  # clusters resident at once: the persistent grid, before capping by rows
+    clusters: int  # the grid's clusters before capping by rows: those resident at once (persistent),
+    #                 times configs.CLUSTER_PUSH_WAVES for push kernels
 
     def grid_clusters(self, rows: int) -> int:
         """Clusters a launch over `rows` rows uses; in the backward, also its partial rows."""
@@ -86,7 +87,8 @@ def prepare(direction: str, cols: int, dtype, wdtype, activation, rms: bool, wan
     if not kernel.smem_fits(plan.smem):
         return None
     clusters = kernel.max_active_clusters(plan.threads, plan.smem, plan.cluster)
-    return Prepared(plan, kernel, clusters) if clusters > 0 else None
+    waves = configs.CLUSTER_PUSH_WAVES if plan.push else 1
+    return Prepared(plan, kernel, clusters * waves) if clusters > 0 else None
 
 
 def launch_fwd(p: Prepared, x, y, weight, bias, mean, rstd, eps: float) -> None:

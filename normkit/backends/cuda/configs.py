@@ -54,12 +54,16 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 # past CLUSTER_MAX CTAs the CTAs grow (threads x 2). Backward with recompute: the dx step reads
 # the stage again instead of keeping xhat and g in registers. CLUSTER_SHAPES: the shape measured
 # best per padded width (H200, benchmarks/speed_sweep.py runs S4-1/S4-2), over these defaults.
-CLUSTER_KERNELS = {("fwd", 2): (256, 8, 3), ("fwd", 4): (512, 8, 2), ("bwd", 2): (512, 2, 2),
-                   ("bwd", 4): (512, 4, 2)}
+# The forward: the push exchange with the stage read again (quack's design), one stage, many
+# clusters. Run S9-w (H100, benchmarks/results/2026-11-25-h100-session9-widefwd9/), bf16 RMS / LN:
+# 0.89 / 0.83 at 64K, 0.87 / 0.79 at 128K, 0.83 / 0.71 at 256K, where the persistent barrier
+# kernel made 0.71 / 0.58, 0.68 / 0.53, 0.67 / 0.53.
+CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True), ("fwd", 4): (256, 8, 1, True, True),
+                   ("bwd", 2): (512, 2, 2), ("bwd", 4): (512, 4, 2)}
 CLUSTER_SHAPES = {
-    ("fwd", 2, 262144): (512, 8, 3),
+    ("fwd", 2, 32768): (128, 8, 1, True, True), ("fwd", 2, 65536): (128, 8, 1, True, True),
+    ("fwd", 2, 262144): (512, 8, 1, True, True), ("fwd", 4, 32768): (128, 8, 1, True, True),
     ("bwd", 2, 131072): (256, 4, 3, True), ("bwd", 2, 262144): (256, 4, 3, True),
-    ("fwd", 4, 131072): (512, 8, 3),
     ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
     # fp32 backward at 256K: 16 CTAs of 512 x 8 packs (16K columns), one stage of 128 KB, dx from the
     # stage again (121 registers, no spills). Run S7-3 (H100): LN 0.59 / RMS 0.61 of copy, where the
@@ -67,13 +71,18 @@ CLUSTER_SHAPES = {
     ("bwd", 4, 262144): (512, 8, 1, True),
 }
 CLUSTER_SMEM_MAX = 220 * 1024
+# PUSH kernels launch up to this many waves of resident clusters (each cluster walks rows past
+# that): at 64K-256K rows of 2^26 elements this is one row per cluster
+CLUSTER_PUSH_WAVES = 64
 CLUSTER_MIN_THREADS = 128
 CLUSTER_MAX_THREADS = 512  # block kernels: 128 registers per thread at most (see row_norm.cu)  # dynamic shared memory of the stages (the kernel has ~7 KB static)
 # the widths (padded to a power of two) the CUDA backend runs on clusters rather than on the
 # OneFlow-style kernels, per (direction, bytes): where the clusters measured faster (S4-1/S4-2)
 # Run S7-2 (H100): the regs impl beats the cluster forward at 16K-32K (RMSNorm 0.91-0.97 vs 0.75-0.83);
 # the forward clusters start where the regs impl stops.
-CLUSTER_WIDTHS = {("fwd", 2): (65536, 262144), ("fwd", 4): (32768, 131072), ("bwd", 2): (16384, 262144),
+# Run S9-w (push forward): from 32K in both dtypes and to 256K in fp32 (16-bit 32K: LN 0.84 vs the regs
+# impl's 0.62, RMS 0.89 vs 0.92: the table is keyed by width, not op; fp32 256K: 0.84 / 0.73 vs 0.63 / 0.62).
+CLUSTER_WIDTHS = {("fwd", 2): (32768, 262144), ("fwd", 4): (32768, 262144), ("bwd", 2): (16384, 262144),
                   ("bwd", 4): (8192, 262144)}
 
 # ---- GroupNorm
@@ -226,18 +235,20 @@ class ClusterPlan:
     cluster: int  # CTAs per row
     slice: int  # columns per CTA (a multiple of the pack)
     smem: int  # dynamic shared memory bytes (the stages)
-    recompute: bool = False  # backward: dx from the stage again (row_cluster.cu RECOMPUTE)
+    recompute: bool = False  # read the stage again (backward: dx, RECOMPUTE; forward: every pass, RELOAD)
+    push: bool = False  # forward: partials pushed by st.async to mbarriers, many clusters (PUSH)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> ClusterPlan | None:
     """The cluster kernel's plan for rows of `cols` columns, or None when they cannot take it
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
-    shape: (threads, items, stages[, recompute]); default: CLUSTER_SHAPES' for the width, else
-    CLUSTER_KERNELS'."""
+    shape: (threads, items, stages[, recompute[, push]]); default: CLUSTER_SHAPES' for the width,
+    else CLUSTER_KERNELS'."""
     shape = shape or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
         or CLUSTER_KERNELS[(direction, elem_bytes)]
     threads, items, stages, *rest = shape
-    recompute = bool(rest and rest[0]) and direction == "bwd"
+    recompute = bool(rest and rest[0])
+    push = len(rest) > 1 and bool(rest[1]) and direction == "fwd"
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:
         return None
@@ -254,7 +265,7 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
     smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
     if smem > CLUSTER_SMEM_MAX:
         return None
-    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute)
+    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push)
 
 
 def grid_blocks(work_blocks: int, sms: int, resident: int, waves: int) -> int:

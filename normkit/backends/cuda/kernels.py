@@ -6,6 +6,8 @@ compiles every kernel to PTX and checks these lists against the .param entries N
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import configs
@@ -92,7 +94,8 @@ def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: conf
     t, w, a = _ctype(dtype), _ctype(wdtype), _act(activation)
     shape = f"{plan.threads}, {plan.items}, {plan.stages}"
     if direction == "fwd":
-        return KernelSpec("row_cluster.cu", f"nk::row_fwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}>",
+        flags = f"{_b(plan.recompute)}, {_b(plan.push)}"
+        return KernelSpec("row_cluster.cu", f"nk::row_fwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {flags}>",
                           ROW_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
                       f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}>",
@@ -247,6 +250,10 @@ def catalog() -> list[KernelSpec]:
         for rms, act in ((False, None), (True, "silu")):
             for params in ((False, True) if direction == "bwd" else (False,)):
                 specs.append(row_cluster(direction, dtype, torch.float32, act, rms, plan, params))
+            if direction == "fwd":  # the push exchange, with and without the reload
+                for reload in (False, True):
+                    p = dataclasses.replace(plan, recompute=reload, push=True)
+                    specs.append(row_cluster(direction, dtype, torch.float32, act, rms, p))
         specs.append(row_cluster(direction, torch.float16, torch.float16, "gelu", False, plan, direction == "bwd"))
     specs += [llmc(n) for n in LLMC]
     specs += [seed004_group_norm_mish(1 << k) for k in range(5, 11)]

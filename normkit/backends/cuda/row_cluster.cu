@@ -19,6 +19,16 @@
 // Partial slots alternate between two buffers by row parity: a CTA writes row i + 2's partials only
 // after the barrier of row i + 1, which every CTA reaches after merging row i's.
 //
+// PUSH (forward; issue 24, quack's exchange): no cluster barrier per row. Each warp's partial goes
+// into every peer's slot by st.async, which completes bytes on that peer's exchange mbarrier (one
+// per row parity, armed by its own thread 0 with the bytes it will receive); a CTA waits only for
+// the bytes it needs. The grid is many clusters (about a row each) instead of one persistent wave,
+// so other clusters' loads cover a cluster's wait. Parity reuse is safe: a peer pushes row i + 2
+// only after this CTA pushed row i + 1, which it does after its warps merged row i's slots.
+// LayerNorm then needs one exchange: each warp's (count, sum, squared deviations from the warp's
+// mean), merged exactly (Chan) in a fixed order. RELOAD (forward): the passes read the stage again
+// instead of holding the slice in registers (fewer registers: more CTAs per SM).
+//
 // LayerNorm statistics are two passes over the registers, each summed over the cluster: the mean
 // of x shifted by the row's first element, then the squared deviations from it (no
 // E[x^2] - E[x]^2). RMSNorm: one sum of squares. Backward:
@@ -58,14 +68,30 @@ NK_SPECIAL_REGISTER(special_nclusterid, "nclusterid.x")
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// store v at the address `local` has in CTA `rank` of the cluster
-__device__ __forceinline__ void store_remote(const float* local, unsigned rank, float v) {
+typedef unsigned long long Barrier;
+
+// the address `local` has in CTA `rank` of the cluster
+__device__ __forceinline__ unsigned remote_addr(const void* local, unsigned rank) {
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+  return remote;
 }
-
-typedef unsigned long long Barrier;
+// st.async of v to `local`'s address in CTA `rank`, completing 4 bytes on that CTA's barrier `bar`
+__device__ __forceinline__ void push_remote(const float* local, const Barrier* bar, unsigned rank, float v) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(
+                   remote_addr(local, rank)),
+               "f"(v), "r"(remote_addr(bar, rank))
+               : "memory");
+}
+// store v at the address `local` has in CTA `rank` of the cluster
+__device__ __forceinline__ void store_remote(const float* local, unsigned rank, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote_addr(local, rank)), "f"(v) : "memory");
+}
+// split cluster barrier: arrive once the barriers are initialized, wait before the first push
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 
 __device__ __forceinline__ void barrier_init(Barrier* bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -151,40 +177,99 @@ struct Stream {
   }
 };
 
+template <bool B, typename A, typename C> struct Pick { typedef A type; };
+template <typename A, typename C> struct Pick<false, A, C> { typedef C type; };
+
+// A warp's (count, sum, sum of squared deviations from the warp's own mean) of a LayerNorm row:
+// the push exchange's one value per warp. Merged by merge_slots below, not pairwise.
+struct Moments {
+  float n, sum, m2;
+};
+
+// Every thread's merge of the `count` slots, in a fixed order (lane-strided, then shuffles): the
+// same bits in every thread, CTA and run.
+template <typename V>
+__device__ __forceinline__ V merge_slots(const V* slots, int count) {
+  V m = V::zero();
+  for (int e = threadIdx.x % kWarpSize; e < count; e += kWarpSize) m = V::merge(m, slots[e]);
+  return group_allreduce<kWarpSize>(m);
+}
+// Chan's exact merge in two steps: the total mean first, then each warp's M2 plus its count times
+// its mean's squared distance from the total mean.
+__device__ __forceinline__ Moments merge_slots(const Moments* slots, int count) {
+  Sum2 t = Sum2::zero();  // (count, sum)
+  for (int e = threadIdx.x % kWarpSize; e < count; e += kWarpSize) t = Sum2::merge(t, Sum2{slots[e].n, slots[e].sum});
+  t = group_allreduce<kWarpSize>(t);
+  const float mean = t.b / t.a;
+  Sum1 m2 = Sum1::zero();
+  for (int e = threadIdx.x % kWarpSize; e < count; e += kWarpSize) {
+    const Moments& w = slots[e];
+    const float d = w.n > 0.f ? w.sum / w.n - mean : 0.f;
+    m2.v += w.m2 + w.n * d * d;
+  }
+  m2 = group_allreduce<kWarpSize>(m2);
+  return Moments{t.a, t.b, m2.v};
+}
+
 // Exchange one warp-reduced value V (a struct of floats) with the cluster and merge all of them:
-// slot [rank * WARPS + warp] of every CTA; returns the merge over the cluster, the same in every
-// thread. Includes the cluster barrier.
-template <int WARPS, typename V>
-__device__ __forceinline__ V cluster_allreduce(V v, V (*slots)[kMaxCluster * WARPS], int it, const Slice& s) {
+// this warp's value goes to slot [rank * WARPS + warp] of every CTA; returns the merge over the
+// cluster, the same in every thread. PUSH: by st.async completing `bar` (this row parity's exchange
+// barrier, waited at `phase`) in each CTA; else plain remote stores and a cluster barrier.
+template <int WARPS, bool PUSH, typename V>
+__device__ __forceinline__ V exchange(const V& v, V* slots, Barrier* bar, unsigned phase, const Slice& s) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  v = group_allreduce<kWarpSize>(v);
-  V* slot = &slots[it & 1][s.rank * WARPS + warp];
+  const float* slot = reinterpret_cast<const float*>(&slots[s.rank * WARPS + warp]);
+  if (PUSH && threadIdx.x == 0) barrier_expect(bar, s.size * WARPS * unsigned(sizeof(V)));
   if (lane < int(s.size)) {
     const float* f = reinterpret_cast<const float*>(&v);
 #pragma unroll
-    for (int i = 0; i < int(sizeof(V) / sizeof(float)); ++i)
-      store_remote(reinterpret_cast<const float*>(slot) + i, lane, f[i]);
+    for (int i = 0; i < int(sizeof(V) / sizeof(float)); ++i) {
+      if (PUSH) push_remote(slot + i, bar, lane, f[i]);
+      else store_remote(slot + i, lane, f[i]);
+    }
   }
-  cluster_sync();
-  V m = V::zero();
-  for (int e = lane; e < int(s.size) * WARPS; e += kWarpSize) m = V::merge(m, slots[it & 1][e]);
-  return group_allreduce<kWarpSize>(m);
+  if (PUSH) barrier_wait(bar, phase);
+  else cluster_sync();
+  return merge_slots(slots, int(s.size) * WARPS);
 }
 
-// one float summed over the cluster (the two passes' sums)
-struct Sum1 {
-  float a;
-  __device__ static Sum1 zero() { Sum1 r; r.a = 0.f; return r; }
-  __device__ static Sum1 merge(const Sum1& x, const Sum1& y) { Sum1 r; r.a = x.a + y.a; return r; }
-};
+// The barrier exchange of a value summed over the cluster; slots alternate by row parity.
+template <int WARPS, typename V>
+__device__ __forceinline__ V cluster_allreduce(V v, V (*slots)[kMaxCluster * WARPS], int it, const Slice& s) {
+  return exchange<WARPS, false>(group_allreduce<kWarpSize>(v), slots[it & 1], nullptr, 0, s);
+}
 
-template <int ITEMS, int P>
-__device__ __forceinline__ float thread_sum(const float (&v)[ITEMS][P], bool squares) {
+// This thread's packs of a stage, shifted, into registers (packs past the slice hold 0).
+template <typename T, int THREADS, int ITEMS, int P>
+__device__ __forceinline__ void load_slice(const T* src, int valid, float shift, float (&v)[ITEMS][P]) {
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    if (k < valid) {
+      load_floats<P>(src + (threadIdx.x + k * THREADS) * P, v[k]);
+#pragma unroll
+      for (int i = 0; i < P; ++i) v[k][i] -= shift;
+    } else {
+#pragma unroll
+      for (int i = 0; i < P; ++i) v[k][i] = 0.f;
+    }
+  }
+}
+
+// sum over this thread's packs (pack(k, f) fills pack k) of (f - center) or its square
+template <int ITEMS, int P, typename PACK>
+__device__ __forceinline__ float thread_sum(const PACK& pack, int valid, bool squares, float center = 0.f) {
   float s = 0.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k)
+    if (k < valid) {
+      float f[P];
+      pack(k, f);
 #pragma unroll
-    for (int i = 0; i < P; ++i) s = squares ? fmaf(v[k][i], v[k][i], s) : s + v[k][i];  // invalid packs hold 0
+      for (int i = 0; i < P; ++i) {
+        const float d = f[i] - center;
+        s = squares ? fmaf(d, d, s) : s + d;
+      }
+    }
   return s;
 }
 
@@ -193,19 +278,28 @@ __device__ __forceinline__ float thread_sum(const float (&v)[ITEMS][P], bool squ
 // ================================================================== forward
 
 // The forward's body; OUT stores a normalized pack: out.store<P>(xhat, row, col).
-template <typename T, bool RMS, int THREADS, int ITEMS, int STAGES, typename OUT>
+template <typename T, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH, typename OUT>
 __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_stride, const OUT& out,
                                             float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                                             int slice, float eps) {
   constexpr int P = 16 / int(sizeof(T));
   constexpr int WARPS = THREADS / kWarpSize;
+  // LayerNorm: two barrier exchanges of sums, or one push exchange of each warp's moments
+  using Stat = typename cl::Pick<PUSH && !RMS, cl::Moments, Sum1>::type;
+  constexpr int PASSES = RMS || PUSH ? 1 : 2;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ cl::Barrier bars[STAGES];
-  __shared__ cl::Sum1 slots[2][2][cl::kMaxCluster * WARPS];  // [pass][row parity][rank * WARPS + warp]
+  __shared__ cl::Barrier xbars[2];                                // PUSH: the exchange's, per row parity
+  __shared__ Stat slots[PASSES][2][cl::kMaxCluster * WARPS];  // [pass][row parity][rank * WARPS + warp]
   const cl::Slice s(cols, slice);
   const cl::Stream<T, STAGES, 1> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x;
-  stream.start(s, rows, x, x_stride, x, x_stride);
+  if (PUSH && tid == 0) {
+    cl::barrier_init(&xbars[0], 1);
+    cl::barrier_init(&xbars[1], 1);
+  }
+  stream.start(s, rows, x, x_stride, x, x_stride);  // its fence and __syncthreads cover xbars too
+  if (PUSH) cl::cluster_arrive_relaxed();  // peers may push once every CTA has arrived
   // the next row's shift (its first element), loaded a row ahead so its latency is hidden
   float shift_next = (!RMS && s.cluster < rows) ? to_float(x[s.cluster * x_stride]) : 0.f;
   int valid = 0;  // this thread's packs inside the slice
@@ -217,35 +311,48 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
     if (!RMS && row + s.clusters < rows) shift_next = to_float(x[(row + s.clusters) * x_stride]);
     stream.wait(s, it);
     const T* src = stream.slice_at(it % STAGES, 0);
-    float v[ITEMS][P];
+    // this thread's packs, shifted: held in registers, or (RELOAD) read from the stage at each use
+    float v[RELOAD ? 1 : ITEMS][P];
+    if (!RELOAD) cl::load_slice<T, THREADS>(src, valid, shift, v);
+    const auto pack = [&](int k, float(&f)[P]) {
+      if (RELOAD) {
+        load_floats<P>(src + (tid + k * THREADS) * P, f);
 #pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      if (k < valid) {
-        load_floats<P>(src + (tid + k * THREADS) * P, v[k]);
-#pragma unroll
-        for (int i = 0; i < P; ++i) v[k][i] -= shift;
+        for (int i = 0; i < P; ++i) f[i] -= shift;
       } else {
 #pragma unroll
-        for (int i = 0; i < P; ++i) v[k][i] = 0.f;
+        for (int i = 0; i < P; ++i) f[i] = v[RELOAD ? 0 : k][i];
+      }
+    };
+    float mu = 0.f, m2;
+    if constexpr (PUSH) {
+      if (it == 0) cl::cluster_wait();
+      cl::Barrier* bar = &xbars[it & 1];
+      const unsigned phase = unsigned(it >> 1) & 1u;
+      if constexpr (RMS) {
+        const Sum1 w = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true)});
+        m2 = cl::exchange<WARPS, true>(w, slots[0][it & 1], bar, phase, s).v;
+      } else {  // the warp's mean, then its squared deviations from it (exact two passes)
+        const Sum2 t = group_allreduce<kWarpSize>(Sum2{float(valid * P), cl::thread_sum<ITEMS, P>(pack, valid, false)});
+        const float wmean = t.a > 0.f ? t.b / t.a : 0.f;
+        const Sum1 d = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, wmean)});
+        const cl::Moments m = cl::exchange<WARPS, true>(cl::Moments{t.a, t.b, d.v}, slots[0][it & 1], bar, phase, s);
+        mu = m.sum / float(cols);
+        m2 = m.m2;
+      }
+    } else {
+      // the sum (of squares for RMSNorm), then for LayerNorm the squared deviations from the mean;
+      // each summed over the cluster
+      m2 = cl::cluster_allreduce<WARPS>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, RMS)}, slots[0], it, s).v;
+      if (!RMS) {
+        mu = m2 / float(cols);
+        m2 = cl::cluster_allreduce<WARPS>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, mu)}, slots[PASSES - 1], it, s).v;
       }
     }
-    // two passes over the registers: the sum (of squares for RMSNorm), then for LayerNorm the
-    // squared deviations from the mean; each summed over the cluster
-    const float total = cl::cluster_allreduce<WARPS>(cl::Sum1{cl::thread_sum(v, RMS)}, slots[0], it, s).a;
-    if (tid == 0) {  // every thread has read the stage: refill it
+    // every thread has read the stage (the exchange completed after every warp's first pass): refill it
+    if (!RELOAD && tid == 0) {
       cl::fence_proxy_async();
       stream.issue(s, rows, it + STAGES, x, x_stride, x, x_stride);
-    }
-    const float mu = RMS ? 0.f : total / float(cols);
-    float m2 = total;
-    if (!RMS) {
-      float d2 = 0.f;
-#pragma unroll
-      for (int k = 0; k < ITEMS; ++k)
-        if (k < valid)
-#pragma unroll
-          for (int i = 0; i < P; ++i) d2 = fmaf(v[k][i] - mu, v[k][i] - mu, d2);
-      m2 = cl::cluster_allreduce<WARPS>(cl::Sum1{d2}, slots[1], it, s).a;
     }
     const float r = rsqrtf(m2 / float(cols) + eps);
     if (s.rank == 0 && tid == 0) {
@@ -256,22 +363,31 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
     for (int k = 0; k < ITEMS; ++k) {
       if (k < valid) {
         float f[P];
+        pack(k, f);
 #pragma unroll
-        for (int i = 0; i < P; ++i) f[i] = (v[k][i] - mu) * r;
+        for (int i = 0; i < P; ++i) f[i] = (f[i] - mu) * r;
         out.template store<P>(f, row, s.c0 + (tid + k * THREADS) * P);
+      }
+    }
+    if (RELOAD) {
+      __syncthreads();  // every thread is done with the stage
+      if (tid == 0) {
+        cl::fence_proxy_async();
+        stream.issue(s, rows, it + STAGES, x, x_stride, x, x_stride);
       }
     }
   }
 }
 
-template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES>
-__global__ void __launch_bounds__(THREADS, 1)
+// RELOAD kernels are compiled for several CTAs per SM (registers capped), the others for one.
+template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH>
+__global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
     row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES>(x, x_stride, AffineActStore<T, W, ACT>{y, y_stride, w, b}, mean, rstd,
-                                               rows, cols, slice, eps);
+  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH>(x, x_stride, AffineActStore<T, W, ACT>{y, y_stride, w, b},
+                                                             mean, rstd, rows, cols, slice, eps);
 #endif
 }
 

@@ -1,0 +1,242 @@
+"""Issue 24, wide-row forward (session 9, helper widefwd9): the PUSH cluster forward
+(row_cluster.cu: quack's exchange, many clusters of about a row each) against normkit's current
+paths, the barrier cluster kernel, torch and torch.compile, checked against the float64 oracle and
+timed in one run; plus the exchange alone (clusters of 2 KB slices: push vs barrier).
+
+  PYTHONPATH=.:benchmarks python benchmarks/widefwd_sweep.py --out DIR [--budget 240]
+
+Writes DIR/{env.txt,check.csv,rows.csv,exchange.csv}; steps run in order of priority and none
+starts past the budget (a cut run keeps what it measured). Helpers are speed_sweep.py's.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from normkit import reference as ref
+from normkit.backends import cuda as cb
+from normkit.backends import triton as tb
+from normkit.backends.cuda import cluster, configs as cc, kernels
+from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
+
+from speed_sweep import (DT, NEVER, WARM_MS, REP_MS, Routing, all_routes, env_text, log, measure, rel, ring,
+                         row_set, write_csv)
+
+# push shapes (threads, items, stages, reload, push): the cluster size follows (cols / slice)
+PUSH = {2: [(256, 8, 1, True, True), (256, 8, 1, False, True), (128, 8, 1, True, True), (512, 8, 1, True, True),
+            (256, 4, 1, True, True)],
+        4: [(256, 8, 1, True, True), (256, 8, 1, False, True), (128, 8, 1, True, True), (256, 4, 1, True, True)]}
+WALK = (256, 8, 2, True, True)  # clusters walking rows: 2 waves of resident clusters, 2 stages
+CHECK_CASES = [(37, 16392, 0.0), (5, 24576, 0.0), (1, 65536, 0.0), (700, 65536, 0.0), (3, 262144, 0.0),
+               (9, 32768, 1e4)]
+WIDTHS = [65536, 131072, 262144, 32768]
+START = time.time()
+
+
+def left(budget):
+    return budget - (time.time() - START)
+
+
+@contextlib.contextmanager
+def push_waves(waves):
+    saved = cc.CLUSTER_PUSH_WAVES
+    cc.CLUSTER_PUSH_WAVES = waves if waves is not None else saved
+    cluster.prepare.cache_clear()
+    try:
+        yield
+    finally:
+        cc.CLUSTER_PUSH_WAVES = saved
+        cluster.prepare.cache_clear()
+
+
+def name(shape, waves=None):
+    t, i, s, reload, push = shape
+    return f"push{t}x{i}x{s}" + ("r" if reload else "") + (f"-w{waves}" if waves else "")
+
+
+def prebuild(dtypes):
+    specs = []
+    for dtype in dtypes:
+        eb = dtype.itemsize
+        for n in WIDTHS + [1024 * c for c in (4, 8, 16)] + [16392, 24576]:
+            for shape in PUSH[eb] + [WALK, (128, 1, 1, True, True), (128, 1, 1)] + [None]:
+                plan = cc.plan_cluster("fwd", n, eb, shape)
+                if plan is not None:
+                    for rms in (False, True):
+                        specs.append(kernels.row_cluster("fwd", dtype, dtype, None, rms, plan))
+                        specs.append(kernels.row_cluster("fwd", dtype, torch.float32, None, rms, plan))
+    t0 = time.time()
+    cb.prebuild(list(dict.fromkeys(specs)))
+    log(f"prebuilt {len(set(specs))} kernels in {time.time() - t0:.0f} s")
+
+
+def check(out, dtype, shape, waves):
+    eb = dtype.itemsize
+    tol = {torch.bfloat16: 1e-2, torch.float32: 2e-5}[dtype]
+    for op in ("ln", "rms"):
+        rms = op == "rms"
+        for m, n, offset in CHECK_CASES:
+            label = dict(dtype=str(dtype)[6:], op=op, M=m, N=n, offset=offset, impl=name(shape, waves))
+            try:
+                with Routing(cluster_widths={("fwd", eb): (16384, 262144)}, shapes={("fwd", eb): shape}), \
+                        push_waves(waves):
+                    x = (torch.randn(m, n, device="cuda") * 2 + 0.5 + offset).to(dtype)
+                    w, b = torch.randn(n, device="cuda"), None if rms else torch.randn(n, device="cuda")
+                    p = cb._on_clusters("fwd", x, (), w, b, None, rms)
+                    y, mean, rstd = cb.row_norm_fwd(x, w, b, 1e-5, rms)
+                    y2 = cb.row_norm_fwd(x, w, b, 1e-5, rms)[0]
+                    torch.cuda.synchronize()
+                if rms:
+                    y_ref, rstd_ref = ref.rms_norm(x, (n,), w, 1e-5)
+                    e_m = 0.0
+                else:
+                    y_ref, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b, 1e-5)
+                    e_m = rel(mean, mean_ref)
+                e_y, e_r = rel(y, y_ref), rel(rstd, rstd_ref)
+                ok = (p is not None and p.plan.push and e_y <= tol and e_m <= 1e-6
+                      and e_r <= (1e-4 if offset else 2e-5) and torch.equal(y, y2))
+                row = dict(label, cluster=p.plan.cluster if p else 0, err_y=f"{e_y:.2e}", err_mean=f"{e_m:.2e}",
+                           err_rstd=f"{e_r:.2e}", ok=ok)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                row = dict(label, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            out.append(row)
+            if not row["ok"]:
+                log("CHECK FAIL", row)
+
+
+def impls(eb, N, rms, compiled):
+    """(label, context, call) of every forward timed at one point."""
+    def nk(x, w, b, dy, mean, rstd):
+        return tb.row_norm_fwd(x, w, b, 1e-5, rms)
+    routed = all_routes("fwd", eb, N)
+    yield "normkit", contextlib.nullcontext(), nk  # the shipped table
+    yield "triton", Routing(cuda_rows={("fwd", eb): NEVER}), nk
+    yield "barrier", Routing(cuda_rows=routed), nk  # the persistent cluster kernel, its measured shape
+    yield "cuda-backend", contextlib.nullcontext(), lambda x, w, b, dy, mean, rstd: cb.row_norm_fwd(x, w, b, 1e-5, rms)
+    for shape in PUSH[eb]:
+        yield name(shape), Routing(cuda_rows=routed, shapes={("fwd", eb): shape}), nk
+    yield name(WALK, 2), _both(Routing(cuda_rows=routed, shapes={("fwd", eb): WALK}), push_waves(2)), nk
+    if rms:
+        yield "torch", contextlib.nullcontext(), lambda x, w, b, dy, mean, rstd: F.rms_norm(x, (N,), w, 1e-5)
+    else:
+        yield "torch", contextlib.nullcontext(), lambda x, w, b, dy, mean, rstd: F.layer_norm(x, (N,), w, b, 1e-5)
+    if compiled:
+        torch._dynamo.reset()
+        if rms:
+            fn = torch.compile(lambda x, w: F.rms_norm(x, (N,), w, 1e-5), dynamic=False)
+            yield "compile", contextlib.nullcontext(), lambda x, w, b, dy, mean, rstd: fn(x, w)
+        else:
+            fn = torch.compile(lambda x, w, b: F.layer_norm(x, (N,), w, b, 1e-5), dynamic=False)
+            yield "compile", contextlib.nullcontext(), lambda x, w, b, dy, mean, rstd: fn(x, w, b)
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
+def time_rows(timer, copy, out, dtype, budget, path, compiled):
+    eb = dtype.itemsize
+    for N in WIDTHS:
+        M = 2**26 // N
+        for op in ("rms", "ln"):
+            if left(budget) < 20:
+                log(f"budget: skipped {dtype} N={N} {op}")
+                continue
+            rms = op == "rms"
+            sets = ring(functools.partial(row_set, dtype, M, N, rms), 3 * M * N * eb)
+            for impl, routing, call in impls(eb, N, rms, compiled):
+                if left(budget) < 8:
+                    break
+                r = measure(timer, copy, routing, sets, call, 2 * M * N * eb,
+                            dict(op=op, dtype=str(dtype)[6:], M=M, N=N, dir="fwd", impl=impl))
+                out.append(r)
+                log(f"{op} {str(dtype)[6:]} N={N} {impl:<18} {r.get('gbps', r.get('error'))} {r.get('frac', '')}")
+            del sets
+            torch.cuda.empty_cache()
+            write_csv(path, out)
+
+
+def time_exchange(timer, out, budget, path):
+    """The exchange alone: 2 KB slices (128 threads x 1 pack of bf16) so a row is mostly its
+    exchange; us per row per resident cluster = time x resident clusters / rows."""
+    for C in (4, 8, 16):
+        N = 1024 * C
+        M = 2**22 // N
+        for rms in (True, False):
+            sets = ring(functools.partial(row_set, torch.bfloat16, M, N, rms), 3 * M * N * 2)
+            for label, shape in (("push", (128, 1, 1, True, True)), ("barrier", (128, 1, 1))):
+                if left(budget) < 5:
+                    return
+                routing = Routing(cuda_rows=all_routes("fwd", 2, N), shapes={("fwd", 2): shape})
+                r = measure(timer, 1.0, routing, sets, lambda x, w, b, dy, mean, rstd: tb.row_norm_fwd(x, w, b, 1e-5, rms),
+                            2 * M * N * 2, dict(op="rms" if rms else "ln", cluster=C, M=M, N=N, impl=label))
+                with routing:
+                    p = cluster.prepare("fwd", N, torch.bfloat16, torch.bfloat16, None, rms, False, 0)
+                resident = p.clusters // (cc.CLUSTER_PUSH_WAVES if p.plan.push else 1)
+                if "ms" in r:
+                    r["resident_clusters"] = resident
+                    r["us_per_row_per_cluster"] = f"{float(r['ms']) * 1e3 * min(resident, M) / M:.2f}"
+                out.append(r)
+                log("exchange", r)
+            del sets
+    write_csv(path, out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=240)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    text = env_text()
+    timer = CudaTimer()
+    copy = copy_ceiling_gbps(timer, WARM_MS, REP_MS)
+    log(text, f"\ncopy ceiling {copy:.0f} GB/s")
+    with open(os.path.join(args.out, "env.txt"), "w") as f:
+        f.write(text + f"\ncopy {copy:.1f} GB/s\n")
+    prebuild([torch.bfloat16, torch.float32])
+    checks: list = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in PUSH[dtype.itemsize]:
+            check(checks, dtype, shape, None)
+        check(checks, dtype, WALK, 1)  # clusters walking many rows: the exchange barriers' phases
+    write_csv(os.path.join(args.out, "check.csv"), checks)
+    fails = [r for r in checks if not r.get("ok")]
+    log(f"CHECKS {len(checks) - len(fails)}/{len(checks)} ok ({time.time() - START:.0f} s)")
+    rows: list = []
+    path = os.path.join(args.out, "rows.csv")
+    time_rows(timer, copy, rows, torch.bfloat16, args.budget - 60, path, compiled=False)
+    exch: list = []
+    time_exchange(timer, exch, args.budget - 45, os.path.join(args.out, "exchange.csv"))
+    time_rows(timer, copy, rows, torch.float32, args.budget - 40, path, compiled=False)
+    # torch.compile last (a compile per point): bf16
+    for N in WIDTHS[:3]:
+        for op in ("rms", "ln"):
+            if left(args.budget) < 12:
+                break
+            rms = op == "rms"
+            sets = ring(functools.partial(row_set, torch.bfloat16, 2**26 // N, N, rms), 3 * 2**26 * 2)
+            *_, (impl, routing, call) = impls(2, N, rms, True)
+            r = measure(timer, copy, routing, sets, call, 2 * 2**26 * 2,
+                        dict(op=op, dtype="bfloat16", M=2**26 // N, N=N, dir="fwd", impl=impl))
+            rows.append(r)
+            log(f"{op} bf16 N={N} compile {r.get('gbps', r.get('error'))} {r.get('frac', '')}")
+            del sets
+    write_csv(path, rows)
+    log(f"total {time.time() - START:.0f} s; copy {copy:.0f} GB/s; checks {len(checks) - len(fails)}/{len(checks)}")
+    for r in fails[:10]:
+        log("  FAIL", r)
+
+
+if __name__ == "__main__":
+    main()
