@@ -165,6 +165,10 @@ GN_WARPS_PER_SM = 32  # persistent programs per SM = this / num_warps (at most 8
 GN_LOOPED_TILE = {("fwd", 2): (8192, 8), ("fwd", 4): (4096, 8), ("bwd", 2): (4096, 8), ("bwd", 4): (4096, 8)}
 GN_LOOPED_STAGES = 1
 GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
+# the looped first pass (forward: statistics; backward: the two group sums) accumulates per element
+# slot and reduces across the program's threads once, not twice per tile (each reduction a barrier
+# that the next tile's loads wait behind, with only 2-4 programs per SM to hide it)
+GN_LOOPED_SLOTS = {"fwd": False, "bwd": False}  # off until measured
 # two-kernel split (group_norm.py: split stats, split apply): a group larger than one tile is cut
 # into [BLOCK_R, BLOCK_S] slices, one program each; `stats` reduces each slice to partials, `apply`
 # merges its group's partials (fixed order) and normalizes its slice (forward) or writes its dx
@@ -198,6 +202,7 @@ class GroupConfig:
     block_m: int = 1  # (shared with RowConfig by the persistent launcher and scratch sizing)
     num_stages: int = 1
     looped: bool = False  # a program per group, two passes over its tiles
+    slots: bool = False  # looped: the first pass accumulates per element slot (GN_LOOPED_SLOTS)
     two_kernel: bool = False  # a program per slice in two launches (split stats, split apply)
 
     @property
@@ -220,7 +225,8 @@ def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: 
     if groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM[direction] and r_pad * s_pad > looped_tile:
         block_s = min(s_pad, looped_tile)
         block_r = min(r_pad, max(1, looped_tile // block_s))
-        return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES, looped=True)
+        return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES, looped=True,
+                           slots=GN_LOOPED_SLOTS[direction])
     # under the interpreter a group is never split (its programs run one after another)
     tile = 1 << 62 if interpreted else GN_TILE[(direction, elem_bytes)]
     block_s = min(s_pad, tile)
