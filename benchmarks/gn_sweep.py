@@ -60,22 +60,26 @@ VARIANTS = {  # module attribute -> value; "default" is the committed table
     "fused-apply-2k": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE,
                        "GN_STAGED_STATS_TILE": {2: (2048, 4), 4: (1024, 4)}},
 }
-# session 9: the looped (and one-tile) NCHW kernels' registers, ptxas offline for sm_90: bf16 forward
-# [8, 1024] x 8 warps 140, [32, 256] 187 (1 program per SM at ~2 groups per SM: two rounds), [4, 1024] 90,
-# [16, 256] 106 (2 per SM); backward [4, 1024] 144, [16, 256] 183, [1, 4096] 140, [2, 1024] 79, [8, 256] 102
+# session 9 (run S9-gn9, H100): the looped tiles halved (lt-4k), quartered (lt-2k), with the per-slot first
+# pass (lt-4k-slots), for every NCHW group (lt-4k-all), and NCHW staged: none faster beyond the run's
+# noise (~5%) except lt-4k on 16x640x32x32 fwd (+7%). ncu 8x640x32x32 (triton 3.6): the default looped
+# kernel has 78 registers (fwd; 72 bwd), 3 programs per SM possible but 256 groups give ~2: 16 warps
+# per SM, achieved occupancy 22%, DRAM 21% (fwd) / 32% (bwd): one tile in flight per program. Not
+# measured yet: slots on the default tiles, and lt-32w (2 programs of 32 warps, 16 elements a thread,
+# twice the bytes in flight per SM).
 LT = configs.GN_LOOPED_TILE
 LT_4K = {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (4096, 8), ("bwd", 2): (2048, 8)}}
 SLOTS = {"GN_LOOPED_SLOTS": {"fwd": True, "bwd": True}}
 VARIANTS.update({
-    "lt-4k": LT_4K,  # bf16 looped tiles halved: 2-3 programs per SM instead of 1
-    "lt-16w": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (8192, 16), ("bwd", 2): (4096, 16)}},  # same tiles, 16 warps
+    "lt-4k": LT_4K,  # bf16 looped tiles halved (from a wrong premise: offline ptxas without the launch's
+    # specialization gave 140-187 registers; the device's compile has 72-78)
+    # twice the tiles at 32 warps (groups of at most 16384 padded elements then leave the looped path)
+    "lt-32w": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (16384, 32), ("bwd", 2): (8192, 32)}},
     "lt-2k": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (2048, 8), ("bwd", 2): (1024, 4)}},
     "slots": SLOTS,  # the looped first pass per element slot (no reductions per tile)
     "lt-4k-slots": {**LT_4K, **SLOTS},
     # every NCHW group looped from half a group per SM (the two-kernel split off): one launch
     "lt-4k-all": {**LT_4K, **NO_SPLIT2, "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0.5, "bwd": 0.5}},
-    # the one-tile persistent path (32x1280x8x8: [64, 64] at 8 warps, 155 registers) at 16 warps
-    "split-16w": {"GN_ELEMS_PER_THREAD": 8},
     # NCHW with under one group per SM (4x128x128x128, batch 1) staged, the finalize in the stats launch
     "nchw-staged": {"GN_STAGED_NCHW_MAX_GROUPS_PER_SM": 1.0, "GN_STAGED_FUSED_FINALIZE": FUSE,
                     "GN_STAGED_FUSED_STEPS": NEVER},
