@@ -73,8 +73,11 @@ SLOTS = {"GN_LOOPED_SLOTS": {"fwd": True, "bwd": True}}
 VARIANTS.update({
     "lt-4k": LT_4K,  # bf16 looped tiles halved (from a wrong premise: offline ptxas without the launch's
     # specialization gave 140-187 registers; the device's compile has 72-78)
-    # twice the tiles at 32 warps (groups of at most 16384 padded elements then leave the looped path)
-    "lt-32w": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (16384, 32), ("bwd", 2): (8192, 32)}},
+    # twice the tiles at 32 warps: 2 programs per SM hold twice the bytes in flight (ncu: ~2 groups per
+    # SM, one tile in flight each, is the limit); a group of one such tile (8x1280x16x16 fwd) is held
+    # in registers by the one-tile path (GN_TILE) and read once
+    "lt-32w": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (16384, 32), ("bwd", 2): (8192, 32)},
+               "GN_TILE": {**configs.GN_TILE, ("fwd", 2): 16384, ("bwd", 2): 8192}},
     "lt-2k": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (2048, 8), ("bwd", 2): (1024, 4)}},
     "slots": SLOTS,  # the looped first pass per element slot (no reductions per tile)
     "lt-4k-slots": {**LT_4K, **SLOTS},
