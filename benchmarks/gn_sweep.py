@@ -65,18 +65,18 @@ VARIANTS = {  # module attribute -> value; "default" is the committed table
 # noise (~5%) except lt-4k on 16x640x32x32 fwd (+7%). ncu 8x640x32x32 (triton 3.6): the default looped
 # kernel has 78 registers (fwd; 72 bwd), 3 programs per SM possible but 256 groups give ~2: 16 warps
 # per SM, achieved occupancy 22%, DRAM 21% (fwd) / 32% (bwd): one tile in flight per program. Not
-# measured yet: slots on the default tiles, and lt-32w (2 programs of 32 warps, 16 elements a thread,
-# twice the bytes in flight per SM).
+# measured yet: slots on the default tiles (gn_regs.py: 128 registers, at the 2-per-SM edge), and lt-16k.
 LT = configs.GN_LOOPED_TILE
 LT_4K = {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (4096, 8), ("bwd", 2): (2048, 8)}}
 SLOTS = {"GN_LOOPED_SLOTS": {"fwd": True, "bwd": True}}
 VARIANTS.update({
     "lt-4k": LT_4K,  # bf16 looped tiles halved (from a wrong premise: offline ptxas without the launch's
     # specialization gave 140-187 registers; the device's compile has 72-78)
-    # twice the tiles at 32 warps: 2 programs per SM hold twice the bytes in flight (ncu: ~2 groups per
-    # SM, one tile in flight each, is the limit); a group of one such tile (8x1280x16x16 fwd) is held
-    # in registers by the one-tile path (GN_TILE) and read once
-    "lt-32w": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (16384, 32), ("bwd", 2): (8192, 32)},
+    # twice the tiles at 8 warps (64 elements a thread): at ~2 groups per SM, twice the bytes in flight
+    # per SM if the registers stay <= 128 (gn_regs.py: 103-122 for sm_90 offline; 2 programs of 32 warps
+    # would need <= 32); a group that fits one such tile (8x1280x16x16 fwd) takes the one-tile path
+    # (GN_TILE): held in registers, read once
+    "lt-16k": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (16384, 8), ("bwd", 2): (8192, 8)},
                "GN_TILE": {**configs.GN_TILE, ("fwd", 2): 16384, ("bwd", 2): 8192}},
     "lt-2k": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (2048, 8), ("bwd", 2): (1024, 4)}},
     "slots": SLOTS,  # the looped first pass per element slot (no reductions per tile)
