@@ -1,7 +1,8 @@
-"""A target for Nsight Compute: one GroupNorm forward then one backward (Triton backend) of one
-shape, under one of gn_sweep's variants; ncu picks the kernels by name. On a GPU:
+"""A target for Nsight Compute: one GroupNorm forward then one backward (Triton backend) of each
+shape under each of gn_sweep's variants (shapes outer, variants inner, in the order given); ncu
+picks the kernels by name. On a GPU:
   ncu --kernel-name regex:'group_norm|col_sum' --section SpeedOfLight ... \
-      python benchmarks/gn_ncu.py 8x320x64x64 --cl [--variant staged-tiles] [--dtype bf16]"""
+      python benchmarks/gn_ncu.py 8x320x64x64[,8x640x32x32] --cl [--variant default,staged-tiles] [--dtype bf16]"""
 import argparse
 import os
 import sys
@@ -17,23 +18,26 @@ from normkit.bench.ops import DTYPES  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("shape", help="BxCxHxW")
+    ap.add_argument("shape", help="BxCxHxW, or several joined by commas")
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--cl", action="store_true", help="channels_last")
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--variant", default="default")
+    ap.add_argument("--variant", default="default", help="one of gn_sweep.VARIANTS, or several joined by commas")
     args = ap.parse_args()
-    shape = tuple(int(v) for v in args.shape.split("x"))
     fmt = torch.channels_last if args.cl else torch.contiguous_format
     dtype = DTYPES[args.dtype]
-    x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
-    dy = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
-    w, b = (torch.randn(shape[1], device="cuda", dtype=dtype) for _ in range(2))
-    with Overrides(VARIANTS[args.variant]):
-        x3, dy3 = as3(x, args.cl), as3(dy, args.cl)
-        _, mean, rstd = tb.group_norm_fwd(x3, args.groups, w, b, 1e-5)
-        tb.group_norm_bwd(dy3, x3, args.groups, w, b, mean, rstd, None, dtype, dtype)
-        torch.cuda.synchronize()
+    for spec in args.shape.split(","):
+        shape = tuple(int(v) for v in spec.split("x"))
+        x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+        dy = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+        w, b = (torch.randn(shape[1], device="cuda", dtype=dtype) for _ in range(2))
+        for variant in args.variant.split(","):
+            print(f"gn_ncu: {spec}{'/cl' if args.cl else ''} {variant}", flush=True)
+            with Overrides(VARIANTS[variant]):
+                x3, dy3 = as3(x, args.cl), as3(dy, args.cl)
+                _, mean, rstd = tb.group_norm_fwd(x3, args.groups, w, b, 1e-5)
+                tb.group_norm_bwd(dy3, x3, args.groups, w, b, mean, rstd, None, dtype, dtype)
+                torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

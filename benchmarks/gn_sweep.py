@@ -9,7 +9,7 @@ For choosing the table's values; the bench (`normkit bench --ops gn`) is what re
 Run on a GPU:
   PYTHONPATH=. python benchmarks/gn_sweep.py --out DIR [--dtypes bf16,fp32] [--variants a,b]
       [--acts -,silu] [--act-variants default,old] [--peers torch,compile] [--layouts nchw,cl]
-      [--profile [--profile-variants default,old]]
+      [--profile [--profile-variants default,old] [--profile-shapes 8x320x64x64/g32,...]]
 Writes DIR/gn_sweep.csv (one row per point, implementation, activation, direction) and prints a
 short table of fractions of copy last."""
 import argparse
@@ -60,6 +60,36 @@ VARIANTS = {  # module attribute -> value; "default" is the committed table
     "fused-apply-2k": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE,
                        "GN_STAGED_STATS_TILE": {2: (2048, 4), 4: (1024, 4)}},
 }
+# session 9 (run S9-gn9, H100): the looped tiles halved (lt-4k), quartered (lt-2k), with the per-slot first
+# pass (lt-4k-slots), for every NCHW group (lt-4k-all), and NCHW staged: none faster beyond the run's
+# noise (~5%) except lt-4k on 16x640x32x32 fwd (+7%). ncu 8x640x32x32 (triton 3.6): the default looped
+# kernel has 78 registers (fwd; 72 bwd), 3 programs per SM possible but 256 groups give ~2: 16 warps
+# per SM, achieved occupancy 22%, DRAM 21% (fwd) / 32% (bwd): one tile in flight per program. Not
+# measured yet: slots on the default tiles (gn_regs.py: 128 registers, at the 2-per-SM edge), and lt-16k.
+LT = configs.GN_LOOPED_TILE
+LT_4K = {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (4096, 8), ("bwd", 2): (2048, 8)}}
+SLOTS = {"GN_LOOPED_SLOTS": {"fwd": True, "bwd": True}}
+VARIANTS.update({
+    "lt-4k": LT_4K,  # bf16 looped tiles halved (from a wrong premise: offline ptxas without the launch's
+    # specialization gave 140-187 registers; the device's compile has 72-78)
+    # twice the tiles at 8 warps (64 elements a thread): at ~2 groups per SM, twice the bytes in flight
+    # per SM if the registers stay <= 128 (gn_regs.py: 103-122 for sm_90 offline; 2 programs of 32 warps
+    # would need <= 32); a group that fits one such tile (8x1280x16x16 fwd) takes the one-tile path
+    # (GN_TILE): held in registers, read once
+    "lt-16k": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (16384, 8), ("bwd", 2): (8192, 8)},
+               "GN_TILE": {**configs.GN_TILE, ("fwd", 2): 16384, ("bwd", 2): 8192}},
+    "lt-2k": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (2048, 8), ("bwd", 2): (1024, 4)}},
+    "slots": SLOTS,  # the looped first pass per element slot (no reductions per tile)
+    "lt-4k-slots": {**LT_4K, **SLOTS},
+    # every NCHW group looped from half a group per SM (the two-kernel split off): one launch
+    "lt-4k-all": {**LT_4K, **NO_SPLIT2, "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0.5, "bwd": 0.5}},
+    # NCHW with under one group per SM (4x128x128x128, batch 1) staged, the finalize in the stats launch
+    "nchw-staged": {"GN_STAGED_NCHW_MAX_GROUPS_PER_SM": 1.0, "GN_STAGED_FUSED_FINALIZE": FUSE,
+                    "GN_STAGED_FUSED_STEPS": NEVER},
+    # ... and the apply too (one launch), also below GN_STAGED_MIN_NUMEL (1x1280x8x8)
+    "nchw-fused": {"GN_STAGED_NCHW_MAX_GROUPS_PER_SM": 1.0, "GN_STAGED_MIN_NUMEL": 0, "GN_STAGED_FUSED_FINALIZE": FUSE,
+                   "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE},
+})
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
 
@@ -203,6 +233,8 @@ def main():
     ap.add_argument("--peer-acts", default="-", help="activations the peers are timed with")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of --profile-variants on 3 shapes")
     ap.add_argument("--profile-variants", default="default,old")
+    ap.add_argument("--profile-shapes", default="8x320x64x64/g32,8x320x64x64/g32/cl,4x128x128x128/g32/cl",
+                    help="labels of the points --profile covers (bf16)")
     ap.add_argument("--layouts", default="nchw,cl")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; stop starting new points after it")
     args = ap.parse_args()
@@ -278,8 +310,7 @@ def main():
                     f"{r['impl']}:{r['dir']}={r.get('frac', r.get('same_as', r.get('error', '?'))[:60])}"
                     + (f"[{r['relerr']}]" if r.get("relerr") and float(r["relerr"]) > 2e-2 else "")
                     for r in here))
-            if args.profile and label in ("8x320x64x64/g32", "8x320x64x64/g32/cl", "4x128x128x128/g32/cl") \
-                    and dname == "bf16":
+            if args.profile and label in args.profile_shapes.split(",") and dname == "bf16":
                 for name in args.profile_variants.split(","):
                     with Overrides(VARIANTS[name]):
                         fwd, bwd = nk_impls(G, None, dtype)

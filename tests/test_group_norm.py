@@ -58,6 +58,10 @@ FORCED_PATHS = {
     # 3 x 3 tiles per group with ragged edges on both axes, whatever the group count
     "looped": {"GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
                "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}, "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}},
+    # the same with the first pass accumulating per element slot (ragged slots: counts differ per column)
+    "looped-slots": {"GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
+                     "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}, "GN_LOOPED_SLOTS": {"fwd": True, "bwd": True},
+                     "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}},
     # staged (stats, finalize, apply) for every input and layout: apply on 16-element tiles, stats
     # accumulating per element slot on 32-element tiles grouped into spans of 2 tiles with a ragged
     # last span (and a ragged last tile), the last stats program of each sample finalizing its
@@ -108,7 +112,8 @@ def _assert_path_taken(path, x, dtype, act):
             continue
         cfg = _gn_plan(direction, 3, 35, dtype, x.device, (True, True, act, extra), 12, not x.is_contiguous())[0]
         assert staged is None and (cfg.block_r, cfg.block_s) == (1, 16)
-        assert cfg.looped if path == "looped" else cfg.two_kernel
+        assert cfg.looped if path.startswith("looped") else cfg.two_kernel
+        assert cfg.slots == (path == "looped-slots")
 
 
 @pytest.mark.parametrize("fmt", ["nchw", "channels_last"])

@@ -445,7 +445,7 @@ def _gn_plan(direction: str, cg: int, s: int, dtype: torch.dtype, device: torch.
     if direction == "bwd":
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
     constexprs.update(ACT=_kernels().act_codes[activation], BLOCK_R=cfg.block_r, BLOCK_S=cfg.block_s, KS=cfg.ks,
-                      SPLIT=cfg.split, LOOPED=cfg.looped)
+                      SPLIT=cfg.split, LOOPED=cfg.looped, SLOTS=cfg.slots)
     return cfg, constexprs, device_index, sms
 
 

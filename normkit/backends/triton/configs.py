@@ -183,6 +183,12 @@ GN_WARPS_PER_SM = 32  # persistent programs per SM = this / num_warps (at most 8
 GN_LOOPED_TILE = {("fwd", 2): (8192, 8), ("fwd", 4): (4096, 8), ("bwd", 2): (4096, 8), ("bwd", 4): (4096, 8)}
 GN_LOOPED_STAGES = 1
 GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
+# the looped first pass (forward: statistics; backward: the two group sums) accumulates per element
+# slot and reduces across the program's threads once, not twice per tile (each reduction a barrier
+# that the next tile's loads wait behind). Measured only on halved tiles (H100, S9-gn9, bf16): +5-12%
+# over the same tiles at ~2 groups per SM (8x320x64x64 fwd 0.51 -> 0.57), -20% at 16x640x32x32 fwd,
+# and the halved tiles themselves lose to the default ones: off, not measured on the default tiles
+GN_LOOPED_SLOTS = {"fwd": False, "bwd": False}
 # two-kernel split (group_norm.py: split stats, split apply): a group larger than one tile is cut
 # into [BLOCK_R, BLOCK_S] slices, one program each; `stats` reduces each slice to partials, `apply`
 # merges its group's partials (fixed order) and normalizes its slice (forward) or writes its dx
@@ -216,6 +222,7 @@ class GroupConfig:
     block_m: int = 1  # (shared with RowConfig by the persistent launcher and scratch sizing)
     num_stages: int = 1
     looped: bool = False  # a program per group, two passes over its tiles
+    slots: bool = False  # looped: the first pass accumulates per element slot (GN_LOOPED_SLOTS)
     two_kernel: bool = False  # a program per slice in two launches (split stats, split apply)
 
     @property
@@ -238,7 +245,8 @@ def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: 
     if groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM[direction] and r_pad * s_pad > looped_tile:
         block_s = min(s_pad, looped_tile)
         block_r = min(r_pad, max(1, looped_tile // block_s))
-        return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES, looped=True)
+        return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES, looped=True,
+                           slots=GN_LOOPED_SLOTS[direction])
     # under the interpreter a group is never split (its programs run one after another)
     tile = 1 << 62 if interpreted else GN_TILE[(direction, elem_bytes)]
     block_s = min(s_pad, tile)
@@ -282,6 +290,9 @@ GN_STAGED_MAX_SUB = 1 << 16  # most tiles per stats program (a span)
 # stats programs resident per SM: the spans are cut so that the stats grid is one wave of these.
 # ncu (H100, run S8-1): the slot stats kernel takes 128 registers forward, 150 backward at 4 warps,
 # so 4 / 3 programs per SM; a grid of 1.2-1.6 waves (session 7's spans) ran its last wave mostly empty
+# One wave measured (S9-gn9 against S8-1, two H100 runs, bf16 channels_last fwd / bwd): 8x320x64x64
+# 0.35 / 0.38 -> 0.42 / 0.38, 8x640x32x32 0.24 / 0.27 -> 0.27 / 0.30, 4x128x128x128 0.34 / 0.32 -> 0.36 / 0.35,
+# 16x640x32x32 0.33 / 0.31 -> 0.37 / 0.35
 GN_STAGED_PROGRAMS_PER_SM = {"fwd": 4, "bwd": 3}
 GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
 # the finalize folded into the stats launch: the last stats program of each sample finalizes all
@@ -290,14 +301,17 @@ GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
 # and the steps (one L2 round trip each, at the end of the launch) are at most GN_STAGED_FUSED_STEPS.
 # ptxas (sm_90, triton 3.9 offline): a 2048-element tile keeps the stats kernel at its 120-128
 # registers at 4 warps; 4096 takes it to 181-193 (3 programs per SM instead of 4)
-GN_STAGED_FUSED_FINALIZE = {"fwd": False, "bwd": False}  # off until measured (session 8 had no device time left)
+# Measured (H100, S9-gn9, bf16 channels_last): slower, 8x320x64x64 fwd 0.42 -> 0.31, bwd 0.38 -> 0.33;
+# 8x640x32x32 bwd 0.30 -> 0.15 (not profiled: the last program's serial finalize, a tail, is a guess): off
+GN_STAGED_FUSED_FINALIZE = {"fwd": False, "bwd": False}
 GN_STAGED_FUSED_TILE = 2048
 GN_STAGED_FUSED_STEPS = 4
 # and the apply too (with the fused finalize): every stats program waits for its sample's finalize,
 # then normalizes its own span's tiles from L2; taken only when the whole stats grid is resident at
 # once (the host checks the compiled kernel, re-cutting the spans to it), else the apply is its own
-# launch. Off until measured: ptxas puts the fused kernel at 168 registers (3 programs per SM) for
-# 8x320x64x64 (the stats alone: 120-128)
+# launch. ptxas (offline) put the fused kernel at 168 registers (3 programs per SM) for 8x320x64x64
+# (the stats alone: 120-128)
+# Measured (S9-gn9): slower still, 8x320x64x64 fwd 0.42 -> 0.24, bwd 0.38 -> 0.29; 8x640x32x32 bwd 0.30 -> 0.15
 GN_STAGED_FUSED_APPLY = {"fwd": False, "bwd": False}
 
 

@@ -77,45 +77,80 @@ def group_norm_fwd_kernel(
     Bn, C, S, Cg, G, stride_b, stride_c, stride_s, eps,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
+    SLOTS: tl.constexpr = False,
 ):
     """Programs come in units of SPLIT (= KR * KS) and walk groups u, u + U, ... (u = unit);
-    LOOPED: program p owns group p. y has x's strides (the host allocates it with empty_like)."""
+    LOOPED: program p owns group p (SLOTS: its first pass accumulates per element slot).
+    y has x's strides (the host allocates it with empty_like)."""
     pid = tl.program_id(0)
     if LOOPED:
         _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, pid, S, Cg, G, stride_b, stride_c, stride_s, eps,
-                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S)
+                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S, SLOTS)
     else:
         _gn_fwd_split(X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, Bn, S, Cg, G, stride_b, stride_c, stride_s, eps,
                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S, KS, SPLIT)
 
 
 @triton.jit
+def _slot_counts(Cg, S, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Tiles of a group's [BLOCK_R, BLOCK_S] walk (t = kr * n_ks + ks) in which each slot row /
+    column is inside the group: a slot (i, j) is in nr[i] * ns[j] of them."""
+    r = tl.arange(0, BLOCK_R)
+    s = tl.arange(0, BLOCK_S)
+    nr = tl.where(r < Cg, (Cg - 1 - r) // BLOCK_R + 1, 0)
+    ns = tl.where(s < S, (S - 1 - s) // BLOCK_S + 1, 0)
+    return nr, ns
+
+
+@triton.jit
 def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, stride_s, eps,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One program, one group, in [BLOCK_R, BLOCK_S] tiles: shifted Welford over the tiles (each
-    tile's exact mean and M2, merged by Chan's rule), then normalize, last tile first (the tiles
-    read most recently are the likeliest to be in L2)."""
+                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr):
+    """One program, one group, in [BLOCK_R, BLOCK_S] tiles: shifted Welford over the tiles, then
+    normalize, last tile first (the tiles read most recently are the likeliest to be in L2).
+    Statistics: each tile's exact mean and M2 merged by Chan's rule (two reductions across the
+    program's threads per tile, each a barrier the next loads wait behind), or SLOTS: a Welford
+    state per element slot (a tile costs its loads and a few FMAs) merged across slots once."""
     b_idx = grp // G
     g = grp % G
     n_ks = tl.cdiv(S, BLOCK_S)
     n_tiles = tl.cdiv(Cg, BLOCK_R) * n_ks
     shift = _group_shift(X, b_idx, g, Cg, stride_b, stride_c)
-    mean_s = tl.zeros([1], dtype=tl.float32)
-    m2 = tl.zeros([1], dtype=tl.float32)
-    count = tl.zeros([1], dtype=tl.float32)
-    for t in range(0, n_tiles):
-        kr = t // n_ks
-        ks = t % n_ks
-        offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        n_t = (tl.minimum(Cg - kr * BLOCK_R, BLOCK_R) * tl.minimum(S - ks * BLOCK_S, BLOCK_S)) * 1.0
-        xs = tl.where(mask, x - shift, 0.0)
-        t_mean = tl.sum(tl.sum(xs, axis=1), axis=0) / n_t
-        d = tl.where(mask, xs - t_mean, 0.0)
-        mean_s, m2, count = _chan_merge(mean_s, m2, count, t_mean, tl.sum(tl.sum(d * d, axis=1), axis=0), n_t)
-    mean = tl.sum(mean_s, axis=0)
-    rstd = tl.rsqrt(tl.sum(m2, axis=0) / (Cg * S) + eps)
+    if SLOTS:
+        nr, ns = _slot_counts(Cg, S, BLOCK_R, BLOCK_S)
+        acc_m = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
+        acc_q = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
+        for t in range(0, n_tiles):
+            kr = t // n_ks
+            ks = t % n_ks
+            offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
+            xs = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) - shift
+            # a slot inside this tile has been inside all its earlier ones: kr rows of ns[j] tiles, then ks
+            inv = 1.0 / (kr * ns + ks + 1).to(tl.float32)
+            delta = xs - acc_m
+            acc_m += tl.where(mask, delta * inv[None, :], 0.0)
+            acc_q += tl.where(mask, delta * (xs - acc_m), 0.0)
+        n_slot = (nr[:, None] * ns[None, :]).to(tl.float32)
+        mean = tl.sum(tl.sum(acc_m * n_slot, axis=1), axis=0) / (Cg * S)
+        d = acc_m - mean
+        m2 = tl.sum(tl.sum(acc_q + n_slot * d * d, axis=1), axis=0)
+    else:
+        mean_s = tl.zeros([1], dtype=tl.float32)
+        m2_s = tl.zeros([1], dtype=tl.float32)
+        count = tl.zeros([1], dtype=tl.float32)
+        for t in range(0, n_tiles):
+            kr = t // n_ks
+            ks = t % n_ks
+            offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            n_t = (tl.minimum(Cg - kr * BLOCK_R, BLOCK_R) * tl.minimum(S - ks * BLOCK_S, BLOCK_S)) * 1.0
+            xs = tl.where(mask, x - shift, 0.0)
+            t_mean = tl.sum(tl.sum(xs, axis=1), axis=0) / n_t
+            d = tl.where(mask, xs - t_mean, 0.0)
+            mean_s, m2_s, count = _chan_merge(mean_s, m2_s, count, t_mean, tl.sum(tl.sum(d * d, axis=1), axis=0), n_t)
+        mean = tl.sum(mean_s, axis=0)
+        m2 = tl.sum(m2_s, axis=0)
+    rstd = tl.rsqrt(m2 / (Cg * S) + eps)
     for i in range(0, n_tiles):
         t = n_tiles - 1 - i
         kr = t // n_ks
@@ -196,56 +231,78 @@ def group_norm_bwd_kernel(
     Bn, C, S, Cg, G, stride_b, stride_c, stride_s,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
     ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr,
-    LOOPED: tl.constexpr,
+    LOOPED: tl.constexpr, SLOTS: tl.constexpr = False,
 ):
     """dx = rstd * (w*g - xhat * mean(xhat * w*g) - mean(w*g)) over the group, g = dy * act'(z)
     (dy and dx have x's strides). Per-channel sums of g*xhat and g over a (batch, spatial slice)
     go to row (b*KS + ks) of the partial buffers ([B*KS, C]); every entry is written by exactly one
-    program. LOOPED: program p owns group p and walks its tiles twice (KS = 1)."""
+    program. LOOPED: program p owns group p and walks its tiles twice (KS = 1; SLOTS: the first
+    walk's two sums accumulate per element slot)."""
     pid = tl.program_id(0)
     if LOOPED:
         _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, pid, C, S, Cg, G, stride_b, stride_c, stride_s,
-                       HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, BLOCK_R, BLOCK_S)
+                       HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, BLOCK_R, BLOCK_S, SLOTS)
     else:
         _gn_bwd_split(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, SYNC, SCRATCH, pid, Bn, C, S, Cg, G,
                       stride_b, stride_c, stride_s, HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, BLOCK_R, BLOCK_S, KS, SPLIT)
 
 
 @triton.jit
+def _gn_bwd_tile(DY, X, W, B, b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, mean, rstd,
+                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Tile (kr, ks) of group (b_idx, g): (offsets, mask, channels, channel mask, xhat, g, w*g)."""
+    offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    xhat, gr, wg = _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+    return offs, mask, ch, r_mask, xhat, gr, wg
+
+
+@triton.jit
 def _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, grp, C, S, Cg, G, stride_b, stride_c, stride_s,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
-                   ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                   ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr):
     """One program, one group, in [BLOCK_R, BLOCK_S] tiles (t = kr * n_ks + ks): the two group
-    sums, then dx and the per-channel weight-gradient sums, last tile first (from L2)."""
+    sums (SLOTS: per element slot, reduced across the program's threads once instead of per tile),
+    then dx and the per-channel weight-gradient sums, last tile first (from L2)."""
     b_idx = grp // G
     g = grp % G
     n_ks = tl.cdiv(S, BLOCK_S)
     n_tiles = tl.cdiv(Cg, BLOCK_R) * n_ks
     mean = tl.load(MEAN + grp)
     rstd = tl.load(RSTD + grp)
-    c1 = tl.zeros([BLOCK_R], dtype=tl.float32)
-    c2 = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for t in range(0, n_tiles):
-        offs, mask, ch, r_mask = _gn_tile(b_idx, g, t // n_ks, t % n_ks, S, Cg, stride_b, stride_c, stride_s,
-                                          BLOCK_R, BLOCK_S)
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        xhat, gr, wg = _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
-        c1 += tl.sum(xhat * wg, axis=1)
-        c2 += tl.sum(wg, axis=1)
     L = Cg * S
-    c1_n = tl.sum(c1, axis=0) / L
-    c2_n = tl.sum(c2, axis=0) / L
+    if SLOTS:  # xhat and w*g are zero outside the group
+        a1 = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
+        for t in range(0, n_tiles):
+            _, _, _, _, xhat, gr, wg = _gn_bwd_tile(DY, X, W, B, b_idx, g, t // n_ks, t % n_ks, S, Cg, stride_b,
+                                                    stride_c, stride_s, mean, rstd, HAS_W, HAS_B, ACT,
+                                                    BLOCK_R, BLOCK_S)
+            a1 += xhat * wg
+            a2 += wg
+        c1_n = tl.sum(tl.sum(a1, axis=1), axis=0) / L
+        c2_n = tl.sum(tl.sum(a2, axis=1), axis=0) / L
+    else:
+        c1 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        c2 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for t in range(0, n_tiles):
+            _, _, _, _, xhat, gr, wg = _gn_bwd_tile(DY, X, W, B, b_idx, g, t // n_ks, t % n_ks, S, Cg, stride_b,
+                                                    stride_c, stride_s, mean, rstd, HAS_W, HAS_B, ACT,
+                                                    BLOCK_R, BLOCK_S)
+            c1 += tl.sum(xhat * wg, axis=1)
+            c2 += tl.sum(wg, axis=1)
+        c1_n = tl.sum(c1, axis=0) / L
+        c2_n = tl.sum(c2, axis=0) / L
     dw_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for i in range(0, n_tiles):
         t = n_tiles - 1 - i
         ks = t % n_ks
-        offs, mask, ch, r_mask = _gn_tile(b_idx, g, t // n_ks, ks, S, Cg, stride_b, stride_c, stride_s,
-                                          BLOCK_R, BLOCK_S)
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        xhat, gr, wg = _gn_bwd_terms(x, dy, W, B, ch, r_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+        offs, mask, ch, r_mask, xhat, gr, wg = _gn_bwd_tile(DY, X, W, B, b_idx, g, t // n_ks, ks, S, Cg, stride_b,
+                                                            stride_c, stride_s, mean, rstd, HAS_W, HAS_B, ACT,
+                                                            BLOCK_R, BLOCK_S)
         tl.store(DX + offs, ((wg - (xhat * c1_n + c2_n)) * rstd).to(DX.dtype.element_ty), mask=mask)
         # walking backwards, ks == 0 ends a channel block: its sums are complete
         done = r_mask & ((ch * 0 + ks) == 0)  # vector form, for the interpreter
