@@ -680,7 +680,7 @@ def test_record_modulated_and_gated_runs():
     extra = (sc, sh, (torch.float32, torch.float32), None, False)
 
     def bwd():
-        return plans.row_bwd(dy, None, x, w, b, mean, rstd, 1, False, "silu", (True, True, True, False), 0.0,
+        return plans.row_bwd(dy, None, x, w, b, mean, rstd, 1, False, "silu", (True, False), (w.dtype, b.dtype), 0.0,
                              x.dtype, None, False, *extra)[:7]
 
     bwd()
@@ -705,8 +705,8 @@ def test_record_modulated_and_gated_runs():
     dyg = torch.randn_like(xg)
 
     def gbwd():
-        return plans.row_bwd(dyg, None, xg, wg, None, None, rstd, 1, True, None, (True, True, False, False), 0.0,
-                             xg.dtype, None, False, None, None, (None, None), g, True)[:7]
+        return plans.row_bwd(dyg, None, xg, wg, None, None, rstd, 1, True, None, (True, False), (wg.dtype, None),
+                             0.0, xg.dtype, None, False, None, None, (None, None), g, True)[:7]
 
     gbwd()
     plan, grads = _record(gbwd, (dyg, xg, wg, None, None, rstd, None, None, None, g), n_out=7)
