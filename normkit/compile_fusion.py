@@ -27,8 +27,9 @@ device) is keyed by "pattern|dtype|mode|width class": pattern as _pattern_name b
 ("add_rms", "gn_silu", "pw+gn_silu", ...: "pw+" / "+pw" mark a pointwise producer / consumer that
 stays outside normkit's op, which Inductor would have fused), dtype of x, mode "fwd" (inference) or
 "train" (forward and backward), width class the power of two at or below the normalized width (the
-group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code. The
-table's min_elements keeps Inductor's code for inputs smaller than that (the op's host cost, below).
+group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code. A kept
+op costs the host about what one of Inductor's kernel launches does, forward and backward: Inductor's
+code calls it through the dispatcher into the C++ host path (normkit._host), which replays its plan.
 
 The pass is installed the first time dynamo traces a normkit op (or by enable_compile_fusion;
 NORMKIT_COMPILE_PASS=0 in the environment keeps it out, and normkit's ops opaque as before);
@@ -130,20 +131,7 @@ def table_path(arch: str) -> Path:
 
 def _read(path: Path) -> dict:
     data = json.loads(path.read_text())
-    entries = dict(data.get("entries", data))
-    if "min_elements" in data:
-        entries[MIN_ELEMENTS] = int(data["min_elements"])
-    return entries
-
-
-# The table's own key for its size floor: below it Inductor's code is kept whatever the entry says.
-# The entries compare GPU time with the host hidden, measured at 2^24 elements only. A kept op's call
-# used to cost 100-160 us more host time than Inductor's own kernel (its Python implementation); the
-# ops' C++ dispatcher kernels (normkit._host) bring that to within ~4 us (H100: benchmarks/results/
-# 2026-11-24-h100-session7-dispatch; GroupNorm+SiLU 80 us less). Kept for now: the GPU-time wins of
-# the entries are unmeasured below 2^24 elements, and with ~20% GPU wins a ~4 us host difference
-# breaks even near 2^23 elements, the current floor. Lowering it needs the table measured at small sizes.
-MIN_ELEMENTS = "min_elements"
+    return dict(data.get("entries", data))
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,9 +175,8 @@ def layout_of(t) -> str:
 
 
 def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.device,
-         elements: Optional[int] = None, layout: str = "dense") -> bool:
-    """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?
-    `elements`: the input's size, held against the table's min_elements (None: not checked)."""
+         layout: str = "dense") -> bool:
+    """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?"""
     if _state["policy"] != "table":
         return _state["policy"] == "normkit"
     table = _state["table"]
@@ -197,19 +184,8 @@ def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.
         if device.type != "cuda":
             return False
         table = _file_table(_arch(device.index if device.index is not None else torch.cuda.current_device()))
-    if elements is not None and elements < table.get(MIN_ELEMENTS, 0):
-        return False
     entry = table.get(key(pattern, dtype, mode, width, layout))
     return bool(entry and entry.get("wins"))
-
-
-def _size_hint(t) -> int:
-    """t's element count; with symbolic shapes the value this graph is compiled for (0 if unknown)."""
-    n = t.numel()
-    if isinstance(n, torch.SymInt):
-        hint = getattr(n.node, "hint", None)
-        return int(hint) if hint is not None else 0
-    return int(n)
 
 
 # ----------------------------------------------------------------------------- torch's ops with normkit's numerics
@@ -619,7 +595,7 @@ def _decide(site: _Site) -> tuple[str, bool]:
     name = _pattern_name(site)
     layout = layout_of(ev)
     k = key(name, ev.dtype, mode, width or 1, layout)
-    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device, _size_hint(ev), layout)
+    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device, layout)
 
 
 def _replace(graph, site: _Site) -> None:
