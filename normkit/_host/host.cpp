@@ -1506,6 +1506,14 @@ bool iv_dtype(const c10::IValue& v, std::initializer_list<at::ScalarType> allowe
   return false;
 }
 
+// positions() for an op's argument list (normkit._row_args), which must have every name a field reads.
+template <size_t K>
+std::vector<int> op_positions(py::sequence names, const std::pair<const char*, int*> (&fields)[K], const char* op) {
+  std::vector<int> unread = positions(names, fields);
+  for (const auto& f : fields) TORCH_CHECK(*f.second >= 0, "normkit host path: ", op, " has no argument ", f.first);
+  return unread;
+}
+
 // The positions of row_norm_fused_fwd's arguments (row_norm_fwd's are its first eight), from the ops'
 // one definition, normkit._row_args, handed over once by _setup: the op kernels read arguments by
 // name. An argument this file does not read (an option added there later) must be None for a call
@@ -1525,9 +1533,7 @@ void set_row_op_args(py::sequence names) {
       {"residual_dtype", &r.residual_dtype}, {"weight_offset", &r.weight_offset}, {"out_dtype", &r.out_dtype},
       {"out_scale", &r.out_scale}, {"out_scale_value", &r.out_scale_value}, {"want_amax", &r.want_amax},
       {"mod_scale", &r.mod_scale}, {"mod_shift", &r.mod_shift}, {"gate", &r.gate}};
-  r.unread = positions(names, fields);
-  for (const auto& f : fields)
-    TORCH_CHECK(*f.second >= 0, "normkit host path: row_norm_fused_fwd has no argument ", f.first);
+  r.unread = op_positions(names, fields, "row_norm_fused_fwd");
   op_args = std::move(r);
 }
 
@@ -1549,9 +1555,7 @@ void set_row_bwd_op_args(py::sequence names) {
       {"weight_offset", &r.weight_offset}, {"dh", &r.dh}, {"dx_dtype", &r.dx_dtype}, {"dres_dtype", &r.dres_dtype},
       {"mod_scale", &r.mod_scale}, {"mod_shift", &r.mod_shift}, {"dscale_dtype", &r.dscale_dtype},
       {"dshift_dtype", &r.dshift_dtype}, {"gate", &r.gate}};
-  r.unread = positions(names, fields);
-  for (const auto& f : fields)
-    TORCH_CHECK(*f.second >= 0, "normkit host path: row_norm_fused_bwd has no argument ", f.first);
+  r.unread = op_positions(names, fields, "row_norm_fused_bwd");
   bwd_op_args = std::move(r);
 }
 
