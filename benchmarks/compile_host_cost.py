@@ -3,7 +3,8 @@
 For each case, a torch.compile'd function doing one norm at decode size is timed three ways:
   cpp      normkit's op kept (compile_fusion policy "normkit"); the op's C++ dispatcher kernel
   python   the same compiled code with the op's Python implementation (normkit._host.python_path())
-  inductor Inductor's own code for the norm (policy "torch")
+  inductor Inductor's own code for the norm (policy "torch"): what the compile table's min_elements
+           fell back to
 host_us: microseconds the host spends per call, the GPU held busy by torch.cuda._sleep so that the
 loop measures enqueueing only (median of 5 loops of 200 calls); wall_us: a back-to-back loop of
 calls without the spin, synchronized at its end (what a host-bound decode step sees).

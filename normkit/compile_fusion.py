@@ -27,9 +27,9 @@ device) is keyed by "pattern|dtype|mode|width class": pattern as _pattern_name b
 ("add_rms", "gn_silu", "pw+gn_silu", ...: "pw+" / "+pw" mark a pointwise producer / consumer that
 stays outside normkit's op, which Inductor would have fused), dtype of x, mode "fwd" (inference) or
 "train" (forward and backward), width class the power of two at or below the normalized width (the
-group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code. A kept
-op costs the host about what one of Inductor's kernel launches does, forward and backward: Inductor's
-code calls it through the dispatcher into the C++ host path (normkit._host), which replays its plan.
+group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code. The
+table's min_elements keeps Inductor's code for inputs smaller than that (why: MIN_ELEMENTS, below).
+NORMKIT_COMPILE_TABLE=path in the environment reads that table file instead (as use_table(path)).
 
 The pass is installed the first time dynamo traces a normkit op (or by enable_compile_fusion;
 NORMKIT_COMPILE_PASS=0 in the environment keeps it out, and normkit's ops opaque as before);
@@ -131,7 +131,26 @@ def table_path(arch: str) -> Path:
 
 def _read(path: Path) -> dict:
     data = json.loads(path.read_text())
-    return dict(data.get("entries", data))
+    entries = dict(data.get("entries", data))
+    if "min_elements" in data:
+        entries[MIN_ELEMENTS] = int(data["min_elements"])
+    return entries
+
+
+# The table's own key for its size floor: below it Inductor's code is kept whatever the entry says.
+# The entries compare GPU time with the host hidden, measured at 2^24 elements only. A kept op's call
+# used to cost 100-160 us more host time than Inductor's own kernel (its Python implementation); the
+# ops' C++ dispatcher kernels (normkit._host), forward and backward, bring that to within ~4 us
+# (H100, forward: benchmarks/results/2026-11-24-h100-session7-dispatch; GroupNorm+SiLU 80 us less;
+# the backward ops are served the same way, not yet timed on a GPU). So the host cost no longer
+# argues for the floor; what keeps it is that the entries' GPU-time wins are unmeasured below 2^24
+# elements (with ~20% GPU wins a ~4 us host difference breaks even near 2^23 elements, the current
+# floor). Dropping it waits for compiled Llama decode measured without it (notes/perf.md, session 9).
+MIN_ELEMENTS = "min_elements"
+
+
+if os.environ.get("NORMKIT_COMPILE_TABLE"):  # a table file in the GPU's table's place, as use_table(path)
+    _state["table"] = _read(Path(os.environ["NORMKIT_COMPILE_TABLE"]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,8 +194,9 @@ def layout_of(t) -> str:
 
 
 def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.device,
-         layout: str = "dense") -> bool:
-    """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?"""
+         elements: Optional[int] = None, layout: str = "dense") -> bool:
+    """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?
+    `elements`: the input's size, held against the table's min_elements (None: not checked)."""
     if _state["policy"] != "table":
         return _state["policy"] == "normkit"
     table = _state["table"]
@@ -184,8 +204,19 @@ def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.
         if device.type != "cuda":
             return False
         table = _file_table(_arch(device.index if device.index is not None else torch.cuda.current_device()))
+    if elements is not None and elements < table.get(MIN_ELEMENTS, 0):
+        return False
     entry = table.get(key(pattern, dtype, mode, width, layout))
     return bool(entry and entry.get("wins"))
+
+
+def _size_hint(t) -> int:
+    """t's element count; with symbolic shapes the value this graph is compiled for (0 if unknown)."""
+    n = t.numel()
+    if isinstance(n, torch.SymInt):
+        hint = getattr(n.node, "hint", None)
+        return int(hint) if hint is not None else 0
+    return int(n)
 
 
 # ----------------------------------------------------------------------------- torch's ops with normkit's numerics
@@ -595,7 +626,7 @@ def _decide(site: _Site) -> tuple[str, bool]:
     name = _pattern_name(site)
     layout = layout_of(ev)
     k = key(name, ev.dtype, mode, width or 1, layout)
-    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device, layout)
+    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device, _size_hint(ev), layout)
 
 
 def _replace(graph, site: _Site) -> None:

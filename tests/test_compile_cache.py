@@ -132,11 +132,11 @@ def test_uuid_follows_the_settings_and_only_them(monkeypatch):
             assert cf._pass().uuid() == winning
     with cf.use_table({"rms|float32|fwd|64": {"wins": False}}):
         losing = cf._pass().uuid()
-    with cf.use_table({"rms|float32|fwd|64": {"wins": True}, "ln|float32|fwd|64": {"wins": True}}):
-        wider = cf._pass().uuid()
+    with cf.use_table({"rms|float32|fwd|64": {"wins": True}, "min_elements": 1 << 16}):
+        floored = cf._pass().uuid()
     with cf.use_table({}):
         empty = cf._pass().uuid()
-    assert len({base, winning, losing, wider, empty}) == 5
+    assert len({base, winning, losing, floored, empty}) == 5
     with cf.policy("normkit"):
         normkit_ = cf._pass().uuid()
         with cf.use_table({}):  # no table is read under policy "normkit"

@@ -619,7 +619,7 @@ def test_compiled_training_step_matches_eager(fast):
         _same(a, e, "compiled training step vs eager")
     # the compiled forward runs with grad mode off: the C++ autograd kernel goes on in C++; the
     # backward graph's row_norm_bwd is served in C++ too
-    assert d["op_autograd_python"] == 0 and d["op_python"] == 0 and d["op_served"] == 2, d
+    assert d["op_autograd_python"] == 0 and d["op_python"] == 0 and d["op_served"] >= 2, d
 
 
 def test_compiled_training_serves_every_op_in_cpp(fast):
