@@ -230,8 +230,8 @@ def merge(out_dir: Path, env: dict) -> dict:
     return {"about": "normkit.compile_fusion's table: keys pattern|dtype|mode|width class; wins = normkit's fused "
                      "op measured faster than Inductor's code at every point of the class (benchmarks/compile_table.py)",
             "environment": env,
-            # the entries speak for tensors of about the measured size: below half of it the op's host
-            # cost (a Python custom-op call, tens of us) outweighs GPU time saved (compile_fusion.MIN_ELEMENTS)
+            # the entries speak for tensors of about the measured size: below half of it they are not
+            # measured (compile_fusion.MIN_ELEMENTS says why the floor stays)
             "min_elements": env.get("elements_per_row_input", ELEMENTS) // 2,
             "entries": dict(sorted(entries.items())),
             "not_measured": [{k: r.get(k) for k in ("pattern", "dtype", "mode", "width", "shape", "skipped", "error")}

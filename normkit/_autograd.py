@@ -664,12 +664,16 @@ def group_norm_forward(backend, x, weight, bias, num_groups: int, eps: float, ac
     return fresh(from_bcs(y3, x.shape)), fresh(mean), fresh(rstd)
 
 
-def group_norm_backward(backend, dy, x, weight, bias, mean, rstd, num_groups: int, activation, needs):
+def group_norm_backward(backend, dy, x, weight, bias, mean, rstd, num_groups: int, activation, needs,
+                        param_dtypes=None):
+    """The kernels' backward: (dx, dweight, dbias), each None where not needed. param_dtypes: the
+    (dweight, dbias) dtypes, default the parameters' own (given, dbias needs no bias: the kernels read
+    the bias only to recompute the activation's input)."""
     need_dx, need_dw, need_db = needs
     channels_last = is_channels_last(x)
+    dw_dtype, db_dtype = param_dtypes or (weight.dtype if need_dw else None, bias.dtype if need_db else None)
     dx3, dw, db = backend.group_norm_bwd(bcs(dy, channels_last), bcs(x, channels_last), num_groups, weight,
-                                         bias, mean, rstd, activation, weight.dtype if need_dw else None,
-                                         bias.dtype if need_db else None)
+                                         bias, mean, rstd, activation, dw_dtype, db_dtype)
     return (fresh(from_bcs(dx3, x.shape)) if need_dx else None), dw, db
 
 

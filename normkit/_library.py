@@ -370,13 +370,12 @@ def _(x, num_groups, weight, bias, eps, activation, backend):
 def _group_norm_bwd(dy: Tensor, x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
                     mean: Tensor, rstd: Tensor, activation: Optional[str], dweight_dtype: Optional[torch.dtype],
                     dbias_dtype: Optional[torch.dtype], backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
-    channels_last = is_channels_last(x)
-    dx3, dw, db = _resolve(backend, x, "group_norm backward", backward=True).group_norm_bwd(
-        bcs(dy, channels_last), bcs(x, channels_last), num_groups, weight, bias, mean, rstd,
-        activation, dweight_dtype, dbias_dtype)
+    dx, dw, db = _autograd.group_norm_backward(
+        _resolve(backend, x, "group_norm backward", backward=True), dy, x, weight, bias, mean, rstd, num_groups,
+        activation, (True, dweight_dtype is not None, dbias_dtype is not None), (dweight_dtype, dbias_dtype))
     dw = _absent(x, dweight_dtype) if dw is None else fresh(dw)
     db = _absent(x, dbias_dtype) if db is None else fresh(db)
-    return fresh(from_bcs(dx3, x.shape)), dw, db
+    return dx, dw, db
 
 
 @_group_norm_bwd.register_fake

@@ -28,7 +28,8 @@ device) is keyed by "pattern|dtype|mode|width class": pattern as _pattern_name b
 stays outside normkit's op, which Inductor would have fused), dtype of x, mode "fwd" (inference) or
 "train" (forward and backward), width class the power of two at or below the normalized width (the
 group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code. The
-table's min_elements keeps Inductor's code for inputs smaller than that (the op's host cost, below).
+table's min_elements keeps Inductor's code for inputs smaller than that (why: MIN_ELEMENTS, below).
+NORMKIT_COMPILE_TABLE=path in the environment reads that table file instead (as use_table(path)).
 
 The pass is installed the first time dynamo traces a normkit op (or by enable_compile_fusion;
 NORMKIT_COMPILE_PASS=0 in the environment keeps it out, and normkit's ops opaque as before);
@@ -139,11 +140,17 @@ def _read(path: Path) -> dict:
 # The table's own key for its size floor: below it Inductor's code is kept whatever the entry says.
 # The entries compare GPU time with the host hidden, measured at 2^24 elements only. A kept op's call
 # used to cost 100-160 us more host time than Inductor's own kernel (its Python implementation); the
-# ops' C++ dispatcher kernels (normkit._host) bring that to within ~4 us (H100: benchmarks/results/
-# 2026-11-24-h100-session7-dispatch; GroupNorm+SiLU 80 us less). Kept for now: the GPU-time wins of
-# the entries are unmeasured below 2^24 elements, and with ~20% GPU wins a ~4 us host difference
-# breaks even near 2^23 elements, the current floor. Lowering it needs the table measured at small sizes.
+# ops' C++ dispatcher kernels (normkit._host), forward and backward, bring that to within ~4 us
+# (H100, forward: benchmarks/results/2026-11-24-h100-session7-dispatch; GroupNorm+SiLU 80 us less;
+# the backward ops are served the same way, not yet timed on a GPU). So the host cost no longer
+# argues for the floor; what keeps it is that the entries' GPU-time wins are unmeasured below 2^24
+# elements (with ~20% GPU wins a ~4 us host difference breaks even near 2^23 elements, the current
+# floor). Dropping it waits for compiled Llama decode measured without it (notes/perf.md, session 9).
 MIN_ELEMENTS = "min_elements"
+
+
+if os.environ.get("NORMKIT_COMPILE_TABLE"):  # a table file in the GPU's table's place, as use_table(path)
+    _state["table"] = _read(Path(os.environ["NORMKIT_COMPILE_TABLE"]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -108,3 +108,75 @@ def missing_tool(why: str):
     if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
         pytest.fail(f"{why} (CI=true: a missing tool, browser or adapter fails here instead of skipping)", pytrace=False)
     pytest.skip(why)
+
+
+def backward_op_cases(device):
+    """Calls of normkit's backward ops as the autograd formulas and the kernel-level API make them,
+    on the Triton backend: {name: (op, args, oracle)}; oracle() -> [(output index, float64
+    expected)]. The statistics come from the forward op on the same tensors."""
+    from normkit._row_args import ROW_BWD, ROW_FUSED_BWD
+
+    ops = torch.ops.normkit
+    g = torch.Generator().manual_seed(7)
+    t = lambda *s, dtype=torch.float32: (randn(*s, gen=g) * 0.8 + 0.3).to(device, dtype)  # noqa: E731
+    B, T, C = 2, 3, 32
+    x, w, b, dy = t(B, T, C), t(C), t(C), t(B, T, C)
+
+    def stats(x, ndim, w, b, rms, act=None, **fused):
+        with torch.no_grad():
+            out = ops.row_norm_fused_fwd.default(x, ndim, w, b, 1e-5, rms, act, "triton", **fused)
+        return out[2], out[3]
+
+    def row(op_args, **kw):
+        return (ops.row_norm_bwd.default if op_args is ROW_BWD else ops.row_norm_fused_bwd.default), op_args.call(
+            backend="triton", **kw)
+
+    cases = {}
+    mean, rstd = stats(x, 1, w, b, False)
+    plain = dict(dy=dy, x=x, normalized_ndim=1, weight=w, mean=mean, rstd=rstd, rms=False, activation=None,
+                 dweight_dtype=torch.float32)
+    # no activation: the formula passes no bias, and still asks for dbias
+    cases["ln dbias without bias"] = row(ROW_BWD, bias=None, dbias_dtype=torch.float32, **plain) + (
+        lambda: list(enumerate(ref.layer_norm_backward(dy, x, (C,), w, b))),)
+    mean_s, rstd_s = stats(x, 1, w, b, False, "silu")
+    cases["ln silu"] = row(ROW_BWD, **dict(plain, mean=mean_s, rstd=rstd_s, activation="silu"), bias=b,
+                           dbias_dtype=torch.float32) + (
+        lambda: list(enumerate(ref.layer_norm_backward(dy, x, (C,), w, b, 1e-5, "silu"))),)
+    xh, wh = t(B, T, 4, 8, dtype=torch.bfloat16), t(4, 8)  # per-head weights
+    dyh = t(B, T, 4, 8, dtype=torch.bfloat16)
+    _, rstd_h = stats(xh, 1, wh, None, True)
+    cases["rms per head bf16"] = row(ROW_BWD, dy=dyh, x=xh, normalized_ndim=1, weight=wh, bias=None,
+                                     mean=rstd_h.new_empty(0), rstd=rstd_h, rms=True, activation=None,
+                                     dweight_dtype=torch.float32, dbias_dtype=None) + (
+        lambda: [(0, ref.rms_norm_backward(dyh, xh, (8,), wh, 1e-5)[0])],)
+    xb, dh = t(B, T, C, dtype=torch.bfloat16), t(B, T, C, dtype=torch.bfloat16)
+    _, rstd_b = stats(xb, 1, w, None, True, weight_offset=1.0)
+    cases["rms dh dres offset"] = row(ROW_FUSED_BWD, dy=t(B, T, C, dtype=torch.bfloat16), x=xb, normalized_ndim=1,
+                                      weight=w, bias=None, mean=rstd_b.new_empty(0), rstd=rstd_b, rms=True,
+                                      activation=None, dweight_dtype=torch.float32, dbias_dtype=None,
+                                      weight_offset=1.0, dh=dh, dx_dtype=torch.bfloat16,
+                                      dres_dtype=torch.float32) + (lambda: [],)
+    sc, sh = t(B, C), t(B, 1, C)
+    mean_m, rstd_m = stats(x, 1, w, b, False, mod_scale=sc, mod_shift=sh)
+    cases["ln modulation"] = row(ROW_FUSED_BWD, **dict(plain, mean=mean_m, rstd=rstd_m), bias=b,
+                                 dbias_dtype=torch.float32, weight_offset=0.0, dh=None, dx_dtype=torch.float32,
+                                 dres_dtype=None, mod_scale=sc, mod_shift=sh, dscale_dtype=torch.float32,
+                                 dshift_dtype=torch.float32) + (
+        lambda: list(zip((0, 2, 3, 4, 5), ref.layer_norm_backward(dy, x, (C,), w, b, scale=sc, shift=sh))),)
+    gate = t(B, T, C)
+    _, rstd_g = stats(x, 1, w, None, True, gate=gate)
+    cases["rms gate"] = row(ROW_FUSED_BWD, **dict(plain, mean=rstd_g.new_empty(0), rstd=rstd_g, rms=True),
+                            bias=None, dbias_dtype=None, weight_offset=0.0, dh=None, dx_dtype=torch.float32,
+                            dres_dtype=None, gate=gate) + (
+        lambda: list(zip((0, 2, 6), ref.rms_norm_backward(dy, x, (C,), w, 1e-5, gate=gate))),)
+    xg, wg, bg = t(2, 8, 3, 5), t(8), t(8)
+    for name, xs, act, dys in (("gn silu", xg, "silu", t(2, 8, 3, 5)),
+                               ("gn channels_last, dy contiguous", xg.to(memory_format=torch.channels_last), None,
+                                t(2, 8, 3, 5))):
+        with torch.no_grad():
+            _, m, r = ops.group_norm_fwd.default(xs, 4, wg, bg, 1e-5, act, "triton")
+        cases[name] = (ops.group_norm_bwd.default,
+                       (dys, xs, 4, wg, bg if act else None, m, r, act, torch.float32, torch.float32, "triton"),
+                       lambda xs=xs, act=act, dys=dys: list(enumerate(ref.group_norm_backward(dys, xs, 4, wg, bg,
+                                                                                              1e-5, act))))
+    return cases

@@ -293,6 +293,23 @@ def test_inductor_code_has_no_normkit_op_where_it_steps_aside_and_has_it_where_n
     assert cf.decisions() and all(d == "inductor" for _, d in cf.decisions()), cf.decisions()
 
 
+def test_table_file_from_the_environment(tmp_path):
+    """NORMKIT_COMPILE_TABLE points the pass at a table file (a measurement's variant of the GPU's)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"min_elements": 1 << 10, "entries": {"rms|bfloat16|fwd|4096": {"wins": True}}}))
+    code = ("import torch; from normkit import compile_fusion as cf; cpu = torch.device('cpu'); "
+            "print(cf.wins('rms', torch.bfloat16, 'fwd', 5000, cpu), "
+            "cf.wins('rms', torch.bfloat16, 'fwd', 5000, cpu, elements=(1 << 10) - 1))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NORMKIT_COMPILE_TABLE=str(path), PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr[-2000:]
+
+
 # ----------------------------------------------------------------------------- the table and the pass
 
 def test_table_keys_and_lookup(tmp_path):

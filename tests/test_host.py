@@ -680,7 +680,7 @@ def test_record_modulated_and_gated_runs():
     extra = (sc, sh, (torch.float32, torch.float32), None, False)
 
     def bwd():
-        return plans.row_bwd(dy, None, x, w, b, mean, rstd, 1, False, "silu", (True, True, True, False), 0.0,
+        return plans.row_bwd(dy, None, x, w, b, mean, rstd, 1, False, "silu", (True, False), (w.dtype, b.dtype), 0.0,
                              x.dtype, None, False, *extra)[:7]
 
     bwd()
@@ -705,8 +705,8 @@ def test_record_modulated_and_gated_runs():
     dyg = torch.randn_like(xg)
 
     def gbwd():
-        return plans.row_bwd(dyg, None, xg, wg, None, None, rstd, 1, True, None, (True, True, False, False), 0.0,
-                             xg.dtype, None, False, None, None, (None, None), g, True)[:7]
+        return plans.row_bwd(dyg, None, xg, wg, None, None, rstd, 1, True, None, (True, False), (wg.dtype, None),
+                             0.0, xg.dtype, None, False, None, None, (None, None), g, True)[:7]
 
     gbwd()
     plan, grads = _record(gbwd, (dyg, xg, wg, None, None, rstd, None, None, None, g), n_out=7)
@@ -969,6 +969,64 @@ def test_op_kernel_leaves_calls_to_python(ext, case):
     assert ext._parse_op(name, *args) is None
 
 
+@pytest.mark.parametrize("case", ["served", "float64", "backend torch", "stats float64", "stats strided",
+                                  "stats count", "dy shape", "dweight without weight", "rms with bias",
+                                  "gate with dh", "dscale without mod_scale", "an argument the kernels do not read",
+                                  "gn served", "gn groups", "gn stats", "gn dweight without weight", "gn layout"])
+def test_backward_op_kernels_leave_calls_to_python(ext, case):
+    """What the backward ops' kernels leave to the op's Python implementation (which raises, copies
+    or runs another backend): each case is one change to a call they serve."""
+    from normkit._row_args import ROW_BWD, ROW_FUSED_BWD
+
+    x, w, dy = torch.randn(4, 6, 8), torch.randn(8), torch.randn(4, 6, 8)
+    row = dict(dy=dy, x=x, normalized_ndim=1, weight=w, bias=None, mean=torch.randn(4, 6), rstd=torch.rand(4, 6),
+               rms=False, activation=None, dweight_dtype=torch.float32, dbias_dtype=torch.float32, backend=None)
+    fused = dict(weight_offset=0.0, dh=None, dx_dtype=torch.float32, dres_dtype=None)
+    xg = torch.randn(2, 6, 4, 4)
+    gn = [torch.randn_like(xg), xg, 3, torch.randn(6), None, torch.randn(2, 3), torch.rand(2, 3), None,
+          torch.float32, torch.float32, None]
+    name, args = ("group_norm_bwd", gn) if case.startswith("gn") else ("row_norm_bwd", None)
+    edits = {"float64": dict(x=x.double(), dy=dy.double()), "backend torch": dict(backend="torch"),
+             "stats float64": dict(rstd=torch.rand(4, 6, dtype=torch.float64)),
+             "stats strided": dict(mean=torch.randn(6, 4).t()), "stats count": dict(rstd=torch.rand(4, 5)),
+             "dy shape": dict(dy=torch.randn(4, 1, 8)), "dweight without weight": dict(weight=None),
+             "rms with bias": dict(rms=True, bias=torch.randn(8))}
+    if case == "served":
+        assert ext._parse_op(name, *ROW_BWD.call(**row)) is not None
+        assert ext._parse_op("row_norm_fused_bwd", *ROW_FUSED_BWD.call(**row, **fused)) is not None
+        return
+    if case in edits:
+        args = ROW_BWD.call(**dict(row, **edits[case]))
+    elif case == "gate with dh":
+        name, args = "row_norm_fused_bwd", ROW_FUSED_BWD.call(**dict(row, rms=True), **dict(fused, dh=dy), gate=x)
+    elif case == "dscale without mod_scale":
+        name, args = "row_norm_fused_bwd", ROW_FUSED_BWD.call(**row, **fused, dscale_dtype=torch.float32)
+    elif case == "an argument the kernels do not read":  # an option added to normkit._row_args later
+        name, args = "row_norm_fused_bwd", ROW_FUSED_BWD.call(**row, **fused)
+        ext._set_row_bwd_op_args(ROW_FUSED_BWD.names + ("new_option",))
+        try:
+            assert ext._parse_op(name, *args, None) is not None  # None: as without it
+            assert ext._parse_op(name, *args, torch.randn(4, 8)) is None
+        finally:
+            ext._set_row_bwd_op_args(ROW_FUSED_BWD.names)
+        return
+    elif case == "gn served":
+        assert ext._parse_op(name, *args) is not None
+        cl = xg.to(memory_format=torch.channels_last)
+        assert ext._parse_op(name, *([args[0], cl] + args[2:])) is not None  # dy in another layout: copied
+        return
+    elif case == "gn groups":
+        args[2] = 4
+    elif case == "gn stats":
+        args[6] = torch.rand(2, 2)
+    elif case == "gn dweight without weight":
+        args[3] = None
+    elif case == "gn layout":
+        args[1] = xg[:, :, ::2]
+        args[0] = torch.randn_like(args[1])
+    assert ext._parse_op(name, *args) is None
+
+
 @pytest.fixture
 def cpu_kernels(ext):
     """The same kernels registered for CPU tensors, which they never serve: every call takes the
@@ -1017,6 +1075,70 @@ def test_declined_calls_run_the_ops_python_implementation(cpu_kernels):
     f = torch.compile(lambda t: normkit.rms_norm(t, (8,), w, 1e-6, backend="torch") * 2, fullgraph=True)
     torch.testing.assert_close(f(x), torch.nn.functional.rms_norm(x, (8,), w, 1e-6) * 2)
     assert _op_counts(ext)["op_python"] > last["op_python"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors under the Triton interpreter; on a GPU "
+                    "tests/test_host_gpu.py calls the same ops with plans")
+def test_backward_ops_are_served_through_the_autograd_nodes_core(cpu_calls, cpu_kernels):
+    """The backward ops' kernels read the op's arguments and run the autograd nodes' core (row_backward,
+    gn_backward): every call served (op_served, no op_python), the op's Python implementation's
+    outputs bit for bit, and the float64 oracle's gradients."""
+    from helpers import backward_op_cases
+
+    from normkit import reference as ref
+
+    for name, (op, args, oracle) in backward_op_cases("cpu").items():
+        with _host.python_path():
+            want = op(*args)
+        before = _op_counts(cpu_calls)
+        got = op(*args)
+        after = _op_counts(cpu_calls)
+        assert {k: after[k] - before[k] for k in after} == {"op_served": 1, "op_python": 0,
+                                                            "op_autograd_python": 0}, name
+        for i, (a, e) in enumerate(zip(got, want, strict=True)):
+            assert (a.dtype, a.shape, a.stride()) == (e.dtype, e.shape, e.stride()) and torch.equal(a, e), (name, i)
+        for i, exp in oracle():
+            assert ref.rel_err(got[i], exp) < (2e-2 if got[i].dtype == torch.bfloat16 else 1e-4), (name, i)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors under the Triton interpreter; on a GPU "
+                    "tests/test_host_gpu.py compiles the same training step")
+def test_compiled_training_calls_every_op_in_cpp(cpu_calls, cpu_kernels):
+    """A torch.compile'd training step (Inductor's forward and backward graphs) of a LayerNorm + SiLU,
+    an RMSNorm with a residual (prenorm) and a GroupNorm: every op call of the step, forward and
+    backward, is served by the C++ kernels (none by the op's Python implementation or autograd), and
+    the gradients are the eager Python path's, bit for bit."""
+    from normkit import compile_fusion as cf
+
+    C = 32
+    g = torch.Generator().manual_seed(5)
+    t = lambda *s: torch.randn(s, generator=g) * 0.8 + 0.2  # noqa: E731
+    inputs = [t(2, 3, C), t(2, 3, C), t(C), t(C), t(2, 8, 3, 5), t(8)]
+
+    def fn(x, r, w, b, xg, wg):
+        y = normkit.layer_norm(x, (C,), w, b, activation="silu", backend="triton")
+        z, h = normkit.rms_norm(x, (C,), w, 1e-6, residual=r, prenorm=True, backend="triton")
+        q = normkit.group_norm(xg, 4, wg, None, backend="triton")
+        return y, z, h, q
+
+    def step(f):
+        leaves = [v.clone().requires_grad_() for v in inputs]
+        outs = f(*leaves)
+        return list(torch.autograd.grad(outs, leaves, [(o.detach() * 0.7 + 0.3).cos() for o in outs]))
+
+    with _host.python_path():
+        want = step(fn)
+    torch._dynamo.reset()
+    with cf.policy("normkit"):
+        f = torch.compile(fn, fullgraph=True)
+        step(f)  # compiles
+        before = _op_counts(cpu_calls)
+        got = step(f)
+        after = _op_counts(cpu_calls)
+    torch._dynamo.reset()
+    assert {k: after[k] - before[k] for k in after} == {"op_served": 6, "op_python": 0, "op_autograd_python": 0}
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e), i
 
 
 def test_python_path_switches_the_op_kernels_off(ext):

@@ -617,8 +617,78 @@ def test_compiled_training_step_matches_eager(fast):
         d = _op_delta(before, _host.stats())
     for a, e in zip(got, eager):
         _same(a, e, "compiled training step vs eager")
-    # the compiled forward runs with grad mode off: the C++ autograd kernel goes on in C++
-    assert d["op_autograd_python"] == 0 and d["op_served"] >= 1, d
+    # the compiled forward runs with grad mode off: the C++ autograd kernel goes on in C++; the
+    # backward graph's row_norm_bwd is served in C++ too
+    assert d["op_autograd_python"] == 0 and d["op_python"] == 0 and d["op_served"] >= 2, d
+
+
+def test_compiled_training_serves_every_op_in_cpp(fast):
+    """A compiled training step of every kind of op (LayerNorm + SiLU, RMSNorm with a residual,
+    RMSNorm with per-head weights, the adaLN modulation, a gate, GroupNorm NCHW and channels_last):
+    after warm-up, every op call of the forward and backward graphs replays a plan in C++ (no
+    Python run, no op left to Python) and the gradients are eager's, bit for bit."""
+    from normkit import compile_fusion as cf
+
+    torch._dynamo.reset()
+    C = 1024
+    t = lambda *s, dtype=bf16: (torch.randn(*s, device="cuda") * 0.8 + 0.2).to(dtype)  # noqa: E731
+    # each op its own leaves: a gradient summed over several ops would be rounded differently by
+    # Inductor's fused sum than by eager autograd's accumulation
+    inputs = [t(4, 16, C), t(C), t(C), t(4, 16, C), t(4, 16, C), t(C), t(4, 16, C), t(8, 128), t(4, 16, C), t(4, C),
+              t(4, 16, C), t(4, 16, C), t(C), t(2, 64, 16, 16, dtype=fp16), t(64, dtype=fp16),
+              t(2, 64, 16, 16, dtype=fp16), t(64, dtype=fp16)]
+
+    def fn(x1, w1, b1, x2, r2, w2, x3, w3, x4, s4, x5, g5, w5, x6, w6, x7, w7):
+        y = normkit.layer_norm(x1, (C,), w1, b1, activation="silu")
+        z, h = normkit.rms_norm(x2, (C,), w2, 1e-6, residual=r2, prenorm=True)
+        q = normkit.rms_norm(x3.view(4, 16, 8, 128), (128,), w3, 1e-6)  # per-head weights
+        m = normkit.layer_norm(x4, (C,), None, None, 1e-6, scale=s4, shift=s4)
+        u = normkit.rms_norm(x5, (C,), w5, 1e-5, gate=g5)
+        n = normkit.group_norm(x6, 8, w6, w6, 1e-5, activation="silu")
+        o = normkit.group_norm(x7.to(memory_format=torch.channels_last), 8, w7, None, 1e-5)
+        return y, z, h, q, m, u, n, o
+
+    def step(f):
+        leaves = [v.clone().requires_grad_() for v in inputs]
+        outs = f(*leaves)
+        return list(torch.autograd.grad(outs, leaves, [(o.detach().float() * 0.7 + 0.3).cos().to(o.dtype)
+                                                       for o in outs]))
+
+    with cf.policy("normkit"):
+        eager = step(fn)
+        f = torch.compile(fn, fullgraph=True)
+        for _ in range(3):  # per op: the Python host function, its recording, then replays
+            step(f)
+        before = _host.stats()
+        got = step(f)
+        d = _op_delta(before, _host.stats())
+    for i, (a, e) in enumerate(zip(got, eager, strict=True)):  # values (Inductor may pick another layout)
+        assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e), f"grad {i}: compiled vs eager"
+    assert d["op_python"] == 0 and d["op_autograd_python"] == 0 and d["python_runs"] == 0, d
+    assert d["op_served"] >= 14 and d["replays"] >= 14, d  # 7 forward, 7 backward
+
+
+def test_backward_ops_called_directly(fast):
+    """The backward ops as the autograd formulas and the kernel-level API call them (dbias without
+    the bias, per-head weights, dh and dres, weight_offset, modulation, gate, GroupNorm in both
+    layouts): the Python implementation's results bit for bit, three calls each (Python run,
+    record, replay), and the float64 oracle's gradients."""
+    from helpers import backward_op_cases
+
+    from normkit import reference as ref
+
+    for name, (op, args, oracle) in backward_op_cases("cuda").items():
+        with _host.python_path():
+            want = op(*args)
+        before = _host.stats()
+        for i in range(3):
+            got = op(*args)
+            for k, (a, e) in enumerate(zip(got, want, strict=True)):
+                _same(a, e, f"{name}: output {k}, call {i}")
+        d = _op_delta(before, _host.stats())
+        assert d["op_served"] == 3 and d["op_python"] == 0 and d["replays"] >= 1, (name, d)
+        for k, exp in oracle():
+            assert ref.rel_err(got[k], exp) < (2e-2 if got[k].dtype == bf16 else 1e-4), (name, k)
 
 
 def test_declined_compiled_calls_take_the_python_implementation(fast):

@@ -73,7 +73,7 @@ def load_extension():
         from ..functional import _autocast_upcasts
         from ..reference import ACTIVATIONS
 
-        from .._row_args import HOST_ROW, HOST_ROW_LENGTHS, ROW_FUSED_FWD
+        from .._row_args import HOST_ROW, HOST_ROW_LENGTHS, ROW_FUSED_BWD, ROW_FUSED_FWD
 
         ext = build.load()
         _forget_plans_when_configs_change()
@@ -81,6 +81,7 @@ def load_extension():
         # op's, by construction): their positions come from normkit._row_args
         ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")),
                    ROW_FUSED_FWD.names, HOST_ROW, HOST_ROW_LENGTHS)
+        ext._set_row_bwd_op_args(ROW_FUSED_BWD.names)
         global _ops_handle
         _ops_handle = ext._register_ops(op_impls(), "CUDA")
         dispatch_changed()

@@ -1152,70 +1152,60 @@ PyObject* py_parse_row(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObj
   END_HANDLE_TH_ERRORS
 }
 
-variable_list RowNormBackward::apply(variable_list&& grads) {
-  const int n_out = static_cast<int>(num_outputs());  // kRowEdges, or kRowEdgesExtra with ms/mt/gate
-  Tensor dy = grads[0];
-  Tensor dh = prenorm_ && grads.size() > 1 ? grads[1] : Tensor();
-  if (!dy.defined() && !dh.defined()) return variable_list(n_out);
-  // edges: x, weight, bias, residual[, mod_scale, mod_shift, gate]
-  bool need[kRowEdgesExtra] = {};
-  for (int i = 0; i < n_out; i++) need[i] = task_should_compute_output(i);
-  Tensor z = x_.unpack(getptr()), w = w_.unpack(), b = b_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
-  Tensor ms, mt, g;
-  if (n_out == kRowEdgesExtra) ms = ms_.unpack(), mt = mt_.unpack(), g = g_.unpack();
-  auto dtype_of = [](const Tensor& t) {
-    return t.defined() ? py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())))
-                       : py::handle(Py_None);
-  };
-  py::handle x_dtype(reinterpret_cast<PyObject*>(torch::getTHPDtype(x_dtype_)));
-  py::handle r_dtype = r_dtype_ ? py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(*r_dtype_)))
-                                : py::handle(Py_None);
-  const c10::Device dev = z.device();
-  if (!dy.defined() || differentiable(dy) || dy.device() != dev || (dh.defined() && (!tensor_ok(dh, dev)))) {
-    // python returns (dx, dres, dw, db, dscale, dshift, dgate); the node's outputs are (dx, dw, db, dres, ...)
-    static const int order[kRowEdgesExtra] = {0, 3, 1, 2, 4, 5, 6};
-    const bool need_vjp[kRowEdgesExtra] = {need[0], need[3], need[1], need[2], need[4], need[5], need[6]};
-    variable_list out = differentiable_grads(need_vjp, [&](py::tuple) {
-      return callbacks->row_vjp(wrap(dy), wrap(dh), wrap(z), wrap(w), wrap(b), ndim_, eps_, rms_, act_name(act_),
-                                weight_offset_, py::make_tuple(need[0], need[1], need[2], need[3]), x_dtype, r_dtype,
-                                wrap(ms), wrap(mt), py::make_tuple(need[4], need[5]), wrap(g), need[6]);
-    }, order);
-    out.resize(n_out);  // differentiable_grads placed them in the node's order (dx, dw, db, dres, ...)
-    return out;
-  }
-  Key key;
+// A LayerNorm/RMSNorm backward as its plans run it: the one core of the autograd node
+// (RowNormBackward::apply) and of the backward ops' dispatcher kernels (serve_op).
+struct RowBwdCall {
+  Tensor dy, dh, z, w, b, mean, rstd, ms, mt, g;  // z: what was normalized (h; with a gate the ungated x);
+                                                  // b: the bias (the kernels read it with act or ms only)
+  int64_t ndim = 1;
+  bool rms = false, extra = false;  // extra: ms, mt or g (their plans have 10 inputs, 7 outputs)
+  int act = 0;
+  double weight_offset = 0;
+  bool need_dx = true, need_dres = false, need_dg = false;
+  at::ScalarType x_dtype = at::kFloat;  // dx's dtype
+  // dres's dtype (read only with need_dres), the wanted parameter and modulation gradients' dtypes
+  std::optional<at::ScalarType> r_dtype, dw_dtype, db_dtype, ds_dtype, dt_dtype;
+};
+
+py::object dtype_object(const std::optional<at::ScalarType>& d) {
+  return d ? py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(*d))) : py::none();
+}
+
+// The plan key of a row backward; makes dy / dh contiguous where their rows need a copy (e.g. the
+// expanded gradient of a sum()). False where z's rows need one (the Python path's case).
+bool row_bwd_key(RowBwdCall& c, Key& key) {
   int n = 0, n2 = 0;
   int64_t inner = 0, inner2 = 0;
-  TORCH_CHECK(add_layout(key, z, ndim_, n, inner), "normkit host path: saved rows without a view");
-  if (!add_layout(key, dy, ndim_, n2, inner2, n, inner)) {  // e.g. the expanded gradient of a sum()
-    dy = dy.contiguous();
-    TORCH_CHECK(add_layout(key, dy, ndim_, n2, inner2, n, inner), "normkit host path: dy without a row view");
+  if (!add_layout(key, c.z, c.ndim, n, inner)) return false;
+  if (!add_layout(key, c.dy, c.ndim, n2, inner2, n, inner)) {
+    c.dy = c.dy.contiguous();
+    TORCH_CHECK(add_layout(key, c.dy, c.ndim, n2, inner2, n, inner), "normkit host path: dy without a row view");
   }
-  if (dh.defined() && !add_layout(key, dh, ndim_, n2, inner2, n, inner)) {
-    dh = dh.contiguous();
-    TORCH_CHECK(add_layout(key, dh, ndim_, n2, inner2, n, inner), "normkit host path: dh without a row view");
+  if (c.dh.defined() && !add_layout(key, c.dh, c.ndim, n2, inner2, n, inner)) {
+    c.dh = c.dh.contiguous();
+    TORCH_CHECK(add_layout(key, c.dh, c.ndim, n2, inner2, n, inner), "normkit host path: dh without a row view");
   }
-  const bool want_dw = need[1] && w.defined(), want_db = need[2] && b.defined();
-  const bool want_ds = need[4] && ms.defined(), want_dt = need[5] && mt.defined(), want_dg = need[6] && g.defined();
   // the bias only recomputes act's input, or with a scale the affine output that dscale sums
-  const Tensor inputs[10] = {dy, z, w, act_ || ms.defined() ? b : Tensor(), mean, rstd, dh, ms, mt, g};
-  const int n_in = n_out == kRowEdgesExtra ? 10 : 7;
-  const int64_t w_rows = w.defined() ? (w.dim() > ndim_ ? w.size(0) : 1) : (b.defined() && b.dim() > ndim_ ? b.size(0) : 1);
+  const Tensor inputs[10] = {c.dy, c.z, c.w, c.act || c.ms.defined() ? c.b : Tensor(), c.mean, c.rstd, c.dh,
+                             c.ms, c.mt, c.g};
+  const int n_in = c.extra ? 10 : 7;
+  const int64_t w_rows = c.w.defined() ? (c.w.dim() > c.ndim ? c.w.size(0) : 1)
+                                       : (c.b.defined() && c.b.dim() > c.ndim ? c.b.size(0) : 1);
   int64_t align = 0;
   for (int i = 0; i < n_in; i++) align |= int64_t(aligned(inputs[i])) << i;
   // kind 2: a plain or fused backward; 6: one with the modulation or a gate (the forward's key has
   // their layouts: the saved tables and gate are the forward's)
-  for (int64_t v : {int64_t(n_in == 10 ? 6 : 2), int64_t(dev.index()), dtype_code(z), dtype_code(dy), dtype_code(dh),
-                    dtype_code(w), dtype_code(inputs[3]), want_dw ? dtype_code(w) : int64_t(-1),
-                    want_db ? dtype_code(b) : int64_t(-1), int64_t(rms_), int64_t(act_), int64_t(need[0]),
-                    int64_t(want_dw), int64_t(want_db), int64_t(need[3]), int64_t(x_dtype_), opt_code(r_dtype_), w_rows,
-                    alias_code(inputs, n_in), align})
+  for (int64_t v : {int64_t(c.extra ? 6 : 2), int64_t(c.z.device().index()), dtype_code(c.z), dtype_code(c.dy),
+                    dtype_code(c.dh), dtype_code(c.w), dtype_code(inputs[3]), opt_code(c.dw_dtype),
+                    opt_code(c.db_dtype), int64_t(c.rms), int64_t(c.act), int64_t(c.need_dx), int64_t(c.need_dres),
+                    int64_t(c.x_dtype), opt_code(c.r_dtype), w_rows, alias_code(inputs, n_in), align})
     key.add(v);
-  key.add_double(weight_offset_);
-  if (n_in == 10) {
-    for (int64_t v : {int64_t(want_ds), int64_t(want_dt), int64_t(want_dg), dtype_code(g)}) key.add(v);
-    if (g.defined()) TORCH_CHECK(add_layout(key, g, ndim_, n2, inner2, n, inner), "normkit host path: gate rows");
-    for (const Tensor* t : {&ms, &mt}) {
+  key.add_double(c.weight_offset);
+  if (c.extra) {
+    for (int64_t v : {opt_code(c.ds_dtype), opt_code(c.dt_dtype), int64_t(c.need_dg), dtype_code(c.g)}) key.add(v);
+    if (c.g.defined())
+      TORCH_CHECK(add_layout(key, c.g, c.ndim, n2, inner2, n, inner), "normkit host path: gate rows");
+    for (const Tensor* t : {&c.ms, &c.mt}) {
       key.add(t->defined() ? t->dim() : -1);
       if (!t->defined()) continue;
       key.add(dtype_code(*t));
@@ -1223,33 +1213,85 @@ variable_list RowNormBackward::apply(variable_list&& grads) {
       for (int64_t v : t->strides()) key.add(v);
     }
   }
-  Tensor outs[kMaxOuts];  // the first gradient buffer (dx, or dresidual), dweight, dbias, a second (dresidual),
-                          // dscale, dshift, dgate
+  return true;
+}
+
+// One row backward through its plan or the Python host function (plans.row_bwd). outs[1..7]: the
+// first gradient buffer (dx, or dres when only it is wanted), dweight, dbias, a second buffer (dres
+// in its own dtype), dscale, dshift, dgate (undefined: not wanted).
+void row_backward(const RowBwdCall& c, const Key& key, Tensor (&outs)[kMaxOuts]) {
+  const Tensor inputs[10] = {c.dy, c.z, c.w, c.act || c.ms.defined() ? c.b : Tensor(), c.mean, c.rstd, c.dh,
+                             c.ms, c.mt, c.g};
+  const int64_t d = c.z.dim();
+  const c10::IntArrayRef pshape = c.w.defined() ? c.w.sizes() : c.b.defined() ? c.b.sizes()
+                                                                               : c.z.sizes().slice(d - c.ndim);
   auto make = [&](int role, const AllocSpec& a) {
-    const Tensor& like = role == 2 ? w : role == 3 ? b : role == 5 ? ms : role == 6 ? mt : z;
-    return alloc(like.sizes(), a.dtype);
+    if (role == 2 || role == 3) return alloc(pshape, a.dtype);
+    return alloc(role == 5 ? c.ms.sizes() : role == 6 ? c.mt.sizes() : c.z.sizes(), a.dtype);
   };
-  run(key, inputs, n_in, dev, make, [&](bool record) {
-    if (n_in == 7)
-      return callbacks->row_bwd(wrap(dy), wrap(dh), wrap(z), wrap(w), wrap(b), wrap(mean), wrap(rstd), ndim_, rms_,
-                                act_name(act_), py::make_tuple(need[0], want_dw, want_db, need[3]), weight_offset_,
-                                x_dtype, r_dtype, record);
-    return callbacks->row_bwd(wrap(dy), wrap(dh), wrap(z), wrap(w), wrap(b), wrap(mean), wrap(rstd), ndim_, rms_,
-                              act_name(act_), py::make_tuple(need[0], want_dw, want_db, need[3]), weight_offset_,
-                              x_dtype, r_dtype, record, wrap(ms), wrap(mt),
-                              py::make_tuple(want_ds ? dtype_of(ms) : py::handle(Py_None),
-                                             want_dt ? dtype_of(mt) : py::handle(Py_None)),
-                              wrap(g), want_dg);
-  }, outs, n_in == 10 ? 7 : 4);
+  run(key, inputs, c.extra ? 10 : 7, c.z.device(), make, [&](bool record) {
+    py::tuple needs = py::make_tuple(c.need_dx, c.need_dres);
+    py::tuple params = py::make_tuple(dtype_object(c.dw_dtype), dtype_object(c.db_dtype));
+    py::object x_dtype = dtype_object(c.x_dtype), r_dtype = dtype_object(c.r_dtype);
+    if (!c.extra)
+      return callbacks->row_bwd(wrap(c.dy), wrap(c.dh), wrap(c.z), wrap(c.w), wrap(c.b), wrap(c.mean), wrap(c.rstd),
+                                c.ndim, c.rms, act_name(c.act), needs, params, c.weight_offset, x_dtype, r_dtype,
+                                record);
+    return callbacks->row_bwd(wrap(c.dy), wrap(c.dh), wrap(c.z), wrap(c.w), wrap(c.b), wrap(c.mean), wrap(c.rstd),
+                              c.ndim, c.rms, act_name(c.act), needs, params, c.weight_offset, x_dtype, r_dtype, record,
+                              wrap(c.ms), wrap(c.mt), py::make_tuple(dtype_object(c.ds_dtype), dtype_object(c.dt_dtype)),
+                              wrap(c.g), c.need_dg);
+  }, outs, c.extra ? 7 : 4);
+}
+
+variable_list RowNormBackward::apply(variable_list&& grads) {
+  const int n_out = static_cast<int>(num_outputs());  // kRowEdges, or kRowEdgesExtra with ms/mt/gate
+  RowBwdCall c;
+  c.dy = grads[0];
+  c.dh = prenorm_ && grads.size() > 1 ? grads[1] : Tensor();
+  if (!c.dy.defined() && !c.dh.defined()) return variable_list(n_out);
+  // edges: x, weight, bias, residual[, mod_scale, mod_shift, gate]
+  bool need[kRowEdgesExtra] = {};
+  for (int i = 0; i < n_out; i++) need[i] = task_should_compute_output(i);
+  c.z = x_.unpack(getptr()), c.w = w_.unpack(), c.b = b_.unpack(), c.mean = mean_.unpack(), c.rstd = rstd_.unpack();
+  if (n_out == kRowEdgesExtra) c.ms = ms_.unpack(), c.mt = mt_.unpack(), c.g = g_.unpack();
+  const Tensor &dy = c.dy, &dh = c.dh;
+  const c10::Device dev = c.z.device();
+  if (!dy.defined() || differentiable(dy) || dy.device() != dev || (dh.defined() && (!tensor_ok(dh, dev)))) {
+    // python returns (dx, dres, dw, db, dscale, dshift, dgate); the node's outputs are (dx, dw, db, dres, ...)
+    static const int order[kRowEdgesExtra] = {0, 3, 1, 2, 4, 5, 6};
+    const bool need_vjp[kRowEdgesExtra] = {need[0], need[3], need[1], need[2], need[4], need[5], need[6]};
+    variable_list out = differentiable_grads(need_vjp, [&](py::tuple) {
+      return callbacks->row_vjp(wrap(dy), wrap(dh), wrap(c.z), wrap(c.w), wrap(c.b), ndim_, eps_, rms_, act_name(act_),
+                                weight_offset_, py::make_tuple(need[0], need[1], need[2], need[3]),
+                                dtype_object(x_dtype_), dtype_object(r_dtype_), wrap(c.ms), wrap(c.mt),
+                                py::make_tuple(need[4], need[5]), wrap(c.g), need[6]);
+    }, order);
+    out.resize(n_out);  // differentiable_grads placed them in the node's order (dx, dw, db, dres, ...)
+    return out;
+  }
+  c.ndim = ndim_, c.rms = rms_, c.act = act_, c.weight_offset = weight_offset_;
+  c.extra = n_out == kRowEdgesExtra;
+  c.need_dx = need[0], c.need_dres = need[3], c.need_dg = need[6] && c.g.defined();
+  c.x_dtype = x_dtype_, c.r_dtype = r_dtype_;
+  auto dtype_if = [](bool want, const Tensor& t) {
+    return want && t.defined() ? std::optional<at::ScalarType>(t.scalar_type()) : std::nullopt;
+  };
+  c.dw_dtype = dtype_if(need[1], c.w), c.db_dtype = dtype_if(need[2], c.b);
+  c.ds_dtype = dtype_if(need[4], c.ms), c.dt_dtype = dtype_if(need[5], c.mt);
+  Key key;
+  TORCH_CHECK(row_bwd_key(c, key), "normkit host path: saved rows without a view");
+  Tensor outs[kMaxOuts];
+  row_backward(c, key, outs);
   // as row_norm_backward_fused hands them out: the kernel writes dx once (in the residual's dtype when
   // only the residual wants it), or twice when x and the residual want different dtypes
   Tensor dx = need[0] ? outs[1] : Tensor();
   Tensor dres = need[3] ? (outs[4].defined() ? outs[4] : outs[1]) : Tensor();
-  variable_list out = {dx, need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor(), dres};
+  variable_list out = {dx, c.dw_dtype ? outs[2] : Tensor(), c.db_dtype ? outs[3] : Tensor(), dres};
   if (n_out == kRowEdgesExtra) {
-    out.push_back(want_ds ? outs[5] : Tensor());
-    out.push_back(want_dt ? outs[6] : Tensor());
-    out.push_back(want_dg ? outs[7] : Tensor());
+    out.push_back(c.ds_dtype ? outs[5] : Tensor());
+    out.push_back(c.dt_dtype ? outs[6] : Tensor());
+    out.push_back(c.need_dg ? outs[7] : Tensor());
   }
   return out;
 }
@@ -1362,39 +1404,57 @@ PyObject* py_parse_gn(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObje
   END_HANDLE_TH_ERRORS
 }
 
-variable_list GroupNormBackward::apply(variable_list&& grads) {
-  Tensor dy = grads[0];
-  if (!dy.defined()) return variable_list(3);
-  const bool need[3] = {task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2)};
-  Tensor x = x_.unpack(), w = w_.unpack(), b = b_.unpack(), mean = mean_.unpack(), rstd = rstd_.unpack();
-  if (differentiable(dy) || dy.device() != x.device()) {
-    return differentiable_grads(need, [&](py::tuple needs) {
-      return callbacks->gn_vjp(wrap(dy), wrap(x), wrap(w), wrap(b), groups_, eps_, act_name(act_), needs);
-    });
-  }
-  if (gn_layout(dy) != layout_ || dy.sizes() != x.sizes()) {  // the kernels walk dy with x's strides
-    Tensor d2 = alloc_like(x, layout_, dy.scalar_type());
-    d2.copy_(dy);
-    dy = d2;
+// A GroupNorm backward as its plans run it: the one core of the autograd node
+// (GroupNormBackward::apply) and of group_norm_bwd's dispatcher kernel (serve_op).
+struct GnBwdCall {
+  Tensor dy, x, w, b, mean, rstd;  // b: the bias (the kernels read it with act only)
+  int64_t groups = 1;
+  int act = 0, layout = 0;
+  std::optional<at::ScalarType> dw_dtype, db_dtype;  // the wanted parameter gradients' dtypes
+};
+
+// outs[1..3]: dx (in x's layout), dweight, dbias (undefined: not wanted).
+void gn_backward(GnBwdCall& c, Tensor (&outs)[kMaxOuts]) {
+  const Tensor& x = c.x;
+  if (gn_layout(c.dy) != c.layout || c.dy.sizes() != x.sizes()) {  // the kernels walk dy with x's strides
+    Tensor d2 = at::empty_strided(x.sizes(), x.strides(), c.dy.options());  // x is dense in its layout
+    d2.copy_(c.dy);
+    c.dy = d2;
   }
   const c10::Device dev = x.device();
-  const bool want_dw = need[1] && w.defined(), want_db = need[2] && b.defined();
-  const Tensor inputs[6] = {dy, x, w, act_ ? b : Tensor(), mean, rstd};
+  const Tensor inputs[6] = {c.dy, x, c.w, c.act ? c.b : Tensor(), c.mean, c.rstd};
   Key key;
-  for (int64_t v : {int64_t(4), int64_t(dev.index()), dtype_code(x), dtype_code(dy), dtype_code(w),
-                    dtype_code(inputs[3]), want_db ? dtype_code(b) : int64_t(-1), int64_t(act_), int64_t(want_dw),
-                    int64_t(want_db), x.size(0), x.size(1), spatial(x), groups_, int64_t(layout_), bwd_align(inputs),
-                    alias_code(inputs, 6)})
+  for (int64_t v : {int64_t(4), int64_t(dev.index()), dtype_code(x), dtype_code(c.dy), dtype_code(c.w),
+                    dtype_code(inputs[3]), opt_code(c.dw_dtype), opt_code(c.db_dtype), int64_t(c.act), x.size(0),
+                    x.size(1), spatial(x), c.groups, int64_t(c.layout), bwd_align(inputs), alias_code(inputs, 6)})
     key.add(v);
-  Tensor outs[kMaxOuts];
   auto make = [&](int role, const AllocSpec& a) {
-    return role == 1 ? alloc_like(x, layout_, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
+    return role == 1 ? alloc_like(x, c.layout, a.dtype) : alloc_strided(a.sizes, a.strides, a.dtype);
   };
   run(key, inputs, 6, dev, make, [&](bool record) {
-    return callbacks->gn_bwd(wrap(dy), wrap(x), wrap(w), wrap(b), wrap(mean), wrap(rstd), groups_, act_name(act_),
-                             want_dw, want_db, bool(layout_), record);
+    return callbacks->gn_bwd(wrap(c.dy), wrap(x), wrap(c.w), wrap(c.b), wrap(c.mean), wrap(c.rstd), c.groups,
+                             act_name(c.act), py::make_tuple(dtype_object(c.dw_dtype), dtype_object(c.db_dtype)),
+                             bool(c.layout), record);
   }, outs);
-  return {need[0] ? outs[1] : Tensor(), need[1] ? outs[2] : Tensor(), need[2] ? outs[3] : Tensor()};
+}
+
+variable_list GroupNormBackward::apply(variable_list&& grads) {
+  GnBwdCall c;
+  c.dy = grads[0];
+  if (!c.dy.defined()) return variable_list(3);
+  const bool need[3] = {task_should_compute_output(0), task_should_compute_output(1), task_should_compute_output(2)};
+  c.x = x_.unpack(), c.w = w_.unpack(), c.b = b_.unpack(), c.mean = mean_.unpack(), c.rstd = rstd_.unpack();
+  if (differentiable(c.dy) || c.dy.device() != c.x.device()) {
+    return differentiable_grads(need, [&](py::tuple needs) {
+      return callbacks->gn_vjp(wrap(c.dy), wrap(c.x), wrap(c.w), wrap(c.b), groups_, eps_, act_name(act_), needs);
+    });
+  }
+  c.groups = groups_, c.act = act_, c.layout = layout_;
+  if (need[1] && c.w.defined()) c.dw_dtype = c.w.scalar_type();
+  if (need[2] && c.b.defined()) c.db_dtype = c.b.scalar_type();
+  Tensor outs[kMaxOuts];
+  gn_backward(c, outs);
+  return {need[0] ? outs[1] : Tensor(), c.dw_dtype ? outs[2] : Tensor(), c.db_dtype ? outs[3] : Tensor()};
 }
 
 // ----------------------------------------------------------------------------- the dispatcher's kernels
@@ -1405,9 +1465,10 @@ variable_list GroupNormBackward::apply(variable_list&& grads) {
 //     autograd, in C++ (the custom op's own Autograd kernel is Python); otherwise it calls that Python
 //     autograd kernel (the registered autograd formula), given to _register_ops;
 //   - a <device> kernel: reads the op's arguments (finish_row / finish_gn, as the eager entry points)
-//     and runs the op's plan (row_forward / gn_forward, as they do); a call it does not serve (CPU
-//     tensors, float64, a layout that needs a copy, a backend other than Triton, the backward ops,
-//     the host path inactive or switched off by python_path()) calls the op's Python implementation.
+//     and runs the op's plan (row_forward / gn_forward, as they do; the backward ops row_backward /
+//     gn_backward, as the autograd nodes do); a call it does not serve (CPU tensors, float64, a layout
+//     that needs a copy, a backend other than Triton, the host path inactive or switched off by
+//     python_path()) calls the op's Python implementation.
 // Registered by _register_ops at extension load (normkit._host.load_extension); the returned handle
 // unregisters them when it is released.
 
@@ -1445,6 +1506,14 @@ bool iv_dtype(const c10::IValue& v, std::initializer_list<at::ScalarType> allowe
   return false;
 }
 
+// positions() for an op's argument list (normkit._row_args), which must have every name a field reads.
+template <size_t K>
+std::vector<int> op_positions(py::sequence names, const std::pair<const char*, int*> (&fields)[K], const char* op) {
+  std::vector<int> unread = positions(names, fields);
+  for (const auto& f : fields) TORCH_CHECK(*f.second >= 0, "normkit host path: ", op, " has no argument ", f.first);
+  return unread;
+}
+
 // The positions of row_norm_fused_fwd's arguments (row_norm_fwd's are its first eight), from the ops'
 // one definition, normkit._row_args, handed over once by _setup: the op kernels read arguments by
 // name. An argument this file does not read (an option added there later) must be None for a call
@@ -1464,10 +1533,30 @@ void set_row_op_args(py::sequence names) {
       {"residual_dtype", &r.residual_dtype}, {"weight_offset", &r.weight_offset}, {"out_dtype", &r.out_dtype},
       {"out_scale", &r.out_scale}, {"out_scale_value", &r.out_scale_value}, {"want_amax", &r.want_amax},
       {"mod_scale", &r.mod_scale}, {"mod_shift", &r.mod_shift}, {"gate", &r.gate}};
-  r.unread = positions(names, fields);
-  for (const auto& f : fields)
-    TORCH_CHECK(*f.second >= 0, "normkit host path: row_norm_fused_fwd has no argument ", f.first);
+  r.unread = op_positions(names, fields, "row_norm_fused_fwd");
   op_args = std::move(r);
+}
+
+// The positions of row_norm_fused_bwd's arguments (row_norm_bwd's are its first twelve), from
+// normkit._row_args as the forward's (set_row_op_args).
+struct RowBwdOpArgs {
+  int dy, x, ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend, weight_offset, dh,
+      dx_dtype, dres_dtype, mod_scale, mod_shift, dscale_dtype, dshift_dtype, gate;
+  std::vector<int> unread;
+};
+RowBwdOpArgs bwd_op_args{};
+
+void set_row_bwd_op_args(py::sequence names) {
+  RowBwdOpArgs r{};
+  const std::pair<const char*, int*> fields[] = {
+      {"dy", &r.dy}, {"x", &r.x}, {"normalized_ndim", &r.ndim}, {"weight", &r.weight}, {"bias", &r.bias},
+      {"mean", &r.mean}, {"rstd", &r.rstd}, {"rms", &r.rms}, {"activation", &r.activation},
+      {"dweight_dtype", &r.dweight_dtype}, {"dbias_dtype", &r.dbias_dtype}, {"backend", &r.backend},
+      {"weight_offset", &r.weight_offset}, {"dh", &r.dh}, {"dx_dtype", &r.dx_dtype}, {"dres_dtype", &r.dres_dtype},
+      {"mod_scale", &r.mod_scale}, {"mod_shift", &r.mod_shift}, {"dscale_dtype", &r.dscale_dtype},
+      {"dshift_dtype", &r.dshift_dtype}, {"gate", &r.gate}};
+  r.unread = op_positions(names, fields, "row_norm_fused_bwd");
+  bwd_op_args = std::move(r);
 }
 
 // row_norm_fwd and row_norm_fused_fwd (normkit._row_args): a[0..n) as the op's arguments (one that is
@@ -1529,37 +1618,173 @@ bool parse_gn_op(const c10::IValue* a, GnCall& c) {
   return finish_gn(c, /*autocast=*/false);
 }
 
+// Statistics an op was handed (mean, rstd): float32, contiguous, one per row or group, on dev.
+bool stats_ok(const Tensor& t, c10::Device dev, int64_t n) {
+  return t.device() == dev && t.layout() == c10::kStrided && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+         t.numel() == n && !t.key_set().has_any(bad_tensor_keys);
+}
+
+bool grad_ok(const Tensor& t, const Tensor& x) {  // a gradient the kernels read: x's shape, device
+  return tensor_ok(t, x.device()) && t.sizes() == x.sizes();
+}
+
+// row_norm_bwd and row_norm_fused_bwd (normkit._row_args): a[0..n) as the op's arguments, read as
+// normkit._library._bwd reads them; false where this path leaves the call to Python (any check the
+// Python implementation makes, or a case the plans do not take in place).
+bool parse_row_bwd_op(const c10::IValue* a, size_t n, bool fused, RowBwdCall& c) {
+  static const c10::IValue none;
+  const RowBwdOpArgs& p = bwd_op_args;
+  auto arg = [&](int i) -> const c10::IValue& { return static_cast<size_t>(i) < n ? a[i] : none; };
+  if (!arg(p.dy).isTensor() || !arg(p.x).isTensor() || !arg(p.rstd).isTensor() || !iv_backend(arg(p.backend)))
+    return false;
+  for (int i : p.unread)
+    if (!arg(i).isNone()) return false;
+  for (int i : {p.weight, p.bias, p.mean})
+    if (!arg(i).isNone() && !arg(i).isTensor()) return false;
+  c.dy = arg(p.dy).toTensor();
+  c.z = arg(p.x).toTensor();
+  c.w = iv_tensor(arg(p.weight));
+  c.b = iv_tensor(arg(p.bias));
+  c.rstd = arg(p.rstd).toTensor();
+  c.rms = arg(p.rms).toBool();
+  c.mean = c.rms ? Tensor() : iv_tensor(arg(p.mean));  // RMSNorm's is absent
+  c.act = iv_activation(arg(p.activation));
+  c.ndim = arg(p.ndim).toInt();
+  const std::initializer_list<at::ScalarType> floats = {at::kHalf, at::kBFloat16, at::kFloat};
+  if (c.act < 0 || !iv_dtype(arg(p.dweight_dtype), floats, c.dw_dtype) ||
+      !iv_dtype(arg(p.dbias_dtype), floats, c.db_dtype))
+    return false;
+  c.x_dtype = c.z.scalar_type();
+  if (fused) {
+    for (int i : {p.dh, p.mod_scale, p.mod_shift, p.gate})
+      if (!arg(i).isNone() && !arg(i).isTensor()) return false;
+    c.weight_offset = arg(p.weight_offset).toDouble();
+    c.dh = iv_tensor(arg(p.dh));
+    c.ms = iv_tensor(arg(p.mod_scale));
+    c.mt = iv_tensor(arg(p.mod_shift));
+    c.g = iv_tensor(arg(p.gate));
+    std::optional<at::ScalarType> dx_dtype;
+    if (!iv_dtype(arg(p.dx_dtype), floats, dx_dtype) || !iv_dtype(arg(p.dres_dtype), floats, c.r_dtype) ||
+        !iv_dtype(arg(p.dscale_dtype), floats, c.ds_dtype) || !iv_dtype(arg(p.dshift_dtype), floats, c.dt_dtype) ||
+        !std::isfinite(c.weight_offset))
+      return false;
+    if (dx_dtype) c.x_dtype = *dx_dtype;
+    if (c.r_dtype == c.x_dtype) c.r_dtype.reset();  // then dres is dx: the caller uses dx
+  }
+  c.need_dx = true;
+  c.need_dres = c.r_dtype.has_value();
+  c.need_dg = c.g.defined();
+  c.extra = c.ms.defined() || c.mt.defined() || c.g.defined();
+  // checks: the forward's (finish_row, finish_extra) on the tensors the backward reads
+  if (!modes_ok() || functorch_active()) return false;
+  const c10::Device dev = c.z.device();
+  const int64_t d = c.z.dim();
+  if (c.ndim < 1 || c.ndim > 16 || c.ndim > d || !tensor_ok(c.z, dev) || !grad_ok(c.dy, c.z)) return false;
+  if ((c.dh.defined() && !grad_ok(c.dh, c.z)) || (c.rms && c.b.defined())) return false;
+  if ((c.weight_offset != 0 && !c.w.defined()) || (c.dw_dtype && !c.w.defined())) return false;
+  if ((c.ds_dtype && !c.ms.defined()) || (c.dt_dtype && !c.mt.defined())) return false;
+  const c10::IntArrayRef shape = c.z.sizes().slice(d - c.ndim);
+  int64_t M = 1;
+  for (int64_t i = 0; i < d - c.ndim; i++) M *= c.z.size(i);
+  if (!stats_ok(c.rstd, dev, M) || (!c.rms && !stats_ok(c.mean, dev, M))) return false;
+  const int64_t heads = d > c.ndim + 1 ? c.z.size(d - c.ndim - 1) : 0;
+  const int64_t wr = param_rows_of(c.w, dev, shape, heads), br = param_rows_of(c.b, dev, shape, heads);
+  if (wr == 0 || br == 0 || (wr > 0 && br > 0 && (wr == 1) != (br == 1))) return false;  // mixed: Python expands
+  if (!c.extra) return true;
+  if (c.g.defined())  // the gated norm: no modulation, no dh, no residual (the backend's contract)
+    return !c.ms.defined() && !c.mt.defined() && !c.dh.defined() && !c.need_dres && aux_ok(c.g, dev) &&
+           c.g.sizes() == c.z.sizes();
+  if (wr > 1 || br > 1) return false;  // per head: not with the modulation
+  int64_t S[2] = {-1, -1}, per[2] = {-1, -1};
+  for (int i = 0; i < 2; i++) {
+    const Tensor& t = i ? c.mt : c.ms;
+    int64_t rows = 0, cols = 0, rs = 0;
+    if (t.defined() && (!aux_ok(t, dev) || t.dim() < c.ndim || t.dim() > 8 || t.sizes().slice(t.dim() - c.ndim) !=
+                        shape || !sample_rows(t, c.z, c.ndim, S[i], per[i]) || !rows_view(t, c.ndim, rows, cols, rs)))
+      return false;
+  }
+  return !(c.ms.defined() && c.mt.defined() && (S[0] != S[1] || per[0] != per[1]));
+}
+
+// group_norm_bwd(dy, x, num_groups, weight?, bias?, mean, rstd, activation?, dweight_dtype?, dbias_dtype?,
+// backend?), read as normkit._library._group_norm_bwd reads it.
+bool parse_gn_bwd_op(const c10::IValue* a, GnBwdCall& c) {
+  if (!a[0].isTensor() || !a[1].isTensor() || !a[5].isTensor() || !a[6].isTensor() || !iv_backend(a[10]))
+    return false;
+  const std::initializer_list<at::ScalarType> floats = {at::kHalf, at::kBFloat16, at::kFloat};
+  c.dy = a[0].toTensor();
+  c.x = a[1].toTensor();
+  c.groups = a[2].toInt();
+  c.w = iv_tensor(a[3]);
+  c.b = iv_tensor(a[4]);
+  c.mean = a[5].toTensor();
+  c.rstd = a[6].toTensor();
+  c.act = iv_activation(a[7]);
+  if (c.act < 0 || !iv_dtype(a[8], floats, c.dw_dtype) || !iv_dtype(a[9], floats, c.db_dtype)) return false;
+  if (!modes_ok() || functorch_active() || (c.dw_dtype && !c.w.defined())) return false;
+  const c10::Device dev = c.x.device();
+  if (c.x.dim() < 2 || !tensor_ok(c.x, dev) || !grad_ok(c.dy, c.x)) return false;
+  const int64_t B = c.x.size(0), C = c.x.size(1);
+  c.layout = gn_layout(c.x);
+  return c.groups > 0 && C % c.groups == 0 && c.layout >= 0 && param_ok(c.w, dev, C) && param_ok(c.b, dev, C) &&
+         stats_ok(c.mean, dev, B * c.groups) && stats_ok(c.rstd, dev, B * c.groups);
+}
+
+// The calls the op kernels serve: CUDA tensors, or CPU ones in the tests without a GPU (cpu_calls:
+// then every call runs the Python host functions, never a plan).
+bool served(const Tensor& x) { return x.is_cuda() || cpu_calls; }
+
 // An absent output as the ops return it: an empty 1-D tensor (a custom op cannot return None).
-Tensor absent(at::ScalarType dtype) { return alloc({0}, dtype); }
+Tensor absent(const Tensor& like, at::ScalarType dtype) {
+  return like.is_cuda() ? alloc({0}, dtype) : at::empty({0}, like.options().dtype(dtype));
+}
 
 // Serves one call of op K from the stack's arguments a[0..n), or returns false (nothing done).
 template <int K>
 bool serve_op(const c10::IValue* a, torch::jit::Stack* stack, size_t n) {
+  Tensor outs[kMaxOuts];
   if constexpr (K == kRowFwd || K == kRowFusedFwd) {
     RowCall c;
-    if (!parse_row_op(a, n, K == kRowFusedFwd, c) || !c.x.is_cuda()) return false;
-    Tensor outs[kMaxOuts];  // y, mean, rstd, h, amax
-    row_forward(c, /*store_stats=*/true, /*store_h=*/c.r.defined(), outs);
+    if (!parse_row_op(a, n, K == kRowFusedFwd, c) || !served(c.x)) return false;
+    row_forward(c, /*store_stats=*/true, /*store_h=*/c.r.defined(), outs);  // y, mean, rstd, h, amax
     const at::ScalarType stat = outs[3].scalar_type();
-    Tensor mean = outs[2].defined() ? outs[2] : absent(stat);
+    Tensor mean = outs[2].defined() ? outs[2] : absent(c.x, stat);
     torch::jit::drop(*stack, n);
     stack->emplace_back(std::move(outs[1]));
-    if (K == kRowFusedFwd) stack->emplace_back(outs[4].defined() ? outs[4] : absent(c.x.scalar_type()));
+    if (K == kRowFusedFwd) stack->emplace_back(outs[4].defined() ? outs[4] : absent(c.x, c.x.scalar_type()));
     stack->emplace_back(std::move(mean));
     stack->emplace_back(std::move(outs[3]));
-    if (K == kRowFusedFwd) stack->emplace_back(outs[5].defined() ? outs[5] : absent(stat));
-    return true;
+    if (K == kRowFusedFwd) stack->emplace_back(outs[5].defined() ? outs[5] : absent(c.x, stat));
   } else if constexpr (K == kGnFwd) {
     GnCall c;
-    if (!parse_gn_op(a, c) || !c.x.is_cuda()) return false;
-    Tensor outs[kMaxOuts];
+    if (!parse_gn_op(a, c) || !served(c.x)) return false;
     gn_forward(c, outs);
     torch::jit::drop(*stack, n);
     for (int i = 1; i <= 3; i++) stack->emplace_back(std::move(outs[i]));
-    return true;
+  } else if constexpr (K == kRowBwd || K == kRowFusedBwd) {
+    RowBwdCall c;
+    Key key;
+    if (!parse_row_bwd_op(a, n, K == kRowFusedBwd, c) || !served(c.z) || !row_bwd_key(c, key)) return false;
+    row_backward(c, key, outs);
+    // as normkit._library._bwd returns them: an absent gradient is an empty tensor of x's dtype
+    auto out = [&](int role) { return outs[role].defined() ? std::move(outs[role]) : absent(c.z, c.z.scalar_type()); };
+    torch::jit::drop(*stack, n);
+    stack->emplace_back(out(1));  // dx
+    if (K == kRowFusedBwd) stack->emplace_back(out(4));  // dres in its own dtype
+    stack->emplace_back(out(2));
+    stack->emplace_back(out(3));
+    if (K == kRowFusedBwd)
+      for (int role : {5, 6, 7}) stack->emplace_back(out(role));  // dscale, dshift, dgate
   } else {
-    return false;  // the backward ops: their Python implementation (see the module notes)
+    static_assert(K == kGnBwd);
+    GnBwdCall c;
+    if (!parse_gn_bwd_op(a, c) || !served(c.x)) return false;
+    gn_backward(c, outs);
+    torch::jit::drop(*stack, n);
+    stack->emplace_back(std::move(outs[1]));
+    for (int role : {2, 3}) stack->emplace_back(outs[role].defined() ? std::move(outs[role]) : absent(c.x, c.x.scalar_type()));
   }
+  return true;
 }
 
 // A boxed argument as the op's Python implementation takes it (dtypes arrive as integers).
@@ -1656,7 +1881,7 @@ py::capsule register_ops(py::dict impls, const std::string& device) {
 }
 
 // Test hook: what op `name`'s kernel makes of a call (the Python arguments as the op takes them):
-// the forward's plan key, or None where it leaves the call to Python. Any device.
+// its plan key (group_norm_bwd: True), or None where it leaves the call to Python. Any device.
 py::object parse_op(const std::string& name, py::args args) {
   std::vector<c10::IValue> a;
   for (auto o : args) {
@@ -1683,7 +1908,17 @@ py::object parse_op(const std::string& name, py::args args) {
     if (!parse_gn_op(a.data(), c)) return py::none();
     return py::cast(gn_fwd_key(c).list());
   }
-  return py::none();
+  if (name == "row_norm_bwd" || name == "row_norm_fused_bwd") {
+    const bool fused = name == "row_norm_fused_bwd";
+    TORCH_CHECK(a.size() >= 12u && (fused || a.size() == 12u), "parse_op: arguments");
+    RowBwdCall c;
+    Key key;
+    if (!parse_row_bwd_op(a.data(), a.size(), fused, c) || !row_bwd_key(c, key)) return py::none();
+    return py::cast(key.list());
+  }
+  TORCH_CHECK(name == "group_norm_bwd" && a.size() == 11u, "parse_op: ", name, " with ", a.size(), " arguments");
+  GnBwdCall c;
+  return parse_gn_bwd_op(a.data(), c) ? py::cast(true) : py::none();
 }
 
 // ----------------------------------------------------------------------------- module
@@ -1767,6 +2002,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_gn_layout", [](const Tensor& t) { return gn_layout(t); });
   m.def("_register_ops", &register_ops);
   m.def("_set_row_op_args", &set_row_op_args);  // _setup's; tests add an argument the kernels do not read
+  m.def("_set_row_bwd_op_args", &set_row_bwd_op_args);
   m.def("_serve_cpu_calls", [](py::dict cbs, bool on) {  // tests without a GPU (cpu_calls)
     if (!callbacks) set_callbacks(cbs);
     cpu_calls = on;
@@ -1795,3 +2031,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     cache.clear();
   });
 }
+

@@ -300,8 +300,8 @@ def _run(record: bool, fn, inputs, check):
     return outs, plan, why
 
 
-def _contiguous_like(a, p, what: str) -> None:
-    _require(a is None or (a.is_contiguous() and a.numel() == p.numel()), f"{what} is not a contiguous buffer "
+def _contiguous_like(a, numel: int, what: str) -> None:
+    _require(a is None or (a.is_contiguous() and a.numel() == numel), f"{what} is not a contiguous buffer "
              "of its input's size")
 
 
@@ -325,42 +325,49 @@ def row_fwd(x, weight, bias, residual, scale, mod_scale, mod_shift, gate, ndim, 
         return y, mean, rstd, h, amax
 
     def check(y2, mean2, rstd2, h2, amax2):
-        _contiguous_like(y2, x, "y")
-        _contiguous_like(h2, x, "h")
+        _contiguous_like(y2, x.numel(), "y")
+        _contiguous_like(h2, x.numel(), "h")
 
     outs, plan, why = _run(record, fn, (x, weight, bias, residual, scale) + extra, check)
     return (*outs, plan, why)
 
 
-def row_bwd(dy, dh, x, weight, bias, mean, rstd, ndim, rms, act, needs, weight_offset, x_dtype, residual_dtype,
-            record, *extra):
+def row_bwd(dy, dh, x, weight, bias, mean, rstd, ndim, rms, act, needs, param_dtypes, weight_offset, x_dtype,
+            residual_dtype, record, *extra):
     """LayerNorm/RMSNorm backward as the Python path runs it (_autograd.row_norm_backward_fused):
     x is what was normalized (h with a residual; the ungated input with a gate), dh h's gradient or
-    None, needs (x, weight, bias, residual). Returns (the first gradient buffer the kernel writes: dx,
-    or dresidual when only it is wanted; dweight or None; dbias or None; a second buffer: dresidual
-    in another dtype than dx, or None; plan, why). extra, for a call with the modulation or a gate:
-    (mod_scale, mod_shift, (dscale dtype, dshift dtype: None where not wanted), gate, need_dgate);
-    then dscale, dshift and dgate (None where not wanted) follow the four buffers, and the plan's
-    inputs are dy, x, weight, bias, mean, rstd, dh, mod_scale, mod_shift, gate."""
+    None, needs (x, residual), param_dtypes the dtypes of dweight and dbias (None: not wanted; dbias
+    may be wanted without the bias, which the kernels read only with an activation). Returns (the
+    first gradient buffer the kernel writes: dx, or dresidual when only it is wanted; dweight or None;
+    dbias or None; a second buffer: dresidual in another dtype than dx, or None; plan, why). extra,
+    for a call with the modulation or a gate: (mod_scale, mod_shift, (dscale dtype, dshift dtype:
+    None where not wanted), gate, need_dgate); then dscale, dshift and dgate (None where not wanted)
+    follow the four buffers, and the plan's inputs are dy, x, weight, bias, mean, rstd, dh, mod_scale,
+    mod_shift, gate."""
     mod_scale, mod_shift, mod_dtypes, gate, need_dgate = extra or (None, None, (None, None), None, False)
+    need_dx, need_dres = needs
+    dw_dtype, db_dtype = param_dtypes
 
     def fn():
         dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_backward_fused(
-            tb, dy, x, weight, bias, mean, rstd, ndim, rms, act, tuple(needs), weight_offset=weight_offset, dh=dh,
-            x_dtype=x_dtype, residual_dtype=residual_dtype, mod_scale=mod_scale, mod_shift=mod_shift,
-            mod_dtypes=tuple(mod_dtypes), gate=gate, need_dgate=need_dgate)
+            tb, dy, x, weight, bias, mean, rstd, ndim, rms, act,
+            (need_dx, dw_dtype is not None, db_dtype is not None, need_dres), weight_offset=weight_offset, dh=dh,
+            x_dtype=x_dtype, residual_dtype=residual_dtype, param_dtypes=(dw_dtype, db_dtype), mod_scale=mod_scale,
+            mod_shift=mod_shift, mod_dtypes=tuple(mod_dtypes), gate=gate, need_dgate=need_dgate)
         first = dx if dx is not None else dres
         return (first, dw, db, (dres if dres is not None and dres is not first else None)) + \
             ((ds, dt, dg) if extra else ())
 
+    n_params = next((p.numel() for p in (weight, bias) if p is not None), math.prod(x.shape[x.dim() - ndim:]))
+
     def check(first, dw, db, second, ds=None, dt=None, dg=None):
-        _contiguous_like(first, x, "dx")
-        _contiguous_like(second, x, "dresidual")
-        _contiguous_like(dw, weight, "dweight")
-        _contiguous_like(db, bias, "dbias")
-        _contiguous_like(ds, mod_scale, "dscale")
-        _contiguous_like(dt, mod_shift, "dshift")
-        _contiguous_like(dg, x, "dgate")
+        _contiguous_like(first, x.numel(), "dx")
+        _contiguous_like(second, x.numel(), "dresidual")
+        _contiguous_like(dw, n_params, "dweight")
+        _contiguous_like(db, n_params, "dbias")
+        _contiguous_like(ds, mod_scale.numel() if mod_scale is not None else 0, "dscale")
+        _contiguous_like(dt, mod_shift.numel() if mod_shift is not None else 0, "dshift")
+        _contiguous_like(dg, x.numel(), "dgate")
 
     # the bias only recomputes act's input, or with a scale the affine output dscale sums
     inputs = (dy, x, weight, bias if act or mod_scale is not None else None, mean, rstd, dh)
@@ -376,17 +383,20 @@ def gn_fwd(x, weight, bias, num_groups, eps, act, channels_last, record):
     return (*outs, plan, why)
 
 
-def gn_bwd(dy, x, weight, bias, mean, rstd, num_groups, act, need_dw, need_db, channels_last, record):
-    """GroupNorm backward, dy in x's layout: (dx, dweight [C] or None, dbias [C] or None, plan, why)."""
+def gn_bwd(dy, x, weight, bias, mean, rstd, num_groups, act, param_dtypes, channels_last, record):
+    """GroupNorm backward, dy in x's layout: (dx, dweight [C] or None, dbias [C] or None, plan, why).
+    param_dtypes: the dtypes of dweight and dbias (None: not wanted; dbias may be wanted without the
+    bias, which the kernels read only with an activation)."""
     x3 = bcs(x, channels_last)
 
     def check(dx3, dw, db):
         _require(dx3.stride() == x3.stride(), "dx is not laid out as x")
-        _contiguous_like(dw, weight, "dweight")
-        _contiguous_like(db, bias, "dbias")
+        _contiguous_like(dw, x.shape[1], "dweight")
+        _contiguous_like(db, x.shape[1], "dbias")
 
     outs, plan, why = _run(record, lambda: _autograd.group_norm_backward(
-        tb, dy, x, weight, bias, mean, rstd, num_groups, act, (True, need_dw, need_db)),
+        tb, dy, x, weight, bias, mean, rstd, num_groups, act, (True,) + tuple(d is not None for d in param_dtypes),
+        tuple(param_dtypes)),
         (dy, x, weight, bias if act else None, mean, rstd), check)
     return (*outs, plan, why)
 

@@ -366,6 +366,16 @@ class _Case:
     times: list = None
     host: list = None
     recompiles: int = 0
+    op_calls: tuple = (0, 0, 0)  # over the timed steps: normkit op calls in C++, in Python; the steps
+
+
+def _op_calls() -> tuple:
+    """normkit's custom-op calls so far (compiled code calls them): (served by the C++ host path,
+    left to Python: the op's implementation or its autograd)."""
+    from .. import _host
+
+    st = _host.stats()
+    return st.get("op_served", 0), st.get("op_python", 0) + st.get("op_autograd_python", 0)
 
     def fail(self, e: BaseException) -> None:
         self.notes.insert(0, f"error: {first_line(e)}")
@@ -399,7 +409,9 @@ def _start(c: _Case, spec, base, size: dict, batch, ref, s: Settings) -> None:
 def _round(c: _Case, s: Settings) -> None:
     """One turn of a variant: timed steps back to back, then one host trial on a GPU."""
     before = dynamo_counts()[0]
+    ops = _op_calls()
     c.times += time_steps(c.work, s.steps.per_round, s.device)
+    c.op_calls = tuple(a + b - o for a, b, o in zip(c.op_calls, _op_calls() + (s.steps.per_round,), ops + (0,)))
     if s.device == "cuda":
         c.host.append(host_trial_ms(c.work, spin_ms_for(statistics.median(c.times)), s.spin_cycles_per_ms))
     c.recompiles += dynamo_counts()[0] - before
@@ -420,6 +432,9 @@ def _finish(c: _Case, spec, size: dict, s: Settings) -> None:
         r.norm_share = norm / total if total > 0 else None
     if c.recompiles:
         c.notes.append(f"dynamo compiled {c.recompiles} more graph(s) while timed: recompiles")
+    served, python, steps = c.op_calls
+    if served or python:  # the compiled code kept normkit's ops: where their calls ran
+        c.notes.append(f"normkit op calls per step: {served / steps:g} in C++, {python / steps:g} in Python")
 
 
 def run_variants(spec, base, size: dict, mode: str, exe: str, variants, batch, ref, s: Settings,
