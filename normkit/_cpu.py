@@ -139,14 +139,16 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
     if k > 1:  # rows of the flattened normalized dims, parameters flat, as the general path passes them
         x, residual = x.flatten(-k), None if residual is None else residual.flatten(-k)
         weight, bias = None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1)
-    opts = RowOptions(None if residual is None else (residual_dtype or residual.dtype), float(weight_offset),
-                      None if out_dtype == x.dtype else out_dtype)
-    if needs_autograd(x, weight, bias, residual):
-        y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, PLAIN if opts == PLAIN else opts)
+    h_dtype = None if residual is None else (residual_dtype or residual.dtype)
+    weight_offset, out_dtype = float(weight_offset), None if out_dtype == x.dtype else out_dtype
+    if needs_autograd(x, weight, bias, residual):  # RowOptions only here: a dataclass costs a microsecond
+        opts = PLAIN if h_dtype is None and not weight_offset and out_dtype is None else \
+            RowOptions(h_dtype, weight_offset, out_dtype)
+        y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, opts)
     else:
         y, _, _, h, _ = _tb.row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=False,
-                                               residual=residual, h_dtype=opts.residual_dtype, store_h=prenorm,
-                                               weight_offset=opts.weight_offset, out_dtype=opts.out_dtype)
+                                               residual=residual, h_dtype=h_dtype, store_h=prenorm,
+                                               weight_offset=weight_offset, out_dtype=out_dtype)
     if k > 1:
         y, h = y.unflatten(-1, shape), None if h is None else h.unflatten(-1, shape)
     return (y, h) if prenorm else y

@@ -922,6 +922,9 @@ def _closest(module, module_terms: dict, xs, names, present, eps: dict, shape, s
             f"where the closest style, {style.name}, computes {_show(b)}")
 
 
+_TORCH_STYLES = {nn.LayerNorm: "ln", nn.RMSNorm: "rms", nn.GroupNorm: "gn"}
+
+
 def _style_of(cls_or_module) -> Optional[str]:
     """What a norm class or module computes: "ln", "rms", "gn" (torch's modules and subclasses that
     keep torch's forward), a name of _STYLES ("llama", "gemma", "olmo2", "t5", ...) where it computes
@@ -929,11 +932,14 @@ def _style_of(cls_or_module) -> Optional[str]:
     mode), else None. A patched class or module answers from its plan (no probing); an unpatched
     module is probed (cached); an unpatched class answers from the modules of it probed so far."""
     cls = cls_or_module if isinstance(cls_or_module, type) else type(cls_or_module)
+    style = _TORCH_STYLES.get(cls)  # torch's own classes: the common case, asked at every fused block's call
+    if style is not None:
+        return style
     plan = cls.__dict__.get("_normkit_plan")
     if plan is not None:
         return plan.style
     original = getattr(cls, "_normkit_original", None) or cls
-    for torch_cls, style in ((nn.LayerNorm, "ln"), (nn.RMSNorm, "rms"), (nn.GroupNorm, "gn")):
+    for torch_cls, style in _TORCH_STYLES.items():
         if issubclass(original, torch_cls) and original.forward is torch_cls.forward:
             return style
     if isinstance(cls_or_module, type) or original is not cls:
