@@ -45,7 +45,11 @@ def transforms_active() -> bool:
 
 def needs_autograd(*tensors) -> bool:
     """Grad mode is on and one of `tensors` (None allowed) requires a gradient."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any(generator): asked at every eager call
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 @dataclass(frozen=True)

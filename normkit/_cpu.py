@@ -32,17 +32,21 @@ from .reference import ACTIVATIONS, default_rms_eps
 
 _FLOAT = _tb.DTYPES
 _PLAIN = _library._PLAIN
-_needed = _library.needed
+_is_compiling, _dispatch_modes = _library._is_compiling, _library._dispatch_modes
 
 
 def _param(p, shape) -> bool:
+    """None, or a plain CPU float tensor of that shape (a subclass, such as DTensor, takes the custom op)."""
     return p is None or (type(p) in _PLAIN and p.is_cpu and p.dtype in _FLOAT and p.shape == shape)
 
 
-def _eligible(x, backend, activation, eps, *tensors) -> bool:
-    return backend is None and x.dtype in _FLOAT and type(eps) is float and \
-        (activation is None or activation in ACTIVATIONS) and x.numel() > 0 and not _needed(x, *tensors) and \
-        not transforms_active() and not torch.is_autocast_enabled("cpu")
+def _eligible(x, backend, activation, eps) -> bool:
+    """An eager call of the default backend on a float x with elements, outside torch.compile, dispatch
+    modes, torch.func transforms, forward AD and CPU autocast (x is a plain tensor, the parameters
+    passed _param). One expression: at model sizes these checks are a good part of the call."""
+    return backend is None and type(eps) is float and x.dtype in _FLOAT and \
+        (activation is None or activation in ACTIVATIONS) and x.numel() > 0 and not _is_compiling() and \
+        not _dispatch_modes() and not transforms_active() and not torch.is_autocast_enabled("cpu")
 
 
 class CpuRowNorm(torch.autograd.Function):
@@ -107,22 +111,22 @@ _group_apply = super(torch.autograd.Function, CpuGroupNorm).apply
 def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
              weight_offset, out_dtype):
     """y (or (y, h) with prenorm) of a CPU LayerNorm/RMSNorm call, or None: not served here."""
-    if type(normalized_shape) is int:
-        if x.dim() == 0 or not 0 < normalized_shape == x.shape[-1]:
-            return None
+    kind = type(normalized_shape)
+    if kind is int:
         shape = (normalized_shape,)
-    elif type(normalized_shape) in (tuple, torch.Size) and normalized_shape and \
-            all(type(s) is int and s > 0 for s in normalized_shape) and x.dim() >= len(normalized_shape) and \
-            x.shape[x.dim() - len(normalized_shape):] == normalized_shape:
+    elif kind is torch.Size or (kind is tuple and all(type(s) is int for s in normalized_shape)):
         shape = tuple(normalized_shape)
     else:
+        return None
+    k = len(shape)
+    # x's trailing sizes (positive: _eligible asks for elements)
+    if not k or x.dim() < k or x.shape[x.dim() - k:] != shape:
         return None
     if rms and eps is None:
         eps = default_rms_eps(x.dtype)
     elif not rms and math.prod(shape) == 1:
         return None
-    if not (_param(weight, shape) and _param(bias, shape) and _eligible(x, backend, activation, eps, weight, bias,
-                                                                        residual)):
+    if not (_param(weight, shape) and _param(bias, shape) and _eligible(x, backend, activation, eps)):
         return None
     if type(weight_offset) not in (int, float) or (weight_offset and (weight is None or
                                                                         not math.isfinite(weight_offset))):
@@ -135,7 +139,6 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
     elif not (_param(residual, x.shape) and type(prenorm) is bool and (residual_dtype is None or
                                                                         residual_dtype in _FLOAT)):
         return None
-    k = len(shape)
     if k > 1:  # rows of the flattened normalized dims, parameters flat, as the general path passes them
         x, residual = x.flatten(-k), None if residual is None else residual.flatten(-k)
         weight, bias = None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1)
@@ -160,7 +163,7 @@ def group_norm(x, num_groups, weight, bias, eps, activation, backend):
         return None
     c = x.shape[1:2]
     if not (_param(weight, c) and _param(bias, c) and x.is_contiguous() and
-            _eligible(x, backend, activation, eps, weight, bias)) or x.numel() <= x.shape[0] * num_groups:
+            _eligible(x, backend, activation, eps)) or x.numel() <= x.shape[0] * num_groups:
         return None
     x3 = x if x.dim() == 3 else x.view(x.shape[0], x.shape[1], -1)
     if needs_autograd(x, weight, bias):
