@@ -89,20 +89,15 @@ def _op_of(style) -> Optional[str]:
     return _patch._STYLE_OPS.get(style)
 
 
+_ACT_NAMES = {nn.SiLU: "silu", nn.Mish: "mish", nn.ReLU: "relu"}
+_GELU_NAMES = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
 def _act_name(module) -> Optional[str]:
     """normkit's name for an activation module computing exactly that activation, else None."""
-    if "forward" in getattr(module, "__dict__", {}):
-        return None
     t = type(module)
-    if t is nn.SiLU:
-        return "silu"
-    if t is nn.Mish:
-        return "mish"
-    if t is nn.ReLU:
-        return "relu"
-    if t is nn.GELU:
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
-    return None
+    name = _GELU_NAMES.get(module.approximate) if t is nn.GELU else _ACT_NAMES.get(t)
+    return None if name is None or "forward" in module.__dict__ else name
 
 
 def _hooked(*modules) -> bool:
@@ -111,8 +106,10 @@ def _hooked(*modules) -> bool:
     if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks or \
             g._global_backward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in modules)
+    for m in modules:  # a loop, not any(generator): asked at every fused block's call
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+    return False
 
 
 def _autocast_fp32(x: torch.Tensor) -> bool:

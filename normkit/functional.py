@@ -401,9 +401,16 @@ def _plain(residual, prenorm, residual_dtype, weight_offset, out_dtype, out_scal
 def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
               weight_offset, out_dtype, out_scale, return_amax, autocast: bool, mod_scale=None, mod_shift=None,
               gate=None):
-    """The C++ host path's output (y, or the tuple of _outputs), or None where it does not serve the call.
-    The adaLN modulation (mod_scale, mod_shift) and the gate are passed only when given: the common call
-    keeps the shorter argument list."""
+    """The output (y, or the tuple of _outputs) of the CPU fast path (plain CPU calls: torch's own ops,
+    normkit/_cpu.py) or of the C++ host path, or None where neither serves the call. The adaLN
+    modulation (mod_scale, mod_shift) and the gate are passed only when given: the common call keeps
+    the shorter argument list."""
+    if type(x) is torch.Tensor and x.is_cpu and mod_scale is None and mod_shift is None and gate is None and \
+            out_scale is None and return_amax is False:  # first: the host path serves no CPU call outside tests
+        y = _cpu.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
+                          residual_dtype, weight_offset, out_dtype)
+        if y is not None:
+            return y
     fast = _host.fast
     if fast is None or _is_compiling():
         return None
@@ -418,12 +425,6 @@ def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, 
 def _fused_row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
                     residual_dtype, weight_offset, out_dtype, out_scale, return_amax, autocast: bool, scale=None,
                     shift=None, gate=None):
-    if type(x) is torch.Tensor and x.is_cpu and scale is None and shift is None and gate is None and \
-            out_scale is None and return_amax is False:  # torch's own ops for plain arguments (normkit/_cpu.py)
-        y = _cpu.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
-                          residual_dtype, weight_offset, out_dtype)
-        if y is not None:
-            return y
     op = "rms_norm" if rms else "layer_norm"
     if rms:
         _check_tensor(x, "x")

@@ -132,13 +132,12 @@ def _native_cpu(x, weight, bias) -> bool:
     return x.is_cpu and x.numel() > 0 and (weight is None or weight.dim() == 1) and (bias is None or bias.dim() == 1)
 
 
-_INF = float("inf")
-
-
 def _centred(mean, rstd) -> bool:
     """Every row's (group's) mean within one standard deviation of zero (False for NaN statistics):
-    torch's kernel on the unshifted data is then as exact as on shifted data."""
-    return torch.linalg.vector_norm(mean * rstd, _INF).item() <= 1.0
+    torch's kernel on the unshifted data is then as exact as on shifted data. aminmax: one pass, and
+    cheaper than vector_norm's inf-norm (3.2 vs 3.6 us at 64 rows, 4.3 vs 14.6 at 4096)."""
+    lo, hi = torch.aminmax(mean * rstd)
+    return -1.0 <= lo.item() and hi.item() <= 1.0
 
 
 def _shifted(xf):
@@ -192,7 +191,8 @@ def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype
 def _native_group_norm(x, num_groups, weight, bias, eps):
     """(y in the compute dtype, mean, rstd) of a contiguous x [B, C, S]."""
     B, C, S = x.shape
-    xf, w, b = _to(x, _acc(x)), _to(weight, _acc(x)), _to(bias, _acc(x))
+    acc = _acc(x)
+    xf, w, b = _to(x, acc), _to(weight, acc), _to(bias, acc)
     y, mean, rstd = torch.native_group_norm(xf, w, b, B, C, S, num_groups, eps)
     if not _centred(mean, rstd):
         xs, shift = _shifted(xf.view(B, num_groups, -1))
