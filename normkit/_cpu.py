@@ -13,9 +13,9 @@ same bits; with autograd, through slim autograd.Functions whose backward is RowN
 GroupNormFn's own (torch's backward kernels; the differentiable closed form for create_graph).
 Only the default backend (backend=None) is served: backend="torch" names the general path to the
 same functions, which its tests exercise. Served: LayerNorm, RMSNorm with residual / prenorm /
-residual_dtype, weight_offset, activation, out_dtype (not float8); GroupNorm of contiguous x with
-activation. Not served: float8 out, return_amax, scale/shift, gate, per-head weights, empty tensors,
-one-element rows (LayerNorm) and groups, channels_last GroupNorm, a backend named, torch.compile,
+residual_dtype, weight_offset, activation, out_dtype (not float8); GroupNorm of contiguous or
+channels_last x with activation. Not served: float8 out, return_amax, scale/shift, gate, per-head weights, empty tensors,
+one-element rows (LayerNorm) and groups, a backend named, torch.compile,
 dispatch modes, tensor subclasses, torch.func transforms and forward AD, CPU autocast.
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ class CpuRowNorm(torch.autograd.Function):
 
 
 class CpuGroupNorm(torch.autograd.Function):
-    """GroupNormFn without its statistics outputs, for a contiguous x [B, C, S]."""
+    """GroupNormFn without its statistics outputs, for x [B, C, S] (contiguous, or a channels_last x's view)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, num_groups, eps, activation, backend):
@@ -162,8 +162,11 @@ def group_norm(x, num_groups, weight, bias, eps, activation, backend):
     if x.dim() < 2 or type(num_groups) is not int or num_groups <= 0 or x.shape[1] % num_groups:
         return None
     c = x.shape[1:2]
-    if not (_param(weight, c) and _param(bias, c) and x.is_contiguous() and
-            _eligible(x, backend, activation, eps)) or x.numel() <= x.shape[0] * num_groups:
+    # contiguous, or channels_last (its [B, C, H*W] view: channels innermost; the output keeps the format);
+    # after _eligible: under vmap, is_contiguous(memory_format=) raises
+    if not (_param(weight, c) and _param(bias, c) and _eligible(x, backend, activation, eps) and (
+            x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)))) or \
+            x.numel() <= x.shape[0] * num_groups:
         return None
     x3 = x if x.dim() == 3 else x.view(x.shape[0], x.shape[1], -1)
     if needs_autograd(x, weight, bias):

@@ -85,15 +85,19 @@ def test_row_norms_match_the_oracle(op, case, dtype, offset, served):
 @pytest.mark.parametrize("offset", [0.0, 1e4], ids=["centred", "offset1e4"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("activation", [None, "mish"])
-@pytest.mark.parametrize("shape", [(2, 32, 16), (3, 8, 5, 7), (2, 16)], ids=["1d", "2d", "no-spatial"])
-def test_group_norm_matches_the_oracle(shape, activation, dtype, offset, served):
+@pytest.mark.parametrize("shape, layout", [((2, 32, 16), None), ((3, 8, 5, 7), None),
+                                           ((3, 8, 5, 7), torch.channels_last), ((2, 16), None)],
+                         ids=["1d", "2d", "2d-channels-last", "no-spatial"])
+def test_group_norm_matches_the_oracle(shape, layout, activation, dtype, offset, served):
     # each group at its own offset: a shift by one value per sample would not keep them exact
     g = torch.arange(4, dtype=torch.float64).repeat_interleave(shape[1] // 4).reshape(1, shape[1], *[1] * (len(shape) - 2))
-    x = (offset * (1 + g) + randn(*shape, dtype=torch.float64)).to(dtype).requires_grad_()
+    x = (offset * (1 + g) + randn(*shape, dtype=torch.float64)).to(dtype)
+    x = (x if layout is None else x.contiguous(memory_format=layout)).requires_grad_()
     p_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
     w, b = randn(shape[1], dtype=p_dtype).requires_grad_(), randn(shape[1], dtype=p_dtype).requires_grad_()
     y = normkit.group_norm(x, 4, w, b, 1e-5, activation=activation)
     assert served["group"] == 1 and y.dtype == dtype
+    assert y.is_contiguous(memory_format=layout or torch.contiguous_format), "the memory format is kept"
     err = assert_close(y, ref.group_norm(x, 4, w, b, 1e-5, activation)[0], _tol(dtype, offset), "y")
     if offset and dtype == torch.float32:
         assert err < 1e-5, f"offset groups: {err:.3g} (shifted statistics keep ~1e-7)"
@@ -165,5 +169,5 @@ def test_calls_it_does_not_serve_take_the_general_path(served):
     normkit.rms_norm(x, 16, w, return_amax=True)
     normkit.layer_norm(x, 16, randn(2, 16))  # per-head weight
     normkit.layer_norm(x, 16, w, scale=randn(4, 16))
-    normkit.group_norm(randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last), 4)
+    normkit.group_norm(randn(2, 8, 4, 4).permute(0, 1, 3, 2), 4)  # neither contiguous nor channels_last
     assert served == {"row": 0, "group": 0}

@@ -189,10 +189,11 @@ def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype
 
 
 def _native_group_norm(x, num_groups, weight, bias, eps):
-    """(y in the compute dtype, mean, rstd) of a contiguous x [B, C, S]."""
+    """(y in the compute dtype, contiguous, mean, rstd) of x [B, C, S] in any layout (torch's kernel
+    reads [B, C, S] contiguously: a channels_last x is copied once, as it copies it itself)."""
     B, C, S = x.shape
     acc = _acc(x)
-    xf, w, b = _to(x, acc), _to(weight, acc), _to(bias, acc)
+    xf, w, b = _to(x, acc).contiguous(), _to(weight, acc), _to(bias, acc)
     y, mean, rstd = torch.native_group_norm(xf, w, b, B, C, S, num_groups, eps)
     if not _centred(mean, rstd):
         xs, shift = _shifted(xf.view(B, num_groups, -1))
@@ -219,7 +220,7 @@ def _channel_affine(z, weight, bias):
 def _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
     B, C, S = x.shape
     acc = _acc(x)
-    xs, mean_s = _centred_or_shifted(_to(x, acc).view(B, num_groups, -1), _to(mean, acc).unsqueeze(-1),
+    xs, mean_s = _centred_or_shifted(_to(x, acc).contiguous().view(B, num_groups, -1), _to(mean, acc).unsqueeze(-1),
                                      _to(rstd, acc).unsqueeze(-1), -1)
     rstd, dy, w = _to(rstd, acc), _to(dy, acc), _to(weight, acc)
     if activation is not None:  # dy through the activation at the recomputed pre-activation value
@@ -367,7 +368,7 @@ def _channel_vec(p, num_groups, S, acc):
 def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
     acc = _acc(x)
     B, C, S = x.shape
-    if x.is_contiguous() and _native_cpu(x, weight, bias):
+    if _native_cpu(x, weight, bias):
         y, mean, rstd = _native_group_norm(x, num_groups, weight, bias, eps)
         if activation is not None:  # in fp32: one rounding to x's dtype
             y = _ACTIVATIONS[activation](y)
@@ -392,7 +393,7 @@ def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
 def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
     acc = _acc(x)
     B, C, S = x.shape
-    if x.is_contiguous() and C // num_groups * S > 1 and _native_cpu(x, weight, bias):
+    if C // num_groups * S > 1 and _native_cpu(x, weight, bias):
         dx, dw, db = _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype,
                                             dbias_dtype)
         return _like(x, dx), dw, db
