@@ -109,6 +109,29 @@ def test_group_norm_matches_the_oracle(shape, layout, activation, dtype, offset,
     assert_close(db, db_ref, max(param_tol(b.dtype, dtype), _tol(dtype, offset)), "dbias")
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm"])
+def test_one_offset_row_or_group_among_centred_ones(op, served):
+    """The centring check looks at every row (group): one offset by 1e4 among centred ones still gets
+    the shifted kernel, forward and backward (the unshifted kernel loses 3e-4 on it)."""
+    if op == "layer_norm":
+        x, w, b = randn(64, 96), randn(96), randn(96)
+        x[37] += 1e4
+        fn = lambda t: normkit.layer_norm(t, 96, w, b)  # noqa: E731
+        ref_fn = lambda t: ref.layer_norm(t, (96,), w, b)[0]  # noqa: E731
+    else:
+        x, w, b = randn(3, 16, 40), randn(16), randn(16)
+        x[2, 8:12] += 1e4  # sample 2's group 2
+        fn = lambda t: normkit.group_norm(t, 4, w, b, activation="mish")  # noqa: E731
+        ref_fn = lambda t: ref.group_norm(t, 4, w, b, 1e-5, "mish")[0]  # noqa: E731
+    x.requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    y, y_ref = fn(x), ref_fn(x64)
+    assert served["row" if op == "layer_norm" else "group"] == 1
+    assert_close(y, y_ref, 1e-5, f"{op} y")
+    dy = randn(*x.shape)
+    assert_close(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(y_ref, x64, dy.double())[0], 1e-5, f"{op} dx")
+
+
 def test_nan_stays_in_its_row_and_group():
     x = randn(6, 50)
     x[2, 7] = float("nan")
