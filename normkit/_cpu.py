@@ -14,8 +14,8 @@ GroupNormFn's own (torch's backward kernels; the differentiable closed form for 
 Only the default backend (backend=None) is served: backend="torch" names the general path to the
 same functions, which its tests exercise. Served: LayerNorm, RMSNorm with residual / prenorm /
 residual_dtype, weight_offset, activation, out_dtype (not float8); GroupNorm of contiguous or
-channels_last x with activation. Not served: float8 out, return_amax, scale/shift, gate, per-head weights, empty tensors,
-one-element rows (LayerNorm) and groups, a backend named, torch.compile,
+channels_last x with activation. Not served: float8 out, return_amax, scale/shift, gate, per-head
+weights, empty tensors, one-element rows (LayerNorm) and groups, a backend named, torch.compile,
 dispatch modes, tensor subclasses, torch.func transforms and forward AD, CPU autocast.
 """
 from __future__ import annotations
