@@ -7,8 +7,8 @@ than torch's CPU kernels take at model sizes: patched models ran 1.5-10x slower 
 #22). The public functions first offer a call here; it is served when every argument is of the
 plain kinds checked below (cheap checks: they are most of the call's Python), and goes on to the
 general path otherwise, which raises the errors for bad arguments. A served call runs the torch
-backend's own entry points (backends/torch_backend.py: torch's CPU kernels on shifted data, see
-there), the same ones the general path and the custom op run, so eager and compiled calls give the
+backend's own entry points (backends/torch_backend.py: torch's CPU kernels, on shifted data where a
+row's mean is far from zero; see there), the same ones the general path and the custom op run, so eager and compiled calls give the
 same bits; with autograd, through slim autograd.Functions whose backward is RowNormFn's and
 GroupNormFn's own (torch's backward kernels; the differentiable closed form for create_graph).
 Only the default backend (backend=None) is served: backend="torch" names the general path to the
