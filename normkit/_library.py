@@ -11,8 +11,8 @@ same backend entry points with less host overhead and carry the torch.func rules
 The ops mutate nothing. A backward that autograd records (create_graph=True) is taken through the
 differentiable backward of _autograd.py, as in eager.
 
-Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims stay visible (the row
-ops' argument lists are defined once, in normkit._row_args, which their schemas come from):
+Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims stay visible (their
+argument lists are defined once, in normkit._op_args, which their schemas come from):
   row_norm_fwd(x, normalized_ndim, weight?, bias?, eps, rms, activation?, backend?) -> (y, mean, rstd)
   row_norm_bwd(dy, x, normalized_ndim, weight?, bias?, mean, rstd, rms, activation?,
                dweight_dtype?, dbias_dtype?, backend?) -> (dx, dweight, dbias)
@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _autograd, _host, _row_args, backends
+from . import _autograd, _host, _op_args, backends
 from ._layout import bcs, fresh, from_bcs, is_channels_last
 
 __all__ = ["needed", "row_norm", "row_norm_fused", "row_norm_with_stats", "row_norm_grads", "group_norm"]
@@ -92,14 +92,17 @@ def _present(t: Tensor):
 
 
 # ----------------------------------------------------------------------------- row norm (LN / RMS)
-# The four ops' arguments are defined once, in normkit._row_args: their schemas come from there, and
-# their Python implementations, fakes and autograd read a call's arguments by name (`A.read(*args)`).
+# The ops' arguments are defined once, in normkit._op_args: their schemas come from there, and their
+# Python implementations, fakes, autograd and sharding rules read a call's arguments by name
+# (`A.read(*args)`).
 
-A_FWD, A_FUSED, A_BWD, A_FUSED_BWD = _row_args.ROW_FWD, _row_args.ROW_FUSED_FWD, _row_args.ROW_BWD, \
-    _row_args.ROW_FUSED_BWD
+A_FWD, A_FUSED, A_BWD, A_FUSED_BWD = _op_args.ROW_FWD, _op_args.ROW_FUSED_FWD, _op_args.ROW_BWD, \
+    _op_args.ROW_FUSED_BWD
+A_GN, A_GN_BWD = _op_args.GN_FWD, _op_args.GN_BWD
 
 
-def _row_op(args: "_row_args.RowOpArgs", impl):
+def _op(args: "_op_args.OpArgs", impl):
+    """The custom op normkit::<args.op>, its schema from its argument table."""
     return torch.library.custom_op(f"normkit::{args.op}", impl, mutates_args=(), schema=args.schema())
 
 
@@ -154,9 +157,9 @@ def _row_norm_fused_fwd_fake(*args):
     return _fwd_fake(a.x, a.normalized_ndim, a.weight, a.bias, a.eps, a.rms, a.residual, _options(a))
 
 
-_row_norm_fwd = _row_op(A_FWD, _row_norm_fwd_impl)
+_row_norm_fwd = _op(A_FWD, _row_norm_fwd_impl)
 _row_norm_fwd.register_fake(_row_norm_fwd_fake)
-_row_norm_fused_fwd = _row_op(A_FUSED, _row_norm_fused_fwd_impl)
+_row_norm_fused_fwd = _op(A_FUSED, _row_norm_fused_fwd_impl)
 _row_norm_fused_fwd.register_fake(_row_norm_fused_fwd_fake)
 
 
@@ -218,13 +221,13 @@ def _row_norm_fused_bwd_fake(*args):
                      a.dres_dtype, a.mod_scale, a.mod_shift, (a.dscale_dtype, a.dshift_dtype), a.gate)
 
 
-_row_norm_bwd = _row_op(A_BWD, _row_norm_bwd_impl)
+_row_norm_bwd = _op(A_BWD, _row_norm_bwd_impl)
 _row_norm_bwd.register_fake(_row_norm_bwd_fake)
 def _row_norm_fused_bwd_impl(*args):
     return _bwd(A_FUSED_BWD.read(*args))
 
 
-_row_norm_fused_bwd = _row_op(A_FUSED_BWD, _row_norm_fused_bwd_impl)
+_row_norm_fused_bwd = _op(A_FUSED_BWD, _row_norm_fused_bwd_impl)
 _row_norm_fused_bwd.register_fake(_row_norm_fused_bwd_fake)
 
 
@@ -350,61 +353,71 @@ def _like_layout(x: Tensor, channels_last: bool, dtype=None) -> Tensor:
     return inner.permute((0, x.dim() - 1) + tuple(range(1, x.dim() - 1)))
 
 
-@torch.library.custom_op("normkit::group_norm_fwd", mutates_args=())
-def _group_norm_fwd(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                    activation: Optional[str], backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
-    y3, mean, rstd = _resolve(backend, x, "group_norm").group_norm_fwd(
-        bcs(x, is_channels_last(x)), num_groups, weight, bias, eps, activation)
+def _group_norm_fwd_impl(*args):
+    a = A_GN.read(*args)
+    x = a.x
+    y3, mean, rstd = _resolve(a.backend, x, "group_norm").group_norm_fwd(
+        bcs(x, is_channels_last(x)), a.num_groups, a.weight, a.bias, a.eps, a.activation)
     return fresh(from_bcs(y3, x.shape)), fresh(mean), fresh(rstd)
 
 
-@_group_norm_fwd.register_fake
-def _(x, num_groups, weight, bias, eps, activation, backend):
+def _group_norm_fwd_fake(*args):
+    a = A_GN.read(*args)
+    x = a.x
     _host.prepare_for_compile(x)
-    stats = (x.shape[0], num_groups)
+    stats = (x.shape[0], a.num_groups)
     return _like_layout(x, is_channels_last(x)), x.new_empty(stats, dtype=_stat_dtype(x)), \
         x.new_empty(stats, dtype=_stat_dtype(x))
 
 
-@torch.library.custom_op("normkit::group_norm_bwd", mutates_args=())
-def _group_norm_bwd(dy: Tensor, x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
-                    mean: Tensor, rstd: Tensor, activation: Optional[str], dweight_dtype: Optional[torch.dtype],
-                    dbias_dtype: Optional[torch.dtype], backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
+def _group_norm_bwd_impl(*args):
+    a = A_GN_BWD.read(*args)
+    x, dw_dtype, db_dtype = a.x, a.dweight_dtype, a.dbias_dtype
     dx, dw, db = _autograd.group_norm_backward(
-        _resolve(backend, x, "group_norm backward", backward=True), dy, x, weight, bias, mean, rstd, num_groups,
-        activation, (True, dweight_dtype is not None, dbias_dtype is not None), (dweight_dtype, dbias_dtype))
-    dw = _absent(x, dweight_dtype) if dw is None else fresh(dw)
-    db = _absent(x, dbias_dtype) if db is None else fresh(db)
+        _resolve(a.backend, x, "group_norm backward", backward=True), a.dy, x, a.weight, a.bias, a.mean, a.rstd,
+        a.num_groups, a.activation, (True, dw_dtype is not None, db_dtype is not None), (dw_dtype, db_dtype))
+    dw = _absent(x, dw_dtype) if dw is None else fresh(dw)
+    db = _absent(x, db_dtype) if db is None else fresh(db)
     return dx, dw, db
 
 
-@_group_norm_bwd.register_fake
-def _(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype, backend):
-    c = x.shape[1]
-    dw = _absent(x, dweight_dtype) if dweight_dtype is None else x.new_empty((c,), dtype=dweight_dtype)
-    db = _absent(x, dbias_dtype) if dbias_dtype is None else x.new_empty((c,), dtype=dbias_dtype)
+def _group_norm_bwd_fake(*args):
+    a = A_GN_BWD.read(*args)
+    x, c = a.x, a.x.shape[1]
+    dw = _absent(x, a.dweight_dtype) if a.dweight_dtype is None else x.new_empty((c,), dtype=a.dweight_dtype)
+    db = _absent(x, a.dbias_dtype) if a.dbias_dtype is None else x.new_empty((c,), dtype=a.dbias_dtype)
     return _like_layout(x, is_channels_last(x)), dw, db
 
 
+_group_norm_fwd = _op(A_GN, _group_norm_fwd_impl)
+_group_norm_fwd.register_fake(_group_norm_fwd_fake)
+_group_norm_bwd = _op(A_GN_BWD, _group_norm_bwd_impl)
+_group_norm_bwd.register_fake(_group_norm_bwd_fake)
+
+
 def _group_norm_setup(ctx, inputs, output):
-    x, num_groups, weight, bias, eps, activation, backend = inputs
+    a = A_GN.read(*inputs)
     _, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.args = (num_groups, eps, activation, backend,
-                None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+    ctx.save_for_backward(a.x, a.weight, a.bias, mean, rstd)
+    ctx.args = (a.num_groups, a.eps, a.activation, a.backend,
+                None if a.weight is None else a.weight.dtype, None if a.bias is None else a.bias.dtype)
 
 
 def _group_norm_backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
     num_groups, eps, activation, backend, w_dtype, b_dtype = ctx.args
-    need_dx, _, need_dw, need_db = ctx.needs_input_grad[:4]
+    n = dict(zip(A_GN.names, ctx.needs_input_grad))  # by argument name
+    need_dx, need_dw, need_db = n["x"], n["weight"], n["bias"]
     if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
         dx, dw, db = _autograd.group_norm_vjp_differentiable(dy, x, weight, bias, num_groups, eps, activation,
                                                         (need_dx, need_dw, need_db))
-        return (dx, None, dw, db, None, None, None)
-    dx, dw, db = _group_norm_bwd(dy, x, num_groups, weight, bias if activation is not None else None, mean, rstd,
-                                 activation, w_dtype if need_dw else None, b_dtype if need_db else None, backend)
-    return (dx, None, dw if need_dw else None, db if need_db else None, None, None, None)
+    else:
+        dx, dw, db = _group_norm_bwd(*A_GN_BWD.call(
+            dy=dy, x=x, num_groups=num_groups, weight=weight, bias=bias if activation is not None else None,
+            mean=mean, rstd=rstd, activation=activation, dweight_dtype=w_dtype if need_dw else None,
+            dbias_dtype=b_dtype if need_db else None, backend=backend))
+    return A_GN.by_position(len(ctx.needs_input_grad), x=dx, weight=dw if need_dw else None,
+                            bias=db if need_db else None)
 
 
 _group_norm_fwd.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
@@ -413,7 +426,8 @@ _group_norm_fwd.register_autograd(_group_norm_backward, setup_context=_group_nor
 def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                backend: Optional[str], activation: Optional[str] = None) -> Tensor:
     """GroupNorm of x [B, C, *spatial] through the op; arguments arrive checked by functional."""
-    return _group_norm_fwd(x, num_groups, weight, bias, eps, activation, backend)[0]
+    return _group_norm_fwd(*A_GN.call(x=x, num_groups=num_groups, weight=weight, bias=bias, eps=eps,
+                                      activation=activation, backend=backend))[0]
 
 
 # ----------------------------------------------------------------------------- DTensor sharding
@@ -440,7 +454,7 @@ def _register_sharding() -> None:
     def p(t):  # an optional parameter: replicated, or no placement when absent
         return None if t is None else Replicate()
 
-    # the row ops' rules read their arguments and place their inputs by name (normkit._row_args)
+    # the rules read their arguments and place their inputs by name (normkit._op_args)
     @register_sharding(torch.ops.normkit.row_norm_fwd.default)
     def _(*args):
         a = A_FWD.read(*args)
@@ -504,17 +518,24 @@ def _register_sharding() -> None:
         return rules
 
     @register_sharding(torch.ops.normkit.group_norm_fwd.default)
-    def _(x, num_groups, weight, bias, eps, activation, backend):
-        return [([Replicate()] * 3, [Replicate(), None, p(weight), p(bias), None, None, None]),
-                ([Shard(0)] * 3, [Shard(0), None, p(weight), p(bias), None, None, None])]
+    def _(*args):  # samples (dim 0) may be sharded; a group spans channels and space
+        a = A_GN.read(*args)
+
+        def inputs(xp):
+            return list(A_GN.by_position(len(args), x=xp, weight=p(a.weight), bias=p(a.bias)))
+
+        return [([Replicate()] * 3, inputs(Replicate())), ([Shard(0)] * 3, inputs(Shard(0)))]
 
     @register_sharding(torch.ops.normkit.group_norm_bwd.default)
-    def _(dy, x, num_groups, weight, bias, mean, rstd, activation, dw_dtype, db_dtype, backend):
-        tail = [None, None, None, None]
-        rep = Replicate()
-        return [([rep] * 3, [rep, rep, None, p(weight), p(bias), rep, rep] + tail),
-                ([Shard(0), rep_or(Partial(), dw_dtype is not None), rep_or(Partial(), db_dtype is not None)],
-                 [Shard(0), Shard(0), None, p(weight), p(bias), Shard(0), Shard(0)] + tail)]
+    def _(*args):
+        a = A_GN_BWD.read(*args)
+
+        def inputs(xp):
+            return list(A_GN_BWD.by_position(len(args), dy=xp, x=xp, weight=p(a.weight), bias=p(a.bias), mean=xp,
+                                             rstd=xp))
+
+        grads = [rep_or(Partial(), a.dweight_dtype is not None), rep_or(Partial(), a.dbias_dtype is not None)]
+        return [([Replicate()] * 3, inputs(Replicate())), ([Shard(0)] + grads, inputs(Shard(0)))]
 
 
 _register_sharding()  # now if DTensor is already imported; else on the first tensor subclass seen

@@ -59,7 +59,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._row_args import ROW_FUSED_FWD
+from ._op_args import GN_FWD, ROW_FUSED_FWD
 from .backends import torch_backend
 
 __all__ = ["enable_compile_fusion", "policy", "use_table", "decisions", "wins", "table_path"]
@@ -238,7 +238,7 @@ def _row_norm_composite(*args):
     """normkit::row_norm_fused_fwd in torch's decomposable ops: (y, h, mean, rstd, amax), absent
     outputs as empty tensors. Computes in fp32 (fp64 for fp64), rounds once; plain calls are torch's
     own F.layer_norm / F.rms_norm, exactly what an unpatched module hands Inductor. args: the op's
-    (normkit._row_args), never with the modulation or a gate (_site_of leaves those calls alone)."""
+    (normkit._op_args), never with the modulation or a gate (_site_of leaves those calls alone)."""
     a = ROW_FUSED_FWD.read(*args)
     x, normalized_ndim, weight, bias, eps, rms, activation = a.x, a.normalized_ndim, a.weight, a.bias, a.eps, a.rms, \
         a.activation
@@ -297,8 +297,10 @@ def _row_norm_plain_composite(x, normalized_ndim, weight, bias, eps, rms, activa
     return y, mean, rstd
 
 
-def _group_norm_composite(x, num_groups, weight, bias, eps, activation, backend):
-    """normkit::group_norm_fwd in torch's ops: (y, mean [B, G], rstd [B, G])."""
+def _group_norm_composite(*args):
+    """normkit::group_norm_fwd in torch's ops: (y, mean [B, G], rstd [B, G]). args: the op's (normkit._op_args)."""
+    a = GN_FWD.read(*args)
+    x, num_groups, weight, bias, eps, activation = a.x, a.num_groups, a.weight, a.bias, a.eps, a.activation
     acc = _acc(x)
     with _no_autocast(x):
         if activation is None and all(p is None or p.dtype == x.dtype for p in (weight, bias)):
@@ -635,8 +637,9 @@ def _replace(graph, site: _Site) -> None:
     insert_at = site.out
     with graph.inserting_before(insert_at):
         if site.kind == "gn":
-            op = graph.call_function(torch.ops.normkit.group_norm_fwd.default,
-                                     (site.x, site.groups, site.weight, site.bias, float(site.eps), site.activation, None))
+            op = graph.call_function(torch.ops.normkit.group_norm_fwd.default, GN_FWD.call(
+                x=site.x, num_groups=site.groups, weight=site.weight, bias=site.bias, eps=float(site.eps),
+                activation=site.activation, backend=None))
         else:
             op = graph.call_function(torch.ops.normkit.row_norm_fused_fwd.default, ROW_FUSED_FWD.call(
                 x=site.x, normalized_ndim=site.ndim, weight=site.weight, bias=site.bias, eps=float(site.eps),

@@ -114,7 +114,7 @@ def backward_op_cases(device):
     """Calls of normkit's backward ops as the autograd formulas and the kernel-level API make them,
     on the Triton backend: {name: (op, args, oracle)}; oracle() -> [(output index, float64
     expected)]. The statistics come from the forward op on the same tensors."""
-    from normkit._row_args import ROW_BWD, ROW_FUSED_BWD
+    from normkit._op_args import ROW_BWD, ROW_FUSED_BWD
 
     ops = torch.ops.normkit
     g = torch.Generator().manual_seed(7)

@@ -334,10 +334,10 @@ def test_modulated_and_gated_calls_it_leaves_to_python(ext, case):
 
 
 def test_via_host_passes_the_entry_arguments_in_their_order(host_path_calls):
-    """functional._via_host calls the eager entry positionally: in normkit._row_args.HOST_ROW's order,
+    """functional._via_host calls the eager entry positionally: in normkit._op_args.HOST_ROW's order,
     whose positions host.cpp reads, and as long as HOST_ROW_LENGTHS says."""
     from normkit import functional
-    from normkit._row_args import HOST_ROW, HOST_ROW_LENGTHS
+    from normkit._op_args import HOST_ROW, HOST_ROW_LENGTHS
 
     token = {name: object() for name in HOST_ROW}
     functional._via_host(**token)
@@ -350,7 +350,7 @@ def test_via_host_passes_the_entry_arguments_in_their_order(host_path_calls):
 def test_setup_refuses_an_entry_it_does_not_read(ext, case):
     """An eager-entry argument host.cpp does not read, or one out of its place, fails the load (the
     Python path then serves every call) instead of being dropped; a failed _setup changes nothing."""
-    from normkit._row_args import HOST_ROW, HOST_ROW_LENGTHS, ROW_FUSED_FWD
+    from normkit._op_args import HOST_ROW, HOST_ROW_LENGTHS
     from normkit.functional import _autocast_upcasts
     from normkit.reference import ACTIVATIONS
 
@@ -363,7 +363,7 @@ def test_setup_refuses_an_entry_it_does_not_read(ext, case):
         lengths = (8, 15, 19)
     upcasts = (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda"))
     with pytest.raises(RuntimeError, match="eager entry"):
-        ext._setup(ACTIVATIONS, upcasts, ROW_FUSED_FWD.names, names, lengths)
+        ext._setup(ACTIVATIONS, upcasts, names, lengths)
     x = torch.randn(4, 8)
     assert ext._parse_row(*_fused(x, 8, None, None, scale=torch.randn(4, 8))) is not None
 
@@ -946,17 +946,17 @@ def test_op_kernel_leaves_calls_to_python(ext, case):
         name, args = "row_norm_fused_fwd", args + fused_tail + [x[:1], None, None]
     elif case == "gate with mod_shift":
         name, args = "row_norm_fused_fwd", args + fused_tail + [None, torch.randn(4, 8), x]
-    elif case == "an argument the kernels do not read":  # an option added to normkit._row_args later
-        from normkit._row_args import ROW_FUSED_FWD
+    elif case == "an argument the kernels do not read":  # an option added to normkit._op_args later
+        from normkit._op_args import ROW_FUSED_FWD
 
         args = args + fused_tail + [None, None, None]
         assert ext._parse_op("row_norm_fused_fwd", *args, None) is not None
-        ext._set_row_op_args(ROW_FUSED_FWD.names + ("new_option",))
+        ext._set_op_args(ROW_FUSED_FWD.op, ROW_FUSED_FWD.names + ("new_option",))
         try:
             assert ext._parse_op("row_norm_fused_fwd", *args, None) is not None  # None: as without it
             assert ext._parse_op("row_norm_fused_fwd", *args, torch.randn(4, 8)) is None
         finally:
-            ext._set_row_op_args(ROW_FUSED_FWD.names)
+            ext._set_op_args(ROW_FUSED_FWD.op, ROW_FUSED_FWD.names)
         return
     elif case.startswith("gn"):
         name = "group_norm_fwd"
@@ -976,7 +976,7 @@ def test_op_kernel_leaves_calls_to_python(ext, case):
 def test_backward_op_kernels_leave_calls_to_python(ext, case):
     """What the backward ops' kernels leave to the op's Python implementation (which raises, copies
     or runs another backend): each case is one change to a call they serve."""
-    from normkit._row_args import ROW_BWD, ROW_FUSED_BWD
+    from normkit._op_args import ROW_BWD, ROW_FUSED_BWD
 
     x, w, dy = torch.randn(4, 6, 8), torch.randn(8), torch.randn(4, 6, 8)
     row = dict(dy=dy, x=x, normalized_ndim=1, weight=w, bias=None, mean=torch.randn(4, 6), rstd=torch.rand(4, 6),
@@ -1001,14 +1001,14 @@ def test_backward_op_kernels_leave_calls_to_python(ext, case):
         name, args = "row_norm_fused_bwd", ROW_FUSED_BWD.call(**dict(row, rms=True), **dict(fused, dh=dy), gate=x)
     elif case == "dscale without mod_scale":
         name, args = "row_norm_fused_bwd", ROW_FUSED_BWD.call(**row, **fused, dscale_dtype=torch.float32)
-    elif case == "an argument the kernels do not read":  # an option added to normkit._row_args later
+    elif case == "an argument the kernels do not read":  # an option added to normkit._op_args later
         name, args = "row_norm_fused_bwd", ROW_FUSED_BWD.call(**row, **fused)
-        ext._set_row_bwd_op_args(ROW_FUSED_BWD.names + ("new_option",))
+        ext._set_op_args(ROW_FUSED_BWD.op, ROW_FUSED_BWD.names + ("new_option",))
         try:
             assert ext._parse_op(name, *args, None) is not None  # None: as without it
             assert ext._parse_op(name, *args, torch.randn(4, 8)) is None
         finally:
-            ext._set_row_bwd_op_args(ROW_FUSED_BWD.names)
+            ext._set_op_args(ROW_FUSED_BWD.op, ROW_FUSED_BWD.names)
         return
     elif case == "gn served":
         assert ext._parse_op(name, *args) is not None
@@ -1025,6 +1025,39 @@ def test_backward_op_kernels_leave_calls_to_python(ext, case):
         args[1] = xg[:, :, ::2]
         args[0] = torch.randn_like(args[1])
     assert ext._parse_op(name, *args) is None
+
+
+@pytest.mark.parametrize("op", ["group_norm_fwd", "group_norm_bwd"])
+def test_group_norm_op_kernels_read_arguments_by_name(ext, op):
+    """The GroupNorm op kernels take their argument positions from normkit._op_args at load, as the row
+    ops' do: a reordered table reads the same call the same way, an argument they do not read must be
+    None to be served, and a table without one they read fails the load."""
+    from normkit._op_args import OPS
+
+    A = OPS[op]
+    xg = torch.randn(2, 6, 4, 4)
+    call = dict(x=xg, num_groups=3, weight=torch.randn(6), bias=torch.randn(6), eps=1e-5, activation="silu",
+                backend=None)
+    if op == "group_norm_bwd":
+        call = dict(call, dy=torch.randn_like(xg), mean=torch.randn(2, 3), rstd=torch.rand(2, 3),
+                    dweight_dtype=torch.float32, dbias_dtype=torch.float32)
+        del call["eps"]
+    served = ext._parse_op(op, *A.call(**call))
+    assert served is not None
+    reordered = tuple(reversed(A.names))
+    try:
+        ext._set_op_args(op, reordered)
+        assert ext._parse_op(op, *(call[n] for n in reordered)) == served
+        ext._set_op_args(op, A.names + ("new_option",))
+        assert ext._parse_op(op, *A.call(**call), None) == served  # None: as without it
+        assert ext._parse_op(op, *A.call(**call), torch.randn(2, 6)) is None
+        with pytest.raises(RuntimeError, match=f"{op} has no argument num_groups"):
+            ext._set_op_args(op, tuple(n if n != "num_groups" else "groups" for n in A.names))
+    finally:
+        ext._set_op_args(op, A.names)
+    assert ext._parse_op(op, *A.call(**call)) == served
+    with pytest.raises(RuntimeError, match="no op kernel reads"):
+        ext._set_op_args("group_norm_fused_fwd", A.names)
 
 
 @pytest.fixture

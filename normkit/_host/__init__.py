@@ -73,15 +73,16 @@ def load_extension():
         from ..functional import _autocast_upcasts
         from ..reference import ACTIVATIONS
 
-        from .._row_args import HOST_ROW, HOST_ROW_LENGTHS, ROW_FUSED_BWD, ROW_FUSED_FWD
+        from .._op_args import HOST_OPS, HOST_ROW, HOST_ROW_LENGTHS
 
         ext = build.load()
         _forget_plans_when_configs_change()
         # the op kernels and the eager entry read their arguments by name (row_norm_fwd's lead the fused
-        # op's, by construction): their positions come from normkit._row_args
+        # op's, by construction): their positions come from normkit._op_args
         ext._setup(ACTIVATIONS, (_autocast_upcasts("layer_norm", "cuda"), _autocast_upcasts("rms_norm", "cuda")),
-                   ROW_FUSED_FWD.names, HOST_ROW, HOST_ROW_LENGTHS)
-        ext._set_row_bwd_op_args(ROW_FUSED_BWD.names)
+                   HOST_ROW, HOST_ROW_LENGTHS)
+        for args in HOST_OPS:
+            ext._set_op_args(args.op, args.names)
         global _ops_handle
         _ops_handle = ext._register_ops(op_impls(), "CUDA")
         dispatch_changed()

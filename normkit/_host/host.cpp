@@ -917,7 +917,7 @@ std::vector<int> positions(py::sequence names, const std::pair<const char*, int*
   return unread;
 }
 
-// The positions of the eager entry's arguments, from normkit._row_args.HOST_ROW (the order in which
+// The positions of the eager entry's arguments, from normkit._op_args.HOST_ROW (the order in which
 // functional._via_host passes them), handed over once by _setup: a call passes the first `plain` of
 // them, the first `fused`, or all `all`. Every name there must be one this file reads (else _setup
 // fails, and the Python path serves every call: an option the plans do not know is never dropped).
@@ -1506,7 +1506,7 @@ bool iv_dtype(const c10::IValue& v, std::initializer_list<at::ScalarType> allowe
   return false;
 }
 
-// positions() for an op's argument list (normkit._row_args), which must have every name a field reads.
+// positions() for an op's argument list (normkit._op_args), which must have every name a field reads.
 template <size_t K>
 std::vector<int> op_positions(py::sequence names, const std::pair<const char*, int*> (&fields)[K], const char* op) {
   std::vector<int> unread = positions(names, fields);
@@ -1515,8 +1515,8 @@ std::vector<int> op_positions(py::sequence names, const std::pair<const char*, i
 }
 
 // The positions of row_norm_fused_fwd's arguments (row_norm_fwd's are its first eight), from the ops'
-// one definition, normkit._row_args, handed over once by _setup: the op kernels read arguments by
-// name. An argument this file does not read (an option added there later) must be None for a call
+// one definition, normkit._op_args, handed over once at load (set_op_args): the op kernels read
+// arguments by name. An argument this file does not read (an option added there later) must be None for a call
 // to be served: the plans do not know it.
 struct RowOpArgs {
   int x, ndim, weight, bias, eps, rms, activation, backend, residual, residual_dtype, weight_offset, out_dtype,
@@ -1538,7 +1538,7 @@ void set_row_op_args(py::sequence names) {
 }
 
 // The positions of row_norm_fused_bwd's arguments (row_norm_bwd's are its first twelve), from
-// normkit._row_args as the forward's (set_row_op_args).
+// normkit._op_args as the forward's (set_row_op_args).
 struct RowBwdOpArgs {
   int dy, x, ndim, weight, bias, mean, rstd, rms, activation, dweight_dtype, dbias_dtype, backend, weight_offset, dh,
       dx_dtype, dres_dtype, mod_scale, mod_shift, dscale_dtype, dshift_dtype, gate;
@@ -1559,7 +1559,55 @@ void set_row_bwd_op_args(py::sequence names) {
   bwd_op_args = std::move(r);
 }
 
-// row_norm_fwd and row_norm_fused_fwd (normkit._row_args): a[0..n) as the op's arguments (one that is
+// The positions of group_norm_fwd's and group_norm_bwd's arguments, from normkit._op_args as the row
+// ops' (set_row_op_args); n: how many the op takes.
+struct GnOpArgs {
+  int x, groups, weight, bias, eps, activation, backend;
+  size_t n;
+  std::vector<int> unread;
+};
+GnOpArgs gn_op_args{};
+
+void set_gn_op_args(py::sequence names) {
+  GnOpArgs r{};
+  const std::pair<const char*, int*> fields[] = {
+      {"x", &r.x}, {"num_groups", &r.groups}, {"weight", &r.weight}, {"bias", &r.bias}, {"eps", &r.eps},
+      {"activation", &r.activation}, {"backend", &r.backend}};
+  r.unread = op_positions(names, fields, "group_norm_fwd");
+  r.n = py::len(names);
+  gn_op_args = std::move(r);
+}
+
+struct GnBwdOpArgs {
+  int dy, x, groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype, backend;
+  size_t n;
+  std::vector<int> unread;
+};
+GnBwdOpArgs gn_bwd_op_args{};
+
+void set_gn_bwd_op_args(py::sequence names) {
+  GnBwdOpArgs r{};
+  const std::pair<const char*, int*> fields[] = {
+      {"dy", &r.dy}, {"x", &r.x}, {"num_groups", &r.groups}, {"weight", &r.weight}, {"bias", &r.bias},
+      {"mean", &r.mean}, {"rstd", &r.rstd}, {"activation", &r.activation}, {"dweight_dtype", &r.dweight_dtype},
+      {"dbias_dtype", &r.dbias_dtype}, {"backend", &r.backend}};
+  r.unread = op_positions(names, fields, "group_norm_bwd");
+  r.n = py::len(names);
+  gn_bwd_op_args = std::move(r);
+}
+
+// The op kernels' argument positions, one table of normkit._op_args (HOST_OPS) at a time: `op` is
+// row_norm_fused_fwd (row_norm_fwd's lead it), row_norm_fused_bwd (row_norm_bwd's), group_norm_fwd or
+// group_norm_bwd. Fails (the load fails) on a name a kernel reads that the table lacks.
+void set_op_args(const std::string& op, py::sequence names) {
+  if (op == "row_norm_fused_fwd") set_row_op_args(names);
+  else if (op == "row_norm_fused_bwd") set_row_bwd_op_args(names);
+  else if (op == "group_norm_fwd") set_gn_op_args(names);
+  else if (op == "group_norm_bwd") set_gn_bwd_op_args(names);
+  else TORCH_CHECK(false, "normkit host path: no op kernel reads ", op, "'s arguments");
+}
+
+// row_norm_fwd and row_norm_fused_fwd (normkit._op_args): a[0..n) as the op's arguments (one that is
 // not there: None, its default); false where this path leaves the call to Python.
 bool parse_row_op(const c10::IValue* a, size_t n, bool fused, RowCall& c) {
   static const c10::IValue none;
@@ -1605,15 +1653,19 @@ bool parse_row_op(const c10::IValue* a, size_t n, bool fused, RowCall& c) {
   return finish_row(c, dims, /*autocast=*/false, r_dtype);
 }
 
-// group_norm_fwd(x, num_groups, weight?, bias?, eps, activation?, backend?)
-bool parse_gn_op(const c10::IValue* a, GnCall& c) {
-  if (!a[0].isTensor() || !iv_backend(a[6])) return false;
-  c.x = a[0].toTensor();
-  c.groups = a[1].toInt();
-  c.w = iv_tensor(a[2]);
-  c.b = iv_tensor(a[3]);
-  c.eps = a[4].toDouble();
-  c.act = iv_activation(a[5]);
+// group_norm_fwd (normkit._op_args): a[0..n) as the op's arguments; false where this path leaves the
+// call to Python (an argument this file does not read that is not None among them).
+bool parse_gn_op(const c10::IValue* a, size_t n, GnCall& c) {
+  const GnOpArgs& p = gn_op_args;
+  if (n != p.n || !a[p.x].isTensor() || !iv_backend(a[p.backend])) return false;
+  for (int i : p.unread)
+    if (!a[i].isNone()) return false;
+  c.x = a[p.x].toTensor();
+  c.groups = a[p.groups].toInt();
+  c.w = iv_tensor(a[p.weight]);
+  c.b = iv_tensor(a[p.bias]);
+  c.eps = a[p.eps].toDouble();
+  c.act = iv_activation(a[p.activation]);
   if (c.act < 0 || !std::isfinite(c.eps) || c.eps < 0) return false;
   return finish_gn(c, /*autocast=*/false);
 }
@@ -1628,7 +1680,7 @@ bool grad_ok(const Tensor& t, const Tensor& x) {  // a gradient the kernels read
   return tensor_ok(t, x.device()) && t.sizes() == x.sizes();
 }
 
-// row_norm_bwd and row_norm_fused_bwd (normkit._row_args): a[0..n) as the op's arguments, read as
+// row_norm_bwd and row_norm_fused_bwd (normkit._op_args): a[0..n) as the op's arguments, read as
 // normkit._library._bwd reads them; false where this path leaves the call to Python (any check the
 // Python implementation makes, or a case the plans do not take in place).
 bool parse_row_bwd_op(const c10::IValue* a, size_t n, bool fused, RowBwdCall& c) {
@@ -1706,21 +1758,26 @@ bool parse_row_bwd_op(const c10::IValue* a, size_t n, bool fused, RowBwdCall& c)
   return !(c.ms.defined() && c.mt.defined() && (S[0] != S[1] || per[0] != per[1]));
 }
 
-// group_norm_bwd(dy, x, num_groups, weight?, bias?, mean, rstd, activation?, dweight_dtype?, dbias_dtype?,
-// backend?), read as normkit._library._group_norm_bwd reads it.
-bool parse_gn_bwd_op(const c10::IValue* a, GnBwdCall& c) {
-  if (!a[0].isTensor() || !a[1].isTensor() || !a[5].isTensor() || !a[6].isTensor() || !iv_backend(a[10]))
+// group_norm_bwd (normkit._op_args): a[0..n) as the op's arguments, read as
+// normkit._library._group_norm_bwd_impl reads them.
+bool parse_gn_bwd_op(const c10::IValue* a, size_t n, GnBwdCall& c) {
+  const GnBwdOpArgs& p = gn_bwd_op_args;
+  if (n != p.n || !a[p.dy].isTensor() || !a[p.x].isTensor() || !a[p.mean].isTensor() || !a[p.rstd].isTensor() ||
+      !iv_backend(a[p.backend]))
     return false;
+  for (int i : p.unread)
+    if (!a[i].isNone()) return false;
   const std::initializer_list<at::ScalarType> floats = {at::kHalf, at::kBFloat16, at::kFloat};
-  c.dy = a[0].toTensor();
-  c.x = a[1].toTensor();
-  c.groups = a[2].toInt();
-  c.w = iv_tensor(a[3]);
-  c.b = iv_tensor(a[4]);
-  c.mean = a[5].toTensor();
-  c.rstd = a[6].toTensor();
-  c.act = iv_activation(a[7]);
-  if (c.act < 0 || !iv_dtype(a[8], floats, c.dw_dtype) || !iv_dtype(a[9], floats, c.db_dtype)) return false;
+  c.dy = a[p.dy].toTensor();
+  c.x = a[p.x].toTensor();
+  c.groups = a[p.groups].toInt();
+  c.w = iv_tensor(a[p.weight]);
+  c.b = iv_tensor(a[p.bias]);
+  c.mean = a[p.mean].toTensor();
+  c.rstd = a[p.rstd].toTensor();
+  c.act = iv_activation(a[p.activation]);
+  if (c.act < 0 || !iv_dtype(a[p.dweight_dtype], floats, c.dw_dtype) || !iv_dtype(a[p.dbias_dtype], floats, c.db_dtype))
+    return false;
   if (!modes_ok() || functorch_active() || (c.dw_dtype && !c.w.defined())) return false;
   const c10::Device dev = c.x.device();
   if (c.x.dim() < 2 || !tensor_ok(c.x, dev) || !grad_ok(c.dy, c.x)) return false;
@@ -1757,7 +1814,7 @@ bool serve_op(const c10::IValue* a, torch::jit::Stack* stack, size_t n) {
     if (K == kRowFusedFwd) stack->emplace_back(outs[5].defined() ? outs[5] : absent(c.x, stat));
   } else if constexpr (K == kGnFwd) {
     GnCall c;
-    if (!parse_gn_op(a, c) || !served(c.x)) return false;
+    if (!parse_gn_op(a, n, c) || !served(c.x)) return false;
     gn_forward(c, outs);
     torch::jit::drop(*stack, n);
     for (int i = 1; i <= 3; i++) stack->emplace_back(std::move(outs[i]));
@@ -1778,7 +1835,7 @@ bool serve_op(const c10::IValue* a, torch::jit::Stack* stack, size_t n) {
   } else {
     static_assert(K == kGnBwd);
     GnBwdCall c;
-    if (!parse_gn_bwd_op(a, c) || !served(c.x)) return false;
+    if (!parse_gn_bwd_op(a, n, c) || !served(c.x)) return false;
     gn_backward(c, outs);
     torch::jit::drop(*stack, n);
     stack->emplace_back(std::move(outs[1]));
@@ -1903,9 +1960,9 @@ py::object parse_op(const std::string& name, py::args args) {
     return py::cast(row_fwd_key(c, true, c.r.defined()).list());
   }
   if (name == "group_norm_fwd") {
-    TORCH_CHECK(a.size() == 7u, "parse_op: arguments");
+    TORCH_CHECK(a.size() == gn_op_args.n, "parse_op: arguments");
     GnCall c;
-    if (!parse_gn_op(a.data(), c)) return py::none();
+    if (!parse_gn_op(a.data(), a.size(), c)) return py::none();
     return py::cast(gn_fwd_key(c).list());
   }
   if (name == "row_norm_bwd" || name == "row_norm_fused_bwd") {
@@ -1916,9 +1973,10 @@ py::object parse_op(const std::string& name, py::args args) {
     if (!parse_row_bwd_op(a.data(), a.size(), fused, c) || !row_bwd_key(c, key)) return py::none();
     return py::cast(key.list());
   }
-  TORCH_CHECK(name == "group_norm_bwd" && a.size() == 11u, "parse_op: ", name, " with ", a.size(), " arguments");
+  TORCH_CHECK(name == "group_norm_bwd" && a.size() == gn_bwd_op_args.n, "parse_op: ", name, " with ", a.size(),
+              " arguments");
   GnBwdCall c;
-  return parse_gn_bwd_op(a.data(), c) ? py::cast(true) : py::none();
+  return parse_gn_bwd_op(a.data(), a.size(), c) ? py::cast(true) : py::none();
 }
 
 // ----------------------------------------------------------------------------- module
@@ -1936,9 +1994,7 @@ PyMethodDef fast_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 // What needs no GPU: the tensor types, key sets and the activation names (at import).
-void setup(py::tuple activations, py::tuple autocast_upcasts, py::sequence row_op_args, py::sequence host_row_args,
-           py::tuple host_row_lengths) {
-  set_row_op_args(row_op_args);
+void setup(py::tuple activations, py::tuple autocast_upcasts, py::sequence host_row_args, py::tuple host_row_lengths) {
   set_host_row_args(host_row_args, host_row_lengths);
   upcasts[0] = py::cast<bool>(autocast_upcasts[0]);  // layer_norm
   upcasts[1] = py::cast<bool>(autocast_upcasts[1]);  // rms_norm
@@ -2001,8 +2057,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_rows_view", &rows_view_py);
   m.def("_gn_layout", [](const Tensor& t) { return gn_layout(t); });
   m.def("_register_ops", &register_ops);
-  m.def("_set_row_op_args", &set_row_op_args);  // _setup's; tests add an argument the kernels do not read
-  m.def("_set_row_bwd_op_args", &set_row_bwd_op_args);
+  m.def("_set_op_args", &set_op_args);  // load_extension's; tests add an argument the kernels do not read
   m.def("_serve_cpu_calls", [](py::dict cbs, bool on) {  // tests without a GPU (cpu_calls)
     if (!callbacks) set_callbacks(cbs);
     cpu_calls = on;

@@ -1,12 +1,17 @@
-"""The argument lists of normkit's LayerNorm/RMSNorm custom ops, defined once, as data (issue 22).
+"""The argument lists of normkit's custom ops, LayerNorm/RMSNorm's and GroupNorm's, defined once, as data
+(issue 22).
 
 Each op's arguments are a table of (name, schema type, default), in order. From it come:
 - the op's schema (normkit._library defines the ops with it: `schema`);
 - the positional argument tuple of a call made by name (`call`: the compile pass builds its
-  row_norm_fused_fwd nodes with it, normkit._library its calls), every omitted argument its default;
+  row_norm_fused_fwd and group_norm_fwd nodes with it, normkit._library its calls), every omitted
+  argument its default;
 - each argument's position (`index`, and `read`, a namedtuple of a call's arguments for the ops'
-  Python implementations, fakes and autograd), handed to the C++ host path once when it loads
-  (normkit._host.load_extension -> host.cpp's RowOpArgs), so its op kernels read arguments by name.
+  Python implementations, fakes, autograd and DTensor sharding rules), handed to the C++ host path once
+  when it loads (normkit._host.load_extension -> host.cpp's set_op_args, for the tables in HOST_OPS;
+  row_norm_fwd's and row_norm_bwd's arguments lead the fused ops'), so its op kernels read arguments by
+  name: a table without a name they read fails the load; an argument they do not read (an option added
+  here later) must be None for them to serve a call.
 A new option is a row here (and its use where it is computed); no list of positions elsewhere.
 HOST_ROW (below) is the same for the C++ host path's eager entry.
 
@@ -20,7 +25,7 @@ from collections import namedtuple
 REQUIRED = object()
 
 
-class RowOpArgs:
+class OpArgs:
     """One op's argument table: `args` is ((name, schema type, default or REQUIRED), ...)."""
 
     def __init__(self, op: str, args: tuple, returns: str):
@@ -96,12 +101,24 @@ _FUSED_BWD = (("weight_offset", "float", REQUIRED), ("dh", "Tensor?", REQUIRED),
               ("dres_dtype", "ScalarType?", REQUIRED), ("mod_scale", "Tensor?", None), ("mod_shift", "Tensor?", None),
               ("dscale_dtype", "ScalarType?", None), ("dshift_dtype", "ScalarType?", None), ("gate", "Tensor?", None))
 
-ROW_FWD = RowOpArgs("row_norm_fwd", _ROW, "(Tensor, Tensor, Tensor)")
-ROW_FUSED_FWD = RowOpArgs("row_norm_fused_fwd", _ROW + _FUSED, "(Tensor, Tensor, Tensor, Tensor, Tensor)")
-ROW_BWD = RowOpArgs("row_norm_bwd", _ROW_BWD, "(Tensor, Tensor, Tensor)")
-ROW_FUSED_BWD = RowOpArgs("row_norm_fused_bwd", _ROW_BWD + _FUSED_BWD,
-                          "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-OPS = {a.op: a for a in (ROW_FWD, ROW_FUSED_FWD, ROW_BWD, ROW_FUSED_BWD)}
+_GN = (("x", "Tensor", REQUIRED), ("num_groups", "SymInt", REQUIRED), ("weight", "Tensor?", REQUIRED),
+       ("bias", "Tensor?", REQUIRED), ("eps", "float", REQUIRED), ("activation", "str?", REQUIRED),
+       ("backend", "str?", REQUIRED))
+_GN_BWD = (("dy", "Tensor", REQUIRED), ("x", "Tensor", REQUIRED), ("num_groups", "SymInt", REQUIRED),
+           ("weight", "Tensor?", REQUIRED), ("bias", "Tensor?", REQUIRED), ("mean", "Tensor", REQUIRED),
+           ("rstd", "Tensor", REQUIRED), ("activation", "str?", REQUIRED), ("dweight_dtype", "ScalarType?", REQUIRED),
+           ("dbias_dtype", "ScalarType?", REQUIRED), ("backend", "str?", REQUIRED))
+
+ROW_FWD = OpArgs("row_norm_fwd", _ROW, "(Tensor, Tensor, Tensor)")
+ROW_FUSED_FWD = OpArgs("row_norm_fused_fwd", _ROW + _FUSED, "(Tensor, Tensor, Tensor, Tensor, Tensor)")
+ROW_BWD = OpArgs("row_norm_bwd", _ROW_BWD, "(Tensor, Tensor, Tensor)")
+ROW_FUSED_BWD = OpArgs("row_norm_fused_bwd", _ROW_BWD + _FUSED_BWD,
+                       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+GN_FWD = OpArgs("group_norm_fwd", _GN, "(Tensor, Tensor, Tensor)")
+GN_BWD = OpArgs("group_norm_bwd", _GN_BWD, "(Tensor, Tensor, Tensor)")
+OPS = {a.op: a for a in (ROW_FWD, ROW_FUSED_FWD, ROW_BWD, ROW_FUSED_BWD, GN_FWD, GN_BWD)}
+# the tables the C++ host path's op kernels read their arguments by (normkit._host.load_extension)
+HOST_OPS = (ROW_FUSED_FWD, ROW_FUSED_BWD, GN_FWD, GN_BWD)
 
 # The C++ host path's eager entry, normkit._host.fast.row_norm, in the order normkit.functional._via_host
 # passes its arguments (the public functions' own: normalized_shape as given, out_scale a float or a
