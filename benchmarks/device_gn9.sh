@@ -6,6 +6,8 @@
 # its own timeout); ncu of the default and the halved looped tiles. Files (<= 8) land flat in $OUT.
 # Call it as `cd .wt-gn9 && ln -sfn ../.whl .whl && bash benchmarks/device_gn9.sh [next]`: it sources device_env.sh
 # itself (run S9-gn9 sourced it twice, ~60 s of the call lost and the sweep cut before 32x256x56x56).
+# The run's fused variants (fuse, fuse-all, fused-apply, fused-apply-2k, nchw-fused; nchw-staged's fused
+# finalize) were removed after 6c904fd, measured slower: run it as it ran from that commit.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 if [ "${1:-}" = next ]; then  # the next run the notes ask for (not run in session 9)

@@ -33,7 +33,6 @@ WARM_MS, REP_MS = 10, 30
 RING_BYTES = 4 * 50 * 2**20  # 4x the H100's L2
 NO_SPLIT2 = {"GN_SPLIT2_LAYOUTS": {k: () for k in configs.GN_SPLIT2_LAYOUTS}}
 S2 = configs.GN_SPLIT2_TILE
-FUSE = {"fwd": True, "bwd": True}
 VARIANTS = {  # module attribute -> value; "default" is the committed table
     "default": {},
     "old": NO_SPLIT2,  # session 3's choice: looped / split with waits / staged
@@ -48,17 +47,11 @@ VARIANTS = {  # module attribute -> value; "default" is the committed table
     "staged-tile-2x": {"GN_STAGED_TILE": {2: 8192, 4: 4096}, "GN_STAGED_WARPS": 8},
     "staged-cl-all": {"GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": NEVER, "bwd": NEVER}},
     # session 8: the stats launch without per-slot accumulation (session 7's), and the slot stats' tile/span
-    "staged-tiles": {"GN_STAGED_SLOTS": {"fwd": False, "bwd": False}, "GN_STAGED_MAX_SUB": 8,
-                     "GN_STAGED_FUSED_FINALIZE": {"fwd": False, "bwd": False}},
+    "staged-tiles": {"GN_STAGED_SLOTS": {"fwd": False, "bwd": False}, "GN_STAGED_MAX_SUB": 8},
     "stats-2k": {"GN_STAGED_STATS_TILE": {2: (2048, 4), 4: (1024, 4)}},
     "stats-8k": {"GN_STAGED_STATS_TILE": {2: (8192, 8), 4: (4096, 8)}},
     "stats-2waves": {"GN_STAGED_PROGRAMS_PER_SM": {"fwd": 8, "bwd": 6}},
     "stats-half": {"GN_STAGED_PROGRAMS_PER_SM": {"fwd": 2, "bwd": 1.5}},
-    "fuse": {"GN_STAGED_FUSED_FINALIZE": FUSE},
-    "fuse-all": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER},
-    "fused-apply": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE},
-    "fused-apply-2k": {"GN_STAGED_FUSED_FINALIZE": FUSE, "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE,
-                       "GN_STAGED_STATS_TILE": {2: (2048, 4), 4: (1024, 4)}},
 }
 # session 9 (run S9-gn9, H100): the looped tiles halved (lt-4k), quartered (lt-2k), with the per-slot first
 # pass (lt-4k-slots), for every NCHW group (lt-4k-all), and NCHW staged: none faster beyond the run's
@@ -83,12 +76,9 @@ VARIANTS.update({
     "lt-4k-slots": {**LT_4K, **SLOTS},
     # every NCHW group looped from half a group per SM (the two-kernel split off): one launch
     "lt-4k-all": {**LT_4K, **NO_SPLIT2, "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0.5, "bwd": 0.5}},
-    # NCHW with under one group per SM (4x128x128x128, batch 1) staged, the finalize in the stats launch
-    "nchw-staged": {"GN_STAGED_NCHW_MAX_GROUPS_PER_SM": 1.0, "GN_STAGED_FUSED_FINALIZE": FUSE,
-                    "GN_STAGED_FUSED_STEPS": NEVER},
-    # ... and the apply too (one launch), also below GN_STAGED_MIN_NUMEL (1x1280x8x8)
-    "nchw-fused": {"GN_STAGED_NCHW_MAX_GROUPS_PER_SM": 1.0, "GN_STAGED_MIN_NUMEL": 0, "GN_STAGED_FUSED_FINALIZE": FUSE,
-                   "GN_STAGED_FUSED_STEPS": NEVER, "GN_STAGED_FUSED_APPLY": FUSE},
+    # NCHW with under one group per SM (4x128x128x128, batch 1) staged (S9-gn9 measured it with the
+    # finalize in the stats launch, removed after 6c904fd: this is the three-launch staged path)
+    "nchw-staged": {"GN_STAGED_NCHW_MAX_GROUPS_PER_SM": 1.0},
 })
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 

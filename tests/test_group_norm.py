@@ -50,9 +50,7 @@ def test_activations_and_formats(act, fmt, backend, poison):
 STAGED_ALL = {"GN_STAGED_MIN_NUMEL": 0, "GN_STAGED_NCHW_MAX_GROUPS_PER_SM": float("inf"),
               "GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": 1 << 30, "bwd": 1 << 30},
               "GN_STAGED_TILE": {2: 16, 4: 16}, "GN_STAGED_STATS_TILE": {2: (16, 4), 4: (16, 4)},
-              "GN_STAGED_MAX_SUB": 2, "GN_STAGED_PROGRAMS_PER_SM": {"fwd": 1e-3, "bwd": 1e-3}, "GN_STAGED_FINALIZE_TILE": 1,
-              "GN_STAGED_FUSED_TILE": 16, "GN_STAGED_FUSED_STEPS": 1 << 10,
-              "GN_STAGED_FUSED_FINALIZE": {"fwd": True, "bwd": True}, "GN_STAGED_FUSED_APPLY": {"fwd": True, "bwd": True}}
+              "GN_STAGED_MAX_SUB": 2, "GN_STAGED_PROGRAMS_PER_SM": {"fwd": 1e-3, "bwd": 1e-3}, "GN_STAGED_FINALIZE_TILE": 1}
 FORCED_PATHS = {
     # looped (a program per group walking tiles; forward and backward) on tiles of 16 elements:
     # 3 x 3 tiles per group with ragged edges on both axes, whatever the group count
@@ -64,19 +62,13 @@ FORCED_PATHS = {
                      "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}},
     # staged (stats, finalize, apply) for every input and layout: apply on 16-element tiles, stats
     # accumulating per element slot on 32-element tiles grouped into spans of 2 tiles with a ragged
-    # last span (and a ragged last tile), the last stats program of each sample finalizing its
-    # groups one span at a time
+    # last span (and a ragged last tile), the finalize one span at a time
     "staged": {**STAGED_ALL, "GN_STAGED_STATS_TILE": {2: (32, 2), 4: (32, 2)}},
-    # the same with the stats reducing each 16-element tile across threads (no slots) and the
-    # finalize in its own launch (not by the last stats program of each sample)
-    "staged-tiles": {**STAGED_ALL, "GN_STAGED_SLOTS": {"fwd": False, "bwd": False},
-                     "GN_STAGED_FUSED_FINALIZE": {"fwd": False, "bwd": False}},
-    # staged with one stats program per sample, which the interpreter (programs one after another)
-    # needs to take the apply into the stats launch: on a GPU every staged path with a resident grid does
-    "staged-one": {**STAGED_ALL, "GN_STAGED_MAX_SUB": 1 << 10},
-    # staged with a narrow weight-gradient reduction over several programs (4 x 4 blocks, 1 warp),
-    # slot stats and the finalize in its own launch
-    "staged-colsum": {**STAGED_ALL, "GN_COL_SUM": (4, 4, 1), "GN_STAGED_FUSED_FINALIZE": {"fwd": False, "bwd": False}},
+    # the same with the stats reducing each 16-element tile across threads (no slots)
+    "staged-tiles": {**STAGED_ALL, "GN_STAGED_SLOTS": {"fwd": False, "bwd": False}},
+    # staged with a narrow weight-gradient reduction over several programs (4 x 4 blocks, 1 warp)
+    # and slot stats
+    "staged-colsum": {**STAGED_ALL, "GN_COL_SUM": (4, 4, 1)},
     # two-kernel split (a program per slice: partials, then merge and apply) on 16-element
     # slices: 3 x 3 slices per group (35 positions: a ragged last slice), whatever the group count
     "split2": {"GN_SPLIT2_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
@@ -105,10 +97,7 @@ def _assert_path_taken(path, x, dtype, act):
         staged = _staged_plan(direction, x3, 3)[0]
         if path.startswith("staged"):
             assert staged is not None and staged.n_sub > 1 and staged.block_p == 1
-            assert staged.slots == (path != "staged-tiles") and staged.fused_apply
-            assert staged.fused_p == (0 if path in ("staged-tiles", "staged-colsum") else 1)
-            if path == "staged-one":  # one span per sample
-                assert staged.n_sub * staged.stats_tile[1] >= 35
+            assert staged.slots == (path != "staged-tiles")
             continue
         cfg = _gn_plan(direction, 3, 35, dtype, x.device, (True, True, act, extra), 12, not x.is_contiguous())[0]
         assert staged is None and (cfg.block_r, cfg.block_s) == (1, 16)

@@ -536,72 +536,38 @@ def _staged_plan(direction: str, x, cg: int):
 
 
 def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):
-    """The staged path (group_norm.py): stats, finalize (in the stats launch when cfg.fused_p),
-    apply (in the stats launch too when cfg.fused_apply and its whole grid can be resident at once).
-    The stats (c1, c1 stand in for the partials while the residency is probed: same dtype and
-    alignment) are cut into spans of n_sub tiles. Forward (dy None): out = y, and mean/rstd are
-    written. Backward: out = dx; returns the per-sample channel sums of g*xhat and g ([B, C] fp32,
-    from the finalize), which are the weight gradients' partials."""
+    """The staged path (group_norm.py): stats, finalize, apply; the stats are cut into spans of
+    cfg.n_sub tiles. Forward (dy None): out = y, and mean/rstd are written. Backward: out = dx;
+    returns the per-sample channel sums of g*xhat and g ([B, C] fp32, from the finalize), which are
+    the weight gradients' partials."""
     B, C, S = x.shape
     bwd = dy is not None
     cg = C // num_groups
     stats_c, stats_s = cfg.stats_tile
     n_cb, n_sb = -(-C // stats_c), -(-S // stats_s)
+    n_sub = cfg.n_sub
+    n_spans = -(-n_sb // n_sub)
     strides = (x.stride(0), x.stride(1), x.stride(2))
     k = _kernels()
     flags = dict(BWD=bwd, HAS_W=weight is not None, HAS_B=bias is not None, ACT=k.act_codes[activation])
     stats_flags = flags if bwd else dict(BWD=False, HAS_W=False, HAS_B=False, ACT=0)
+    p1 = _empty((B * n_spans, C), dtype=torch.float32, device=x.device)
+    p2 = _empty((B * n_spans, C), dtype=torch.float32, device=x.device)
+    k.gn_stats((B * n_cb * n_spans,), (x, dy, weight, bias, mean, rstd, p1, p2, C, S, num_groups, cg, n_cb, n_sb,
+                                       n_spans, n_sub) + strides,
+               dict(**stats_flags, BLOCK_C=stats_c, BLOCK_S=stats_s, SLOTS=cfg.slots), cfg.stats_options, device_index)
     c1 = _empty((B, num_groups), dtype=torch.float32, device=x.device)  # forward: the shifted means
     c2 = _empty((B, num_groups), dtype=torch.float32, device=x.device) if bwd else None
     q1 = _empty((B, C), dtype=torch.float32, device=x.device) if bwd else None
     q2 = _empty((B, C), dtype=torch.float32, device=x.device) if bwd else None
-    # the fused finalize's arrival (and the fused apply's exit) counters: the kernel leaves them zero
-    sync = _sync_buffer(x.device, B) if cfg.fused_p else None
-    fused = dict(FUSED=cfg.fused_p > 0, FIN_P=max(cfg.fused_p, 1), FIN_G=max(cfg.fused_g, 1), FIN_R=cfg.block_r)
-    constexprs = dict(**stats_flags, BLOCK_C=stats_c, BLOCK_S=stats_s, SLOTS=cfg.slots, **fused, APPLY=False)
-
-    def stats_args(n_sub, p1, p2):
-        return (x, dy, out, weight, bias, mean, rstd, p1, p2, c1, c2, q1, q2, sync, B, C, S, num_groups, cg,
-                n_cb, n_sb, -(-n_sb // n_sub), n_sub, n_sub * stats_s) + strides + (eps,)
-    n_sub = cfg.n_sub
-    if cfg.fused_p and cfg.fused_apply:
-        apply_constexprs = dict(constexprs, **flags, APPLY=True)
-        n_sub = _resident_tiles_per_span(k.gn_stats, stats_args(n_sub, c1, c1), apply_constexprs, cfg, B, n_cb,
-                                         n_sb, device_index)
-        if n_sub:
-            constexprs = apply_constexprs
-        else:
-            n_sub = cfg.n_sub
-    n_spans = -(-n_sb // n_sub)
-    p1 = _empty((B * n_spans, C), dtype=torch.float32, device=x.device)
-    p2 = _empty((B * n_spans, C), dtype=torch.float32, device=x.device)
-    k.gn_stats((B * n_cb * n_spans,), stats_args(n_sub, p1, p2), constexprs, cfg.stats_options, device_index)
-    if constexprs["APPLY"]:
-        return q1, q2
-    if not cfg.fused_p:
-        k.gn_finalize((B * num_groups,), (x, p1, p2, weight if bwd else None, mean, rstd, c1, c2, q1, q2, C, S,
-                                          num_groups, cg, n_spans, n_sub * stats_s, strides[0], strides[1], eps),
-                      dict(BWD=bwd, HAS_W=bwd and weight is not None, BLOCK_P=cfg.block_p, BLOCK_R=cfg.block_r),
-                      (4, 1), device_index)
+    k.gn_finalize((B * num_groups,), (x, p1, p2, weight if bwd else None, mean, rstd, c1, c2, q1, q2, C, S,
+                                      num_groups, cg, n_spans, n_sub * stats_s, strides[0], strides[1], eps),
+                  dict(BWD=bwd, HAS_W=bwd and weight is not None, BLOCK_P=cfg.block_p, BLOCK_R=cfg.block_r),
+                  (4, 1), device_index)
     n_cb, n_sb = -(-C // cfg.block_c), -(-S // cfg.block_s)
     k.gn_apply((B * n_cb * n_sb,), (x, dy, out, weight, bias, mean, rstd, c1, c2, C, S, num_groups, cg, n_cb, n_sb)
                + strides, dict(**flags, BLOCK_C=cfg.block_c, BLOCK_S=cfg.block_s), cfg.options, device_index)
     return q1, q2
-
-
-def _resident_tiles_per_span(kernel, args, constexprs, cfg, b: int, n_cb: int, n_sb: int, device_index: int) -> int:
-    """Tiles per stats program for the stats launch with the apply fused in, or 0 where it cannot
-    run: its programs wait for their sample's finalize, so all must be resident at once. On a GPU
-    the spans are re-cut to the compiled kernel's residency (registers, shared memory), which
-    the configuration's programs per SM only estimates; under the interpreter, which runs programs
-    one after another, only one program per sample (it finalizes itself) can."""
-    if kernel.interpreted:
-        return cfg.n_sub if n_cb == 1 and cfg.n_sub >= n_sb else 0
-    from .launch import resident_programs_per_sm
-    resident = _device_facts(args[0].device)[2] * resident_programs_per_sm(
-        kernel.compiled(args, constexprs, cfg.stats_options, device_index), cfg.stats_options[0], device_index)
-    n_sub = configs.staged_tiles_per_span(n_sb, b * n_cb, resident)
-    return n_sub if b * n_cb * -(-n_sb // n_sub) <= resident else 0
 
 
 def _split2(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):

@@ -295,24 +295,6 @@ GN_STAGED_MAX_SUB = 1 << 16  # most tiles per stats program (a span)
 # 16x640x32x32 0.33 / 0.31 -> 0.37 / 0.35
 GN_STAGED_PROGRAMS_PER_SM = {"fwd": 4, "bwd": 3}
 GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
-# the finalize folded into the stats launch: the last stats program of each sample finalizes all
-# its groups from [spans, G, Cg] partial tiles of at most GN_STAGED_FUSED_TILE elements (padded) per
-# step, when one span of the sample's groups fits (G * Cg padded to powers of two, at most the tile)
-# and the steps (one L2 round trip each, at the end of the launch) are at most GN_STAGED_FUSED_STEPS.
-# ptxas (sm_90, triton 3.9 offline): a 2048-element tile keeps the stats kernel at its 120-128
-# registers at 4 warps; 4096 takes it to 181-193 (3 programs per SM instead of 4)
-# Measured (H100, S9-gn9, bf16 channels_last): slower, 8x320x64x64 fwd 0.42 -> 0.31, bwd 0.38 -> 0.33;
-# 8x640x32x32 bwd 0.30 -> 0.15 (not profiled: the last program's serial finalize, a tail, is a guess): off
-GN_STAGED_FUSED_FINALIZE = {"fwd": False, "bwd": False}
-GN_STAGED_FUSED_TILE = 2048
-GN_STAGED_FUSED_STEPS = 4
-# and the apply too (with the fused finalize): every stats program waits for its sample's finalize,
-# then normalizes its own span's tiles from L2; taken only when the whole stats grid is resident at
-# once (the host checks the compiled kernel, re-cutting the spans to it), else the apply is its own
-# launch. ptxas (offline) put the fused kernel at 168 registers (3 programs per SM) for 8x320x64x64
-# (the stats alone: 120-128)
-# Measured (S9-gn9): slower still, 8x320x64x64 fwd 0.42 -> 0.24, bwd 0.38 -> 0.29; 8x640x32x32 bwd 0.30 -> 0.15
-GN_STAGED_FUSED_APPLY = {"fwd": False, "bwd": False}
 
 
 @dataclass(frozen=True)
@@ -327,9 +309,6 @@ class StagedConfig:
     stats_block_s: int = 0
     stats_warps: int = 0
     slots: bool = False  # stats accumulate per element slot (GN_STAGED_SLOTS)
-    fused_p: int = 0  # spans per step of the finalize in the stats launch (0: a finalize launch)
-    fused_g: int = 0  # the sample's groups, padded
-    fused_apply: bool = False  # the apply in the stats launch too (GN_STAGED_FUSED_APPLY)
 
     @property
     def options(self):
@@ -380,10 +359,5 @@ def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
     n_spans = -(-n_sb // n_sub)
     block_r = triton.next_power_of_2(cg)
     block_p = max(1, min(triton.next_power_of_2(n_spans), GN_STAGED_FINALIZE_TILE // block_r))
-    fused_g = triton.next_power_of_2(c // cg)
-    fused_p = 0
-    if GN_STAGED_FUSED_FINALIZE[direction] and fused_g * block_r <= GN_STAGED_FUSED_TILE:
-        fused_p = min(triton.next_power_of_2(n_spans), GN_STAGED_FUSED_TILE // (fused_g * block_r))
-        fused_p = fused_p if -(-n_spans // fused_p) <= GN_STAGED_FUSED_STEPS else 0
     return StagedConfig(block_c, block_s, n_sub, GN_STAGED_WARPS, block_p, block_r, stats_c, stats_s, stats_warps,
-                        GN_STAGED_SLOTS[direction], fused_p, fused_g, GN_STAGED_FUSED_APPLY[direction])
+                        GN_STAGED_SLOTS[direction])

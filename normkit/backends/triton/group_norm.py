@@ -12,8 +12,7 @@ is a [BLOCK_R] vector broadcast along the spatial axis. Four paths (configs.py p
 * two-kernel split (groups of several tiles): a program per slice in two launches, partials then
   merge-and-apply (see its section): no waits, and every slice's loads in flight at once;
 * staged (channels_last with small groups): three launches over [channel block, spatial block]
-  tiles that read whole rows of channels, or fewer with the finalize (and apply) folded into the
-  stats launch (see the section at the end of this file).
+  tiles that read whole rows of channels (see the section at the end of this file).
 
 Backward writes per-channel fp32 partial sums of dweight/dbias for each (batch, spatial slice) (the
 staged path: for each batch) to a buffer that col_sum_kernel reduces in a fixed order:
@@ -468,9 +467,6 @@ def group_norm_split_apply_kernel(
 # a group's partials into its statistics (forward) or its two dx sums (backward); `apply` walks the
 # tiles again, last first (the stats pass read them most recently, so they are likeliest in L2).
 # Channel blocks need not align with groups: tile rows pick their group's values by index.
-# Optionally (configs.GN_STAGED_FUSED_*) the last stats program of each sample runs the finalize,
-# and then every stats program applies its own span: one launch, which waits on the others only
-# when the host has checked that the whole grid is resident at once.
 
 @triton.jit
 def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
@@ -485,23 +481,14 @@ def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
 
 @triton.jit
 def group_norm_staged_stats_kernel(
-    X, DY, Y, W, B, MEAN, RSTD, P1, P2, C1, C2, Q1, Q2, SYNC, Bn, C, S, G, Cg, n_cb, n_sb, n_spans, n_sub, span,
-    stride_b, stride_c, stride_s, eps,
+    X, DY, W, B, MEAN, RSTD, P1, P2, C, S, G, Cg, n_cb, n_sb, n_spans, n_sub, stride_b, stride_c, stride_s,
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr,
-    FUSED: tl.constexpr, FIN_P: tl.constexpr, FIN_G: tl.constexpr, FIN_R: tl.constexpr,
-    APPLY: tl.constexpr,
 ):
     """Program (b, kc, span j): per channel of block kc over the span's positions, forward: mean and
     M2; backward: sum of g*xhat and of g, which are also the weight-gradient partials (row
     b * n_spans + j of [B * n_spans, C]). SLOTS: accumulated per element slot (_staged_stats_slots);
-    else each tile's exact two-pass values, Chan-merged per tile. FUSED: the last program of each
-    sample to finish (an arrival counter in SYNC, reset by that program) runs the finalize for all
-    the sample's groups ([FIN_P, FIN_G, FIN_R] tiles), which saves the finalize launch. APPLY (with
-    FUSED; the host launches it only when the whole grid is resident at once): every program then
-    waits for its sample's finalize and writes Y (y, or dx) for its own span's tiles, last first
-    (it read them just before: from L2), which saves the apply launch; HAS_W / HAS_B / ACT are the
-    forward's then too (the forward's statistics never read them)."""
+    else each tile's exact two-pass values, Chan-merged per tile."""
     pid = tl.program_id(0)
     j = pid % n_spans
     bc = pid // n_spans  # b * n_cb + kc
@@ -516,35 +503,6 @@ def group_norm_staged_stats_kernel(
     part = (b_idx * n_spans + j).to(tl.int64) * C + ch
     tl.store(P1 + part, p1, mask=ch < C)
     tl.store(P2 + part, p2, mask=ch < C)
-    if FUSED:
-        n_prog = n_cb * n_spans  # stats programs of the sample
-        tl.debug_barrier()  # every thread's partials are stored before the release below
-        arrived = tl.atomic_add(SYNC + b_idx, 1, sem="acq_rel")
-        if arrived == n_prog - 1:
-            _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, 0, C, S, G, Cg, n_spans,
-                             stride_b, stride_c, eps, span, BWD, HAS_W, FIN_P, FIN_G, FIN_R)
-            if APPLY:
-                tl.debug_barrier()  # the finalize's stores are done before the release below
-                tl.atomic_add(SYNC + b_idx, 1, sem="release")  # n_prog + 1: finalized
-            else:
-                tl.atomic_xchg(SYNC + b_idx, 0)  # left zero for the next launch
-        if APPLY:
-            done = tl.atomic_add(SYNC + b_idx, 0, sem="acquire")
-            while done < n_prog + 1:
-                done = tl.atomic_add(SYNC + b_idx, 0, sem="acquire")
-            c_mask = ch < C
-            for i in range(0, n_sub):
-                s = (j * n_sub + n_sub - 1 - i) * BLOCK_S + tl.arange(0, BLOCK_S)
-                mask = c_mask[:, None] & (s < S)[None, :]
-                offs = (b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c
-                        + s.to(tl.int64)[None, :] * stride_s)
-                _staged_apply(X, DY, Y, W, B, MEAN, RSTD, C1, C2, b_idx, ch, c_mask, offs, mask, G, Cg,
-                              stride_b, stride_c, BWD, HAS_W, HAS_B, ACT, True)
-            tl.debug_barrier()
-            left = tl.atomic_add(SYNC + Bn + b_idx, 1, sem="acq_rel")
-            if left == n_prog - 1:  # the sample's last program out leaves both counters zero
-                tl.atomic_xchg(SYNC + b_idx, 0)
-                tl.atomic_xchg(SYNC + Bn + b_idx, 0)
 
 
 @triton.jit
@@ -651,8 +609,9 @@ def _staged_finalize(X, P1, P2, W, MEAN, RSTD, C1, C2, Q1, Q2, b_idx, g0, C, S, 
                      eps, span, BWD: tl.constexpr, HAS_W: tl.constexpr, BLOCK_P: tl.constexpr,
                      BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr):
     """Groups g0 .. g0 + BLOCK_G - 1 of sample b from their [spans, Cg] partials, read as
-    [BLOCK_P, BLOCK_G, BLOCK_R] tiles (volatile: the stats launch's last program reads partials other
-    programs of the same launch wrote). Forward (partials of x minus the group's first element): each
+    [BLOCK_P, BLOCK_G, BLOCK_R] tiles (the finalize launch: one group, BLOCK_G = 1; the group axis and
+    the volatile loads are what a finalize inside the stats launch needed, removed after 6c904fd:
+    kept because they are the compiled kernel every measurement since session 8 ran). Forward (partials of x minus the group's first element): each
     tile's group mean and M2 (M2 = sum M2_j + sum n_j (mean_j - mean)^2: exact, no cancellation),
     Chan-merged over the tiles -> MEAN, RSTD, and the shifted mean -> C1. Backward: per channel the
     sums over the spans of g*xhat and g -> Q1, Q2 [B, C] (the weight gradients' per-sample partials:
@@ -713,33 +672,23 @@ def group_norm_staged_apply_kernel(
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """One tile per program, last tile first (_staged_apply)."""
+    """One tile per program, last tile first. Forward: Y = act(xhat * w + b) (C1: the shifted means);
+    backward: Y (= dx) = rstd * (w*g - xhat * c1 - c2), with the group values gathered per channel."""
     last = tl.num_programs(0) - 1
     b_idx, kc, ks, offs, mask, ch, c_mask = _staged_tile(last - tl.program_id(0), C, S, n_cb, n_sb,
                                                          stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
-    _staged_apply(X, DY, Y, W, B, MEAN, RSTD, C1, C2, b_idx, ch, c_mask, offs, mask, G, Cg, stride_b, stride_c,
-                  BWD, HAS_W, HAS_B, ACT, False)
-
-
-@triton.jit
-def _staged_apply(X, DY, Y, W, B, MEAN, RSTD, C1, C2, b_idx, ch, c_mask, offs, mask, G, Cg, stride_b, stride_c,
-                  BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-                  VOLATILE: tl.constexpr):
-    """One [BLOCK_C, BLOCK_S] tile. Forward: Y = act(xhat * w + b) (C1: the shifted means); backward:
-    Y (= dx) = rstd * (w*g - xhat * c1 - c2), with the group values gathered per channel (VOLATILE:
-    from L2, when this launch's own finalize wrote them)."""
     grp = b_idx * G + ch // Cg
-    mean = tl.load(MEAN + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
-    rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
+    mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
+    rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0)[:, None]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if BWD:
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         xhat, _, wg = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
-        c1 = tl.load(C1 + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
-        c2 = tl.load(C2 + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
+        c1 = tl.load(C1 + grp, mask=c_mask, other=0.0)[:, None]
+        c2 = tl.load(C2 + grp, mask=c_mask, other=0.0)[:, None]
         tl.store(Y + offs, ((wg - (xhat * c1 + c2)) * rstd).to(Y.dtype.element_ty), mask=mask)
     else:  # C1 holds the mean of x minus the group's first element
         shift = tl.load(X + b_idx.to(tl.int64) * stride_b + ((ch // Cg) * Cg).to(tl.int64) * stride_c,
                         mask=c_mask, other=0.0).to(tl.float32)[:, None]
-        mean_s = tl.load(C1 + grp, mask=c_mask, other=0.0, volatile=VOLATILE)[:, None]
+        mean_s = tl.load(C1 + grp, mask=c_mask, other=0.0)[:, None]
         _store_y(Y, W, B, offs, mask, ch, c_mask, ((x - shift) - mean_s) * rstd, HAS_W, HAS_B, ACT)
