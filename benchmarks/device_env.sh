@@ -1,8 +1,13 @@
 # Sourced first by the benchmarks/device_session*.sh scripts, on the device: the repo root as the
 # working directory, the wheels carried in .whl installed under /tmp/site (on PYTHONPATH), $OUT
-# made, the GPU and library versions written to $OUT/${1:-env.txt}, and the C++ host path built.
+# made, the GPU and library versions written to $OUT/${1:-env.txt}, the C++ host path built, and
+# GPU_TEST_FILES set.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
+# the test files the session scripts run on the GPU (the model tests apart: their own time limit)
+GPU_TEST_FILES="tests/test_modulation.py tests/test_gate.py tests/test_host_gpu.py tests/test_host.py
+    tests/test_group_norm.py tests/test_cuda_backend.py tests/test_gpu.py tests/test_recognize.py tests/test_blocks.py
+    tests/test_compile.py tests/test_compile_fusion.py tests/test_api.py tests/test_edge_cases.py tests/test_autograd.py"
 mkdir -p "$OUT"
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target /tmp/site .whl/*.whl

@@ -18,10 +18,7 @@ source "$(dirname "$0")/device_env.sh" env.txt  # (sourced with no argument it w
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-tests}" in
 tests)
-    timeout 400 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE tests/test_modulation.py tests/test_gate.py \
-        tests/test_host_gpu.py tests/test_host.py tests/test_group_norm.py tests/test_cuda_backend.py tests/test_gpu.py \
-        tests/test_recognize.py tests/test_blocks.py tests/test_compile.py tests/test_compile_fusion.py \
-        tests/test_api.py tests/test_edge_cases.py tests/test_autograd.py 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
+    timeout 400 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE $GPU_TEST_FILES 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-200 | head -30; tail -1 "$OUT/tests.log"
     timeout 120 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE tests/test_models.py tests/test_patch.py \
         2>&1 | grep -v '^USDT' > "$OUT/tests-models.log"

@@ -19,10 +19,7 @@ check)
     timeout 60 python3 benchmarks/debug_compiled_modulation.py 2>&1 | grep -v Warn | grep -v "compiled call [1-5]" | tail -14
     ;;
 final)
-    timeout 320 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE tests/test_modulation.py tests/test_gate.py \
-        tests/test_host_gpu.py tests/test_host.py tests/test_group_norm.py tests/test_cuda_backend.py tests/test_gpu.py \
-        tests/test_recognize.py tests/test_blocks.py tests/test_compile.py tests/test_compile_fusion.py \
-        tests/test_api.py tests/test_edge_cases.py tests/test_autograd.py 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
+    timeout 320 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE $GPU_TEST_FILES 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-200 | head -30; tail -1 "$OUT/tests.log"
     models_tests 180
     ;;
