@@ -85,7 +85,7 @@ def check(out, dtype, shape, waves):
         for m, n, offset in CHECK_CASES:
             label = dict(dtype=str(dtype)[6:], op=op, M=m, N=n, offset=offset, impl=name(shape, waves))
             try:
-                with Routing(cluster_widths={("fwd", eb): (16384, 262144)}, shapes={("fwd", eb): shape}), \
+                with Routing(cluster_widths={("fwd", op, eb): (16384, 262144)}, shapes={("fwd", eb): shape}), \
                         push_waves(waves):
                     x = (torch.randn(m, n, device="cuda") * 2 + 0.5 + offset).to(dtype)
                     w, b = torch.randn(n, device="cuda"), None if rms else torch.randn(n, device="cuda")

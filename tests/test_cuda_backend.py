@@ -435,6 +435,29 @@ def test_cluster_plans():
         assert (p.items, p.stages) == shape[1:3]
 
 
+def test_cluster_widths_are_per_op(monkeypatch):
+    """configs.CLUSTER_WIDTHS holds, per (direction, op, element bytes), the widths backend="cuda"
+    runs on clusters, so LayerNorm and RMSNorm each take their faster kernel at a width; here the
+    cluster kernels' own checks are stood in for (no GPU)."""
+    from normkit.backends.cuda import cluster
+    for direction in ("fwd", "bwd"):
+        for op in ("ln", "rms"):
+            for eb in (2, 4):
+                lo, hi = configs.CLUSTER_WIDTHS[(direction, op, eb)]
+                assert lo == configs.next_pow2(lo) and hi == configs.next_pow2(hi) and lo <= hi
+                assert configs.plan_cluster(direction, hi, eb) is not None, (direction, op, eb)
+    monkeypatch.setattr(cluster, "why_not", lambda *a: None)
+    monkeypatch.setattr(cluster, "prepare", lambda direction, n, dtype, wdtype, act, rms, *a: ("prepared", rms))
+    monkeypatch.setattr(cb, "_begin", lambda x: 0)
+    monkeypatch.setitem(configs.CLUSTER_WIDTHS, ("fwd", "ln", 2), (32768, 65536))
+    monkeypatch.setitem(configs.CLUSTER_WIDTHS, ("fwd", "rms", 2), (65536, 65536))
+    x = torch.empty(3, 20000 + 12288, dtype=torch.bfloat16)  # 32K once padded
+    assert cb._on_clusters("fwd", x, (), None, None, None, False) == ("prepared", False)
+    assert cb._on_clusters("fwd", x, (), None, None, None, True) is None
+    assert cb._on_clusters("fwd", torch.empty(3, 65536, dtype=torch.bfloat16), (), None, None, None, True) \
+        == ("prepared", True)
+
+
 def test_shared_memory_opt_in_counts_static_bytes():
     # 48 KB of stages + 2 KB of static shared memory is past the default: an opt-in is needed
     assert driver.needs_smem_opt_in(48 * 1024, 2176)
@@ -942,7 +965,8 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
     eb = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setitem(configs.CLUSTER_KERNELS, ("fwd", eb), shape)
     monkeypatch.setattr(configs, "CLUSTER_SHAPES", {})
-    monkeypatch.setitem(configs.CLUSTER_WIDTHS, ("fwd", eb), (16384, 262144))
+    for kind in ("ln", "rms"):
+        monkeypatch.setitem(configs.CLUSTER_WIDTHS, ("fwd", kind, eb), (16384, 262144))
     if waves is not None:
         monkeypatch.setattr(configs, "CLUSTER_PUSH_WAVES", waves)
     cluster.prepare.cache_clear()

@@ -578,13 +578,14 @@ def _check_replay(plan, records, inputs, allocs):
     ptrs = [0 if t is None else t.data_ptr() for t in inputs] + [a.data_ptr() for a in allocs] + \
         [p.data_ptr() for p in persistent]
     assert len(launches) == len(records)
-    for (fn, gx, gy, gz, block, shared, template, offsets, patches), rec in zip(launches, records):
+    for (fn, gx, gy, gz, block, shared, template, offsets, patches, cluster), rec in zip(launches, records):
         assert (gx, gy, gz) == tuple(rec.grid) + (1,) * (3 - len(rec.grid)) and block == 32 * rec.num_warps
+        assert cluster == tuple(rec.cluster) and shared == rec.shared
         buf = bytearray(template)
         for off, slot, byte_offset, _ in patches:
             struct.pack_into("<Q", buf, off, ptrs[slot] + byte_offset)
         params = [(ty, a) for ty, a in zip(rec.signature, rec.args) if ty != "constexpr"]
-        assert len(offsets) == len(params) + 2  # + global and profile scratch
+        assert len(offsets) == len(params) + rec.null_pointers  # + Triton's global and profile scratch
         for (ty, a), off in zip(params, offsets):
             if ty.startswith("*"):
                 assert struct.unpack_from("<Q", buf, off)[0] == (0 if a is None else a.data_ptr()) and off % 8 == 0
@@ -592,7 +593,7 @@ def _check_replay(plan, records, inputs, allocs):
                 fmt = plans._SCALAR[ty]
                 assert off % struct.calcsize(fmt) == 0
                 assert struct.unpack_from(fmt, buf, off)[0] == struct.unpack(fmt, struct.pack(fmt, a))[0]
-        for off in offsets[-2:]:
+        for off in offsets[len(params):]:
             assert struct.unpack_from("<Q", buf, off)[0] == 0
 
 
@@ -617,7 +618,8 @@ def test_record_row_norm_forward_and_backward():
     plan, (y, mean, rstd) = _record(lambda: tb.row_norm_fwd(x, w, b, 1e-5, False, "silu", True), (x, w, b))
     assert sorted(r for r in _roles(plan) if r) == [1, 2, 3] and plan[1] == ()
     # every pointer the kernel got is a slot: x, w, b are inputs 0-2, y/mean/rstd the run's buffers
-    (_, _, _, _, _, _, _, _, patches), = plan[2]
+    (_, _, _, _, _, _, _, _, patches, cluster), = plan[2]
+    assert cluster == (1, 1, 1)
     assert {slot for _, slot, _, _ in patches} == {0, 1, 2, 3, 4, 5}
     dy = torch.randn(5, 33, device=DEVICE)
     tb.row_norm_bwd(dy, x, w, mean, rstd, False, w.dtype, b.dtype, bias=b, activation="silu")
@@ -842,10 +844,70 @@ def test_parameter_packing():
 
 def test_launch_attributes_it_does_not_replay():
     t = torch.randn(4)
-    for extra in ({"num_ctas": 2}, {"cooperative": True}, {"pdl": True}, {"scratch": 256}, {"shared": 300_000}):
-        rec = plans.LaunchRecord(["*fp32"], (t,), (1,), 4, **extra)
+    for extra in ({"num_ctas": 2}, {"cooperative": True}, {"pdl": True}, {"scratch": 256}, {"shared": 300_000},
+                  {"cluster": (3, 1, 1)}, {"cluster": (32, 1, 1), "grid": (32,)}, {"cluster": (0, 1, 1)}):
+        rec = plans.LaunchRecord(["*fp32"], (t,), extra.pop("grid", (4,)), 4, **extra)
         with pytest.raises(plans.NotReplayable):
             plans.build_plan([rec], (t,), [], [])
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_record_cuda_cluster_launches(direction, monkeypatch):
+    """The CUDA backend's cluster kernels (what the Triton backend routes wide 16-bit rows to on
+    sm_90) become plan launches with a cluster shape: cluster.launch_fwd / launch_bwd run through
+    driver.Kernel.launch and driver.launch (the driver calls stood in for), and the plan must give
+    back every argument the KernelSpec takes, with no Triton scratch pointers."""
+    from types import SimpleNamespace
+
+    from normkit.backends.cuda import cluster as cc, configs as cfg, driver, kernels as ck
+    launched = []
+    ok = SimpleNamespace(CUDA_SUCCESS=0)
+    monkeypatch.setattr(driver, "bindings", lambda: SimpleNamespace(
+        CUresult=ok, cuLaunchKernelEx=lambda config, *a: launched.append(config) or (0,),
+        cuLaunchKernel=lambda *a: pytest.fail("a cluster kernel launched without its cluster")))
+    monkeypatch.setattr(driver, "launch_config", lambda grid, block, smem, _, cluster: (grid, block, smem, cluster))
+    monkeypatch.setattr(cc, "_use_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=0))
+    M, N = 5, 131072
+    plan = cfg.plan_cluster(direction, N, 2)
+    assert plan.cluster == (8 if direction == "fwd" else 16)  # the backward's is a non-portable size
+    kernel = driver.Kernel(ck.row_cluster(direction, torch.bfloat16, torch.bfloat16, None, False, plan, True), 0,
+                           None, 0xC0FFEE, smem_granted=plan.smem, _nonportable=True)
+    kernel.__dict__["static_smem"] = 0  # the opt-ins the first (Python) run made stay on the function
+    prepared = cc.Prepared(plan, kernel, clusters=3)
+    x, w, b, dy = (torch.randn(s, dtype=torch.bfloat16) for s in ((M, N), (N,), (N,), (M, N)))
+    mean, rstd = torch.randn(M), torch.rand(M)
+    with plans.Recorder() as rec:
+        if direction == "fwd":
+            y, mean, rstd = torch.empty(M, N, dtype=x.dtype), torch.empty(M), torch.empty(M)
+            cc.launch_fwd(prepared, x, y, w, b, mean, rstd, 1e-5)
+            inputs, outs = (x, w, b), (y, mean, rstd)
+        else:
+            dx, dw_part, db_part = torch.empty_like(x), torch.empty(3, N), torch.empty(3, N)
+            assert cc.launch_bwd(prepared, dy, x, w, b, mean, rstd, dx, dw_part, db_part) == 3
+            inputs, outs = (dy, x, w, b, mean, rstd), (dx,)
+    grid = (3 * plan.cluster, 1, 1)
+    assert launched == [(grid, (plan.threads, 1, 1), plan.smem, (plan.cluster, 1, 1))]
+    (_, name, note), = rec.launches
+    records = [plans.LaunchRecord.from_cuda(*note)]
+    assert records[0].null_pointers == 0 and records[0].cluster == (plan.cluster, 1, 1)
+    built = plans.build_plan(records, inputs, rec.watch.allocs, list(zip(range(1, len(outs) + 1), outs)))
+    _check_replay(built, records, inputs, rec.watch.allocs)
+    (fn, *grid_, threads, shared, _, offsets, patches, cluster), = built[2]
+    assert (fn, tuple(grid_), threads, shared, cluster) == (0xC0FFEE, grid, plan.threads, plan.smem,
+                                                            (plan.cluster, 1, 1))
+    assert len(offsets) == len(kernel.spec.params)
+    # the Recorder's own plan: the same launch
+    again, why = rec.plan(inputs, list(zip(range(1, len(outs) + 1), outs)))
+    assert why is None and again[2] == built[2]
+
+
+def test_cuda_launches_without_arguments_are_not_replayable():
+    from normkit.backends.triton import launch
+    with plans.Recorder() as rec:
+        launch.note_foreign_launch("some_kernel")
+    plan, why = rec.plan((torch.randn(2),), [])
+    assert plan is None and "some_kernel" in why
 
 
 # ----------------------------------------------------------------------------- the package

@@ -72,9 +72,13 @@ ROW_CASES = [
     ((2, 3, 4, 8), 2, fp32, fp32, "w", None, True),
     ((7, 1000), 1, bf16, fp32, "wb", "gelu_tanh", False),
     # split rows (the plan keeps the exchange counters): fp32 LayerNorm at 256K runs Triton's split path
-    # both ways on sm_90 (16-bit rows from 64K run the CUDA cluster kernels, which plans do not launch:
-    # those calls take the Python path)
+    # both ways on sm_90
     ((4, 262144), 1, fp32, fp32, "wb", None, False),
+    # 16-bit rows from 64K run the CUDA backend's cluster kernels on sm_90 (tuned/sm_90.json "cuda"):
+    # plan launches with a cluster shape (the LayerNorm backward's at 128K: 16 CTAs, a non-portable size)
+    ((4, 65536), 1, bf16, bf16, "wb", None, False),
+    ((2, 65536), 1, bf16, bf16, "w", None, True),
+    ((3, 131072), 1, fp16, fp32, "wb", None, False),
     ((5, 1), 1, fp32, fp32, "wb", None, False),
     ((33, 128), 1, fp16, fp16, "", None, True),
     ((1, 8192), 1, bf16, bf16, "w", "mish", True),
@@ -103,7 +107,24 @@ def test_row_norm_matches_the_python_path(fast, case, grad):
     x, w, b = _row_inputs(shape, ndim, dtype, wdtype, affine)
     fn = _row_fn(ndim, act, rms, shape[len(shape) - ndim:])
     wanted = {i for i, t in enumerate((x, w, b)) if t is not None} if grad else set()
-    assert _check(fast, fn, (x, w, b), wanted) >= 1  # the third call replayed its plan(s)
+    wide = x.element_size() == 2 and shape[-1] >= 65536 and torch.cuda.get_device_capability() >= (9, 0)
+    if wide:
+        _host.clear()  # the plans of this case's other test start afresh too
+    failures = _host.stats()["record_failures"]
+    replays = _check(fast, fn, (x, w, b), wanted)
+    assert replays >= 1  # the third call replayed its plan(s)
+    if wide:
+        assert _cluster_launches(fn, (x, w, b)) >= 1, "the case was meant to run the cluster kernels"
+        assert replays == (2 if grad else 1) and _host.stats()["record_failures"] == failures, \
+            f"the forward{' and backward' if grad else ''} should replay plans: {_host.stats()['last_failure']}"
+
+
+def _cluster_launches(fn, inputs) -> int:
+    """CUDA-backend (cluster) kernels one forward on the Python path launches."""
+    from normkit._host import plans
+    with _host.python_path(), torch.no_grad(), plans.Recorder() as rec:
+        fn(*inputs)
+    return sum(e[0] == "foreign" for e in rec.launches)
 
 
 @pytest.mark.parametrize("wanted", [{0}, {1}, {2}, {0, 1}, {1, 2}, {0, 2}], ids=str)

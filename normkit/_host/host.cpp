@@ -3,7 +3,8 @@
 // A call is: recognise the case (plain CUDA tensors, no mode or transform active, arguments this
 // path knows), look its launch plan up by everything the Triton backend's host function reads
 // (shapes, strides, dtypes, flags, eps, pointer alignment, device), allocate the outputs from
-// torch's caching allocator, and cuLaunchKernel the recorded kernels on the current stream. When
+// torch's caching allocator, and launch the recorded kernels on the current stream (cuLaunchKernel;
+// cuLaunchKernelEx with the cluster dimension for thread-block cluster kernels). When
 // gradients are needed the output gets a C++ autograd node (no Python on the way), whose backward
 // replays the backward's plan the same way. Plans are recorded from one run of the Python host
 // functions (plans.py); a case the C++ side does not know returns None, and normkit.functional
@@ -77,6 +78,27 @@ Result (*primary_ctx_retain)(Context*, Device) = nullptr;
 Result (*device_get)(Device*, int) = nullptr;
 Result (*get_error_string)(Result, const char**) = nullptr;
 Result (*memset_d8_async)(unsigned long long, unsigned char, size_t, Stream) = nullptr;
+// cuLaunchKernelEx (CUDA 12) for cluster launches, with cuda.h's CUlaunchAttribute / CUlaunchConfig
+// layouts: an id padded to 8 bytes and a 64-byte value union; optional (null: plans with clusters
+// are not stored)
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    unsigned cluster_dim[3];
+    void* align;
+  } value;
+};
+static_assert(sizeof(LaunchAttribute) == 72, "CUlaunchAttribute is 72 bytes");
+constexpr int kLaunchAttributeClusterDimension = 4;  // CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+struct LaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
+  Stream stream;
+  LaunchAttribute* attrs;
+  unsigned n_attrs;
+};
+Result (*launch_kernel_ex)(const LaunchConfig*, Function, void**, void**) = nullptr;
 
 std::string load() {  // "" on success, else why not
   void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
@@ -91,6 +113,7 @@ std::string load() {  // "" on success, else why not
       !sym(device_get, "cuDeviceGet") || !sym(get_error_string, "cuGetErrorString") ||
       !sym(memset_d8_async, "cuMemsetD8Async"))
     return "libcuda.so.1 lacks a driver API entry point";
+  sym(launch_kernel_ex, "cuLaunchKernelEx");
   return "";
 }
 
@@ -214,6 +237,8 @@ struct Patch {
 struct LaunchSpec {
   cu::Function fn;
   unsigned grid[3], block, shared;
+  unsigned cluster[3] = {1, 1, 1};  // CTAs per thread-block cluster: {1, 1, 1} is a plain launch
+  bool clustered() const { return cluster[0] * cluster[1] * cluster[2] > 1; }
   std::vector<uint8_t> params;
   std::vector<uint32_t> offsets;
   std::vector<Patch> patches;
@@ -323,6 +348,10 @@ PlanPtr to_plan(py::handle data, int n_inputs, int device) {
     TORCH_CHECK(s.params.size() <= kMaxParamBytes && s.offsets.size() <= kMaxParams,
                 "normkit host path: plan with too many kernel parameters");
     for (auto o : s.offsets) TORCH_CHECK(o < s.params.size(), "normkit host path: bad plan offset");
+    for (int i = 0; i < 3; i++) {
+      s.cluster[i] = item<unsigned>(l[py::int_(9)], i);
+      TORCH_CHECK(s.cluster[i] >= 1 && s.grid[i] % s.cluster[i] == 0, "normkit host path: bad plan cluster");
+    }
     plan->launches.push_back(std::move(s));
   }
   return plan;
@@ -330,16 +359,24 @@ PlanPtr to_plan(py::handle data, int n_inputs, int device) {
 
 void store(const Key& key, py::handle plan_data, py::handle why, int n_inputs, int device) {
   PlanPtr plan;
+  py::object why_not = py::reinterpret_borrow<py::object>(why);
   if (!plan_data.is_none()) plan = to_plan(plan_data, n_inputs, device);
+  if (plan && !cu::launch_kernel_ex)
+    for (const auto& l : plan->launches)
+      if (l.clustered()) {
+        plan = nullptr;
+        why_not = py::str("the plan launches clusters and the driver lacks cuLaunchKernelEx");
+        break;
+      }
   std::lock_guard<std::mutex> g(cache_mu);
   Entry& e = cache[key];
   if (plan) {
     e.plan = std::move(plan);
     n_records++;
-  } else if (!why.is_none()) {  // None and None: the recorder was busy in another thread; try later
+  } else if (!why_not.is_none()) {  // None and None: the recorder was busy in another thread; try later
     e.failures++;
     n_failures++;
-    last_failure = py::cast<std::string>(why);
+    last_failure = py::cast<std::string>(why_not);
   }
 }
 
@@ -384,9 +421,17 @@ bool replay(const Plan& plan, const Tensor* inputs, c10::Device dev, Make&& make
     }
     void* params[kMaxParams];
     for (size_t i = 0; i < l.offsets.size(); i++) params[i] = buf + l.offsets[i];
-    cu::check(cu::launch_kernel(l.fn, l.grid[0], l.grid[1], l.grid[2], l.block, 1, 1, l.shared, stream, params,
-                                nullptr),
-              "cuLaunchKernel");
+    if (l.clustered()) {
+      cu::LaunchAttribute attr{};
+      attr.id = cu::kLaunchAttributeClusterDimension;
+      std::memcpy(attr.value.cluster_dim, l.cluster, sizeof l.cluster);
+      const cu::LaunchConfig config{l.grid[0], l.grid[1], l.grid[2], l.block, 1, 1, l.shared, stream, &attr, 1};
+      cu::check(cu::launch_kernel_ex(&config, l.fn, params, nullptr), "cuLaunchKernelEx");
+    } else {
+      cu::check(cu::launch_kernel(l.fn, l.grid[0], l.grid[1], l.grid[2], l.block, 1, 1, l.shared, stream, params,
+                                  nullptr),
+                "cuLaunchKernel");
+    }
   }
   n_replays++;
   return true;

@@ -10,7 +10,10 @@ path) is written twice: it is recorded from the Python code that has it.
 
 How a run is recorded:
 - launch.recording collects every launch (launch.Kernel.__call__): the CompiledKernel, the grid and
-  the arguments handed to Triton's launcher;
+  the arguments handed to Triton's launcher; and the CUDA backend's launches the Triton backend
+  routes to (its cluster kernels: driver.launch), with their KernelSpec and arguments. Both become
+  the same plan launch: a function, grid, block, shared memory, parameters, and a cluster shape
+  ((1, 1, 1): a plain launch; else host.cpp launches it with cuLaunchKernelEx);
 - a TorchDispatchMode sees every torch op of the run. Allocations (empty, empty_strided, ...) are
   the plan's buffers, torch.zeros a buffer the replay zeroes (the fp8 amax the kernels accumulate
   into); views are free; any other op (a copy_, zero_, fill_, ...) is work a replay would not redo,
@@ -22,7 +25,8 @@ How a run is recorded:
   backends/nvidia/driver.py): CompiledKernel.src.signature has one entry per kernel argument;
   "constexpr" entries (constexprs, None, integers equal to 1) are not passed, the others are, in
   order, each in its own storage of its natural size, followed by two null pointers (the global
-  and profile scratch that both versions append to every kernel's parameters).
+  and profile scratch that both versions append to every kernel's parameters). A CUDA-backend
+  kernel's parameters are its KernelSpec's, packed the same way, with no scratch pointers.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from ..backends.triton import launch
 ROLE_TEMP = 0
 MAX_PARAMS = 64  # host.cpp's fixed parameter arrays
 MAX_PARAM_BYTES = 1024
+MAX_CLUSTER = 16  # CTAs per cluster on sm_90 (above 8 the function opts in to non-portable sizes)
 
 
 class NotReplayable(Exception):
@@ -54,6 +59,7 @@ class NotReplayable(Exception):
 
 # scalar kernel parameters: signature type -> struct format (little-endian, natural size)
 _SCALAR = {"i32": "<i", "i64": "<q", "u32": "<I", "u64": "<Q", "fp32": "<f", "f32": "<f", "fp64": "<d"}
+TRITON_SCRATCH_POINTERS = 2  # global and profile scratch, null, after every Triton kernel's parameters
 
 
 @dataclass
@@ -71,6 +77,8 @@ class LaunchRecord:
     pdl: bool = False
     scratch: int = 0  # global + profile scratch bytes per program (Triton allocates them per launch)
     kernel: object = None  # the CompiledKernel: kept alive while a plan uses its CUfunction
+    cluster: tuple = (1, 1, 1)  # CTAs per thread-block cluster (CUDA-backend kernels)
+    null_pointers: int = TRITON_SCRATCH_POINTERS  # appended to the parameters
 
     @classmethod
     def from_compiled(cls, kernel, grid, args, constexprs):
@@ -85,11 +93,23 @@ class LaunchRecord:
                    scratch=(getattr(md, "global_scratch_size", 0) or 0) + (getattr(md, "profile_scratch_size", 0) or 0),
                    kernel=kernel)
 
+    @classmethod
+    def from_cuda(cls, spec, function, grid, block, shared, cluster, args):
+        """A CUDA-backend launch (driver.launch's note): spec.params give each argument's C type;
+        the driver keeps the loaded kernel for the process, and its shared-memory and cluster-size
+        opt-ins stay set on the function for the replays."""
+        block = tuple(block) + (1,) * (3 - len(block))
+        if block[1:] != (1, 1) or block[0] % 32:
+            raise NotReplayable(f"kernel {spec.name}: block {block} (plans launch whole warps along x)")
+        signature = ["*" if ctype == "ptr" else ctype for _, ctype in spec.params]
+        return cls(signature=signature, args=tuple(args), grid=tuple(grid), num_warps=block[0] // 32,
+                   function=int(function), shared=int(shared), cluster=tuple(cluster), null_pointers=0)
 
-def pack_params(signature, args):
+
+def pack_params(signature, args, null_pointers: int = TRITON_SCRATCH_POINTERS):
     """(template bytes, offset of each parameter, [(offset, tensor or None) per pointer parameter])
     for one launch: the kernel parameters Triton passes, each at an offset aligned to its size,
-    then the two scratch pointers (null)."""
+    then `null_pointers` null pointers (Triton's two scratch pointers)."""
     if len(signature) != len(args):
         raise NotReplayable(f"the kernel has {len(signature)} arguments, the launch passed {len(args)}")
     buf, offsets, pointers = bytearray(), [], []
@@ -121,7 +141,7 @@ def pack_params(signature, args):
             buf[off:off + struct.calcsize(fmt)] = packed
         else:  # i1 (its size differs between triton versions), fp16/bf16 scalars, tensor descriptors
             raise NotReplayable(f"parameter type {ty}")
-    for _ in range(2):  # global_scratch, profile_scratch
+    for _ in range(null_pointers):
         put(8)
     if len(offsets) > MAX_PARAMS or len(buf) > MAX_PARAM_BYTES:
         raise NotReplayable(f"{len(offsets)} parameters in {len(buf)} bytes")
@@ -188,17 +208,20 @@ def build_plan(launches, inputs, allocs, outputs):
     persistent, plan_launches, kernels = [], [], []
     for rec in launches:
         if rec.num_ctas != 1 or rec.cooperative or rec.pdl or rec.scratch or rec.shared > 227 * 1024:
-            raise NotReplayable("the launch needs clusters, cooperative/PDL attributes, scratch memory or "
-                                "oversized shared memory")
+            raise NotReplayable("the launch needs Triton's clusters (num_ctas), cooperative/PDL attributes, "
+                                "scratch memory or oversized shared memory")
         grid = tuple(rec.grid) + (1,) * (3 - len(rec.grid))
-        template, offsets, pointers = pack_params(rec.signature, rec.args)
+        cluster = tuple(rec.cluster) + (1,) * (3 - len(rec.cluster))
+        if min(cluster) < 1 or math.prod(cluster) > MAX_CLUSTER or any(g % c for g, c in zip(grid, cluster)):
+            raise NotReplayable(f"cluster {cluster} for grid {grid}")
+        template, offsets, pointers = pack_params(rec.signature, rec.args, rec.null_pointers)
         patches = []
         for off, t in pointers:
             slot, byte_offset = pointer_slot(t, inputs, allocs, persistent)
             if slot >= 0:
                 patches.append((off, slot, byte_offset, t.data_ptr() % 16 == 0))
         plan_launches.append((int(rec.function), *map(int, grid), 32 * rec.num_warps, int(rec.shared), template,
-                              offsets, tuple(patches)))
+                              offsets, tuple(patches), tuple(map(int, cluster))))
         kernels.append(rec.kernel)
     alloc_specs = tuple((roles[j], a.dtype, tuple(a.shape), tuple(a.stride()), id(a) in zeroed)
                         for j, a in enumerate(allocs))
@@ -265,16 +288,17 @@ class Recorder:
         if self.busy:
             return None, None
         try:
-            foreign = [name for k, name, *_ in self.launches if k == "foreign"]
+            foreign = [name for k, name, cuda, *_ in self.launches if k == "foreign" and cuda is None]
             if foreign:
-                raise NotReplayable(f"CUDA-backend kernels ran ({', '.join(foreign)}): plans replay Triton launches only")
+                raise NotReplayable(f"CUDA-backend kernels ran without their arguments ({', '.join(foreign)})")
             if self.watch.other:
                 raise NotReplayable(f"the run did more than allocate and launch: {', '.join(self.watch.other)}")
             if any(k is None for k, *_ in self.launches):
                 raise NotReplayable("the kernels ran under the Triton interpreter")
             if check is not None:
                 check()
-            launches = [LaunchRecord.from_compiled(k, grid, args, cx) for k, _, grid, args, cx, _ in self.launches]
+            launches = [LaunchRecord.from_cuda(*e[2]) if e[0] == "foreign" else
+                        LaunchRecord.from_compiled(e[0], *e[2:5]) for e in self.launches]
             return build_plan(launches, inputs, self.watch.allocs, outputs), None
         except NotReplayable as e:
             return None, str(e)

@@ -30,6 +30,9 @@ FP8, FP8_SCALE = torch.float8_e4m3fn, 4.0
 # per call may exceed the host's, and the loop then measures the GPU (see the latency column too)
 DIT_B, DIT_T, DIT_C = 8, 256, 1152
 MAMBA_B, MAMBA_T, MAMBA_C, MAMBA_G = 8, 512, 4096, 8
+# wide rows: on sm_90 16-bit rows from 64K run the CUDA backend's thread-block cluster kernels, which
+# the C++ host path replays as plan launches with a cluster shape (cuLaunchKernelEx)
+WIDE_M, WIDE_N = 4, 131072
 
 
 @dataclass
@@ -123,6 +126,16 @@ CASES = {
                    _t(d, MAMBA_G, MAMBA_C // MAMBA_G)),
         lambda x, g, w: _nk().rms_norm(_grouped(x), MAMBA_C // MAMBA_G, w, 1e-5, gate=_grouped(g)),
         _torch_gated),
+    "ln wide rows": HostCase(
+        f"LayerNorm of ({WIDE_M}, {WIDE_N}) rows (cluster kernels on sm_90)",
+        lambda d: (_t(d, WIDE_M, WIDE_N), _t(d, WIDE_N), _t(d, WIDE_N)),
+        lambda x, w, b: _nk().layer_norm(x, WIDE_N, w, b),
+        lambda x, w, b: F.layer_norm(x, (WIDE_N,), w, b)),
+    "rms wide rows": HostCase(
+        f"RMSNorm of ({WIDE_M}, {WIDE_N}) rows (cluster kernels on sm_90)",
+        lambda d: (_t(d, WIDE_M, WIDE_N), _t(d, WIDE_N)),
+        lambda x, w: _nk().rms_norm(x, WIDE_N, w, 1e-6),
+        lambda x, w: F.rms_norm(x, (WIDE_N,), w, 1e-6)),
     "ln autocast": HostCase(
         "LayerNorm under bf16 autocast (float32 out)", lambda d: (_t(d, B, T, C), _t(d, C), _t(d, C)),
         lambda x, w, b: _autocast(_nk().layer_norm, x, C, w, b),

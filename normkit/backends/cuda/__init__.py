@@ -152,7 +152,7 @@ def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_pa
     """The prepared cluster kernel (cluster.py) when configs.CLUSTER_WIDTHS sends rows of this
     width there and it can take these tensors; else None (the OneFlow-style kernels run)."""
     M, N = x.shape
-    lo, hi = configs.CLUSTER_WIDTHS.get((direction, x.element_size()), (1, 0))
+    lo, hi = configs.CLUSTER_WIDTHS.get((direction, "rms" if rms else "ln", x.element_size()), (1, 0))
     if M == 0 or not lo <= configs.next_pow2(N) <= hi:
         return None
     from . import cluster

@@ -77,13 +77,17 @@ CLUSTER_PUSH_WAVES = 64
 CLUSTER_MIN_THREADS = 128
 CLUSTER_MAX_THREADS = 512  # block kernels: 128 registers per thread at most (see row_norm.cu)  # dynamic shared memory of the stages (the kernel has ~7 KB static)
 # the widths (padded to a power of two) the CUDA backend runs on clusters rather than on the
-# OneFlow-style kernels, per (direction, bytes): where the clusters measured faster (S4-1/S4-2)
+# OneFlow-style kernels, per (direction, op, element bytes): where the clusters measured faster (S4-1/S4-2)
 # Run S7-2 (H100): the regs impl beats the cluster forward at 16K-32K (RMSNorm 0.91-0.97 vs 0.75-0.83);
 # the forward clusters start where the regs impl stops.
-# Run S9-w (push forward): from 32K in both dtypes and to 256K in fp32 (16-bit 32K: LN 0.84 vs the regs
-# impl's 0.62, RMS 0.89 vs 0.92: the table is keyed by width, not op; fp32 256K: 0.84 / 0.73 vs 0.63 / 0.62).
-CLUSTER_WIDTHS = {("fwd", 2): (32768, 262144), ("fwd", 4): (32768, 262144), ("bwd", 2): (16384, 262144),
-                  ("bwd", 4): (8192, 262144)}
+# Run S9-w (push forward): from 32K in both dtypes and to 256K in fp32 (fp32 256K: 0.84 / 0.73 vs 0.63 /
+# 0.62), but 16-bit 32K is LN 0.84 vs the regs impl's 0.62 and RMS 0.89 vs 0.92: RMS from 64K there.
+CLUSTER_WIDTHS = {
+    ("fwd", "ln", 2): (32768, 262144), ("fwd", "rms", 2): (65536, 262144),
+    ("fwd", "ln", 4): (32768, 262144), ("fwd", "rms", 4): (32768, 262144),
+    ("bwd", "ln", 2): (16384, 262144), ("bwd", "rms", 2): (16384, 262144),
+    ("bwd", "ln", 4): (8192, 262144), ("bwd", "rms", 4): (8192, 262144),
+}
 
 # ---- GroupNorm
 GN_REDUCE_BLOCK = (32, 8)  # gn_reduce: 32 lanes along the unit-stride axis

@@ -273,7 +273,7 @@ class Kernel:
             import torch
             stream = torch.cuda.current_stream(self.device).cuda_stream
         launch(self.function, grid, block, smem, stream, params, None if cluster is None else (cluster, 1, 1),
-               self.spec.name)
+               self.spec.name, (self.spec, args))
 
 
 def launch_config(grid, block, smem: int, stream, cluster):
@@ -292,13 +292,17 @@ def launch_config(grid, block, smem: int, stream, cluster):
     return config
 
 
-def launch(function, grid, block, smem: int, stream, params, cluster=None, name: str = "kernel") -> None:
+def launch(function, grid, block, smem: int, stream, params, cluster=None, name: str = "kernel",
+           source=None) -> None:
     """The one place a CUDA-backend kernel is launched: a CUfunction, 3D grid and block, dynamic
     shared memory bytes, a stream handle, the kernelParams array (pack_args), and the cluster dims
-    (None: a plain cuLaunchKernel; else cuLaunchKernelEx with the cluster attribute)."""
+    (None: a plain cuLaunchKernel; else cuLaunchKernelEx with the cluster attribute). source:
+    (KernelSpec, args) the params were packed from, which a host-path recording needs to replay
+    the launch (the function's shared-memory and cluster-size opt-ins stay set on it)."""
     drv = bindings()
     from ..triton.launch import note_foreign_launch
-    note_foreign_launch(name)  # a host-path recording cannot replay this launch
+    note_foreign_launch(name, None if source is None else
+                        (source[0], int(function), grid, block, smem, cluster or (1, 1, 1), tuple(source[1])))
     if cluster is None:
         result = drv.cuLaunchKernel(function, *grid, *block, smem, stream, ctypes.addressof(params), 0)
     else:

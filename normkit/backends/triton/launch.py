@@ -36,11 +36,13 @@ def spec_key(args) -> tuple:
     return tuple(key)
 
 
-def note_foreign_launch(name: str) -> None:
+def note_foreign_launch(name: str, launch=None) -> None:
     """A kernel launched outside launch.Kernel (the CUDA backend's driver.launch): a recording under
-    way on this thread must know, since a plan replays only the launches it saw."""
+    way on this thread must know, since a plan replays only the launches it saw. launch: what a plan
+    needs to replay it, (KernelSpec, CUfunction address, grid, block, shared bytes, cluster, args),
+    or None where it cannot."""
     if recording is not None and recording[0] == get_ident():
-        recording[1].append(("foreign", name))
+        recording[1].append(("foreign", name, launch))
 
 
 class Kernel:
