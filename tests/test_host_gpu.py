@@ -115,7 +115,7 @@ def test_row_norm_matches_the_python_path(fast, case, grad):
     assert replays >= 1  # the third call replayed its plan(s)
     if wide:
         assert _cluster_launches(fn, (x, w, b)) >= 1, "the case was meant to run the cluster kernels"
-        assert replays == (2 if grad else 1) and _host.stats()["record_failures"] == failures, \
+        assert replays >= (2 if grad else 1) and _host.stats()["record_failures"] == failures, \
             f"the forward{' and backward' if grad else ''} should replay plans: {_host.stats()['last_failure']}"
 
 

@@ -187,6 +187,8 @@ def clear_caches() -> None:
     _triton_missing.cache_clear()
     _plan.cache_clear()
     _gn_plan.cache_clear()
+    if _cuda_cluster.cache_info().currsize:  # the cluster kernels' plans (the CUDA backend's tables)
+        _cuda_cluster().prepare.cache_clear()
     for forget in ON_CLEAR:  # e.g. the host path's launch plans, recorded with the old configurations
         forget()
 
