@@ -14,15 +14,17 @@ bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$
 case "${1:-models}" in
 models)
     bench 60 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
-    bench 110 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
+    # 10 rounds of 4 timed steps: session 9's 5 rounds of 1 left host-bound cases' medians to chance
+    steps="--steps 40 --rounds 10"
+    bench 110 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger $steps \
         --time-budget 90 --out "$OUT/llm"
-    bench 70 --models whisper-encoder --exec eager --variants unpatched,normkit --steps 3 --time-budget 55 \
+    bench 70 --models whisper-encoder --exec eager --variants unpatched,normkit $steps --time-budget 55 \
         --out "$OUT/whisper"
-    bench 130 --models dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed --steps 3 \
-        --time-budget 105 --out "$OUT/dit-sd3"
+    bench 150 --models dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed $steps \
+        --time-budget 125 --out "$OUT/dit-sd3"
     for b in 1 2; do
-        bench 55 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
-            --time-budget 38 --out "$OUT/sd15-b$b"
+        bench 60 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b $steps \
+            --time-budget 42 --out "$OUT/sd15-b$b"
     done
     ;;
 tests)

@@ -599,6 +599,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--steps", type=_positive(int),
                    help="timed steps per case, taken in rounds in which the variants alternate "
                         "(default GPU 20 in 5 rounds, quick 6 in 2, CPU 6 in 2)")
+    g.add_argument("--rounds", type=_positive(int),
+                   help="rounds the timed steps are taken in (default GPU 5, quick 2, CPU 2): more rounds "
+                        "spread a host-bound case's drift over every variant alike")
     g.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
 
 
@@ -608,8 +611,9 @@ def run(args, device: str, start: float) -> int:
     from .timing import spin_cycles_per_ms
 
     steps = STEPS[(device, args.quick)]
-    if args.steps:
-        steps = Steps(steps.warmup, steps.rounds, -(-args.steps // steps.rounds), steps.profile)
+    rounds = getattr(args, "rounds", None) or steps.rounds
+    total = args.steps or steps.rounds * steps.per_round
+    steps = Steps(steps.warmup, rounds, -(-total // rounds), steps.profile)
     s = Settings(device, args.model_size or ("full" if device == "cuda" else "tiny"), steps, args.model_dtype,
                  args.batch, args.seq, args.compile_backend, args.seed)
     execs = args.execs or (EXECS if device == "cuda" else ("eager",))
