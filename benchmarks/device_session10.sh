@@ -5,6 +5,7 @@
 #                                                 normkit, Liger where it applies) and the host table
 #   bash benchmarks/device_session10.sh tests    the GPU test files (GPU_TEST_FILES)
 #   bash benchmarks/device_session10.sh mtests   the model/patch tests, each result on its own line
+#   bash benchmarks/device_session10.sh compile  compiled Llama decode and training, UNet2DModel, unpatched vs normkit
 #   bash benchmarks/device_session10.sh kernels  normkit bench's row sweep (fwd and bwd, bf16) and the GroupNorm
 #                                                 suite with torch and torch.compile in the same run (issue 24)
 set -uo pipefail
@@ -35,6 +36,12 @@ mtests)
     timeout 400 python3 -m pytest -v -p no:cacheprovider -n 12 -rfE tests/test_models.py tests/test_patch.py \
         2>&1 | grep -v '^USDT' > "$OUT/tests-models.log"
     grep -E "FAILED|ERROR" "$OUT/tests-models.log" | cut -c1-220 | head -20; tail -1 "$OUT/tests-models.log"
+    ;;
+compile)
+    bench 250 --models llama --modes decode,train --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 220 --out "$OUT/llama"
+    bench 250 --models unet2d --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 220 --out "$OUT/unet2d"
     ;;
 kernels)
     bench 300 --ops ln,rms --dirs fwd,bwd --dtypes bf16 --widths 1024,4096,8192,16384,32768,65536,131072,262144 \
