@@ -96,8 +96,8 @@ class CpuGroupNorm(torch.autograd.Function):
         x, weight, bias, mean, rstd = ctx.saved_tensors  # as GroupNormFn's, minus its layout plumbing
         num_groups, _, activation, _ = ctx.args
         nx, nw, nb = ctx.needs_input_grad[:3]
-        dx, dw, db = _tb.group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation,
-                                        weight.dtype if nw else None, bias.dtype if nb else None, ctx.centred)
+        dx, dw, db = _tb._group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation,
+                                         weight.dtype if nw else None, bias.dtype if nb else None, ctx.centred)
         return dx if nx else None, dw, db, None, None, None, None
 
 

@@ -406,10 +406,14 @@ def _group_norm_fwd(x, num_groups, weight, bias, eps, activation=None, shift=Tru
     return y, (shift + mean_s).squeeze(2), rstd.squeeze(2), False
 
 
-def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype,
-                   centred=False):
-    """centred: the forward ran torch's kernel on unshifted data (_group_norm_fwd's flag: the check
-    on these statistics would say so again)."""
+def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
+    return _group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype)
+
+
+def _group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype,
+                    centred=False):
+    """group_norm_bwd; centred: the forward ran torch's kernel on unshifted data (_group_norm_fwd's
+    flag: the check on these statistics would say so again)."""
     acc = _acc(x)
     B, C, S = x.shape
     if C // num_groups * S > 1 and _native_cpu(x, weight, bias):
