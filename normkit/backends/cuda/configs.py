@@ -237,18 +237,22 @@ class ClusterPlan:
     smem: int  # dynamic shared memory bytes (the stages)
     recompute: bool = False  # read the stage again (backward: dx, RECOMPUTE; forward: every pass, RELOAD)
     push: bool = False  # forward: partials pushed by st.async to mbarriers, many clusters (PUSH)
+    merge: bool = False  # the CTA's warps merged first, one value per CTA in each exchange (MERGE)
+    one_pass: bool = False  # push LayerNorm: moments from one read of the slice (ONE_PASS)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> ClusterPlan | None:
     """The cluster kernel's plan for rows of `cols` columns, or None when they cannot take it
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
-    shape: (threads, items, stages[, recompute[, push]]); default: CLUSTER_SHAPES' for the width,
-    else CLUSTER_KERNELS'."""
+    shape: (threads, items, stages[, recompute[, push[, merge[, one_pass]]]]); default: CLUSTER_SHAPES' for
+    the width, else CLUSTER_KERNELS'."""
     shape = shape or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
         or CLUSTER_KERNELS[(direction, elem_bytes)]
     threads, items, stages, *rest = shape
     recompute = bool(rest and rest[0])
     push = len(rest) > 1 and bool(rest[1]) and direction == "fwd"
+    merge = len(rest) > 2 and bool(rest[2])
+    one_pass = push and len(rest) > 3 and bool(rest[3])
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:
         return None
@@ -265,7 +269,7 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
     smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
     if smem > CLUSTER_SMEM_MAX:
         return None
-    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push)
+    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass)
 
 
 def grid_blocks(work_blocks: int, sms: int, resident: int, waves: int) -> int:
