@@ -503,15 +503,18 @@ def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
 
 def test_cluster_routes_are_data():
     """The Triton backend's table says which widths and ops run on the cluster kernels (measured
-    on the H200, the 16-bit backward again on the H100 in sessions 8 and 9, the forward in session
-    9): the 16-bit LayerNorm backward from 64K, no 16-bit RMSNorm backward (Triton's two-row split
-    tiles won at 16K and 256K in session 9), the fp32 RMSNorm backward at 8K-32K; never under the
-    interpreter; the bench's overrides win."""
+    on the H200, the 16-bit backward again on the H100 in sessions 8-10, the forward in session
+    9): the 16-bit LayerNorm backward at 128K (session 10: register-capped split rows won at 32K, 64K
+    and 256K), no 16-bit RMSNorm backward (Triton's two-row split tiles won at 16K and 256K in
+    session 9), the fp32 RMSNorm backward at 8K-32K; never under the interpreter; the bench's
+    overrides win."""
     from normkit.backends.triton import configs as tc
     tc.row_config.cache_clear()
     try:
         assert not tc.row_config("bwd", 32768, 2, "sm_90", False, "ln").cuda
-        assert tc.row_config("bwd", 65536, 2, "sm_90", False, "ln").cuda
+        assert tc.row_config("bwd", 131072, 2, "sm_90", False, "ln").cuda
+        capped = [tc.row_config("bwd", n, 2, "sm_90", False, "ln") for n in (32768, 65536, 262144)]
+        assert all(not c.cuda and c.reg_cap == 128 and c.programs_per_sm == 2 for c in capped)
         assert not tc.row_config("bwd", 16384, 2, "sm_90", False, "rms").cuda
         assert not tc.row_config("bwd", 262144, 2, "sm_90", False, "rms").cuda
         assert not tc.row_config("bwd", 8192, 2, "sm_90", False, "ln").cuda
