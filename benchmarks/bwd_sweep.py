@@ -26,6 +26,7 @@ import torch
 
 from normkit import reference as ref
 from normkit.backends import triton as tb
+from normkit.backends.cuda import configs as cc
 from normkit.backends.triton import configs as tc
 from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
 
@@ -81,13 +82,33 @@ def variants(eb: int, widths=WIDTHS) -> dict:
         out[f"m{rows}c{cols // 1024}kw{warps}-cap"] = dict(
             rows=_rows(eb, {n: (rows, n // cols, warps, per_sm, 1, True, True) for n in wide}), col_sum=None,
             cuda_off=True, only=tuple(wide))
+    # session 10: the cluster kernels at every wide width, both ops (cl), and with MERGE (cl-m: the
+    # CTA's warps' row sums merged first, one value per CTA in the exchange: 16 values merged per
+    # row at 128K-256K instead of 128-256)
+    for name, merge in (("cl", False), ("cl-m", True)):
+        shapes = {}
+        for n in wide:
+            base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])
+            shapes[("bwd", eb, n)] = base + (False,) * (5 - len(base)) + (merge,)
+        out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(wide), cuda=tuple(wide),
+                         cluster_shapes=shapes)
     return out
+
+
+def _forget_cluster_plans():
+    """cluster.prepare caches plans by call kind, not by CLUSTER_SHAPES (it loads the CUDA bindings:
+    only where a GPU runs the cluster kernels)."""
+    if DEV == "cuda":
+        from normkit.backends.cuda import cluster
+        cluster.prepare.cache_clear()
 
 
 @contextlib.contextmanager
 def applied(v):
-    saved = (dict(tc.OVERRIDES), dict(tc.CUDA_OVERRIDES), tc.col_sum_block)
+    saved = (dict(tc.OVERRIDES), dict(tc.CUDA_OVERRIDES), tc.col_sum_block, dict(cc.CLUSTER_SHAPES))
     tc.OVERRIDES.update(v["rows"])
+    cc.CLUSTER_SHAPES.update(v.get("cluster_shapes", {}))
+    _forget_cluster_plans()
     for eb in ((2, 4) if v["cuda_off"] else ()):
         tc.CUDA_OVERRIDES[("bwd", eb)] = ()
     if v.get("cuda") is not None:
@@ -104,6 +125,9 @@ def applied(v):
         tc.CUDA_OVERRIDES.clear()
         tc.CUDA_OVERRIDES.update(saved[1])
         tc.col_sum_block = saved[2]
+        cc.CLUSTER_SHAPES.clear()
+        cc.CLUSTER_SHAPES.update(saved[3])
+        _forget_cluster_plans()
         tb.clear_caches()
 
 

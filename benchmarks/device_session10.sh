@@ -5,6 +5,7 @@
 #                                                 normkit, Liger where it applies) and the host table
 #   bash benchmarks/device_session10.sh tests    the GPU test files (GPU_TEST_FILES)
 #   bash benchmarks/device_session10.sh mtests   the model/patch tests, each result on its own line
+#   bash benchmarks/device_session10.sh compile  compiled Llama decode and training, UNet2DModel, unpatched vs normkit
 #   bash benchmarks/device_session10.sh kernels  normkit bench's row sweep (fwd and bwd, bf16) and the GroupNorm
 #                                                 suite with torch and torch.compile in the same run (issue 24)
 set -uo pipefail
@@ -14,15 +15,17 @@ bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$
 case "${1:-models}" in
 models)
     bench 60 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
-    bench 110 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger \
+    # 10 rounds of 4 timed steps: session 9's 5 rounds of 1 left host-bound cases' medians to chance
+    steps="--steps 40 --rounds 10"
+    bench 110 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger $steps \
         --time-budget 90 --out "$OUT/llm"
-    bench 70 --models whisper-encoder --exec eager --variants unpatched,normkit --steps 3 --time-budget 55 \
+    bench 70 --models whisper-encoder --exec eager --variants unpatched,normkit $steps --time-budget 55 \
         --out "$OUT/whisper"
-    bench 130 --models dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed --steps 3 \
-        --time-budget 105 --out "$OUT/dit-sd3"
+    bench 150 --models dit,sd3 --exec eager --variants unpatched,normkit,normkit-relaxed $steps \
+        --time-budget 125 --out "$OUT/dit-sd3"
     for b in 1 2; do
-        bench 55 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b \
-            --time-budget 38 --out "$OUT/sd15-b$b"
+        bench 60 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch $b $steps \
+            --time-budget 42 --out "$OUT/sd15-b$b"
     done
     ;;
 tests)
@@ -33,6 +36,12 @@ mtests)
     timeout 400 python3 -m pytest -v -p no:cacheprovider -n 12 -rfE tests/test_models.py tests/test_patch.py \
         2>&1 | grep -v '^USDT' > "$OUT/tests-models.log"
     grep -E "FAILED|ERROR" "$OUT/tests-models.log" | cut -c1-220 | head -20; tail -1 "$OUT/tests-models.log"
+    ;;
+compile)
+    bench 250 --models llama --modes decode,train --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 220 --out "$OUT/llama"
+    bench 250 --models unet2d --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 220 --out "$OUT/unet2d"
     ;;
 kernels)
     bench 300 --ops ln,rms --dirs fwd,bwd --dtypes bf16 --widths 1024,4096,8192,16384,32768,65536,131072,262144 \

@@ -7,6 +7,11 @@ timed in one run; plus the exchange alone (clusters of 2 KB slices: push vs barr
 
 Writes DIR/{env.txt,check.csv,rows.csv,exchange.csv}; steps run in order of priority and none
 starts past the budget (a cut run keeps what it measured). Helpers are speed_sweep.py's.
+
+Session 10 (helper rows10): the push kernel's MERGE (one value per CTA in the exchange) and ONE_PASS
+(LayerNorm's moments from one read of the slice) flags. `--variants normkit,push+m,push+1,push+m1`
+times the shipped shape of each width with those flags (or `256x8+m1`: that shape, reload, push);
+`--checks flags` checks only the flagged shapes; `--parts check,time` skips the rest.
 """
 from __future__ import annotations
 
@@ -27,13 +32,18 @@ from normkit.backends.cuda import cluster, configs as cc, kernels
 from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
 
 from speed_sweep import (DT, NEVER, WARM_MS, REP_MS, Routing, all_routes, env_text, log, measure, rel, ring,
-                         row_set, write_csv)
+                         row_set, triton_key, write_csv)
 
 # push shapes (threads, items, stages, reload, push): the cluster size follows (cols / slice)
 PUSH = {2: [(256, 8, 1, True, True), (256, 8, 1, False, True), (128, 8, 1, True, True), (512, 8, 1, True, True),
             (256, 4, 1, True, True)],
         4: [(256, 8, 1, True, True), (256, 8, 1, False, True), (128, 8, 1, True, True), (256, 4, 1, True, True)]}
 WALK = (256, 8, 2, True, True)  # clusters walking rows: 2 waves of resident clusters, 2 stages
+FLAGS = {"": (), "m": (True,), "1": (False, True), "m1": (True, True)}  # (merge, one_pass) suffixes
+# the flagged shapes checked (the registers path, 16 CTAs of 8 warps, 8 of 16, walking rows)
+FLAGGED = [(256, 8, 1, True, True) + f for f in FLAGS.values() if f] + \
+    [(256, 8, 1, False, True, True, True), (512, 8, 1, True, True, True, True), (128, 8, 1, True, True, True, True),
+     WALK + (True, True)]
 CHECK_CASES = [(37, 16392, 0.0), (5, 24576, 0.0), (1, 65536, 0.0), (700, 65536, 0.0), (3, 262144, 0.0),
                (9, 32768, 1e4)]
 WIDTHS = [65536, 131072, 262144, 32768]
@@ -57,16 +67,30 @@ def push_waves(waves):
 
 
 def name(shape, waves=None):
-    t, i, s, reload, push = shape
-    return f"push{t}x{i}x{s}" + ("r" if reload else "") + (f"-w{waves}" if waves else "")
+    t, i, s, reload, push, *flags = shape
+    suffix = next((k for k, f in FLAGS.items() if f and tuple(flags) == f), "")
+    return f"push{t}x{i}x{s}" + ("r" if reload else "") + (f"+{suffix}" if suffix else "") + \
+        (f"-w{waves}" if waves else "")
 
 
-def prebuild(dtypes):
+def variant_shape(variant, eb, N):
+    """push+FLAGS: the width's shipped shape with FLAGS; TxI+FLAGS: that shape (reload, push, 1 stage)."""
+    base, _, suffix = variant.partition("+")
+    if base == "push":
+        shape = cc.CLUSTER_SHAPES.get(("fwd", eb, triton_key(N))) or cc.CLUSTER_KERNELS[("fwd", eb)]
+    else:
+        t, i = map(int, base.split("x"))
+        shape = (t, i, 1, True, True)
+    return tuple(shape[:5]) + FLAGS[suffix]
+
+
+def prebuild(dtypes, variants=()):
     specs = []
     for dtype in dtypes:
         eb = dtype.itemsize
         for n in WIDTHS + [1024 * c for c in (4, 8, 16)] + [16392, 24576]:
-            for shape in PUSH[eb] + [WALK, (128, 1, 1, True, True), (128, 1, 1)] + [None]:
+            timed = [variant_shape(v, eb, n) for v in variants if v != "normkit"]
+            for shape in PUSH[eb] + FLAGGED + timed + [WALK, (128, 1, 1, True, True), (128, 1, 1)] + [None]:
                 plan = cc.plan_cluster("fwd", n, eb, shape)
                 if plan is not None:
                     for rms in (False, True):
@@ -88,6 +112,8 @@ def check(out, dtype, shape, waves):
                 with Routing(cluster_widths={("fwd", op, eb): (16384, 262144)}, shapes={("fwd", eb): shape}), \
                         push_waves(waves):
                     x = (torch.randn(m, n, device="cuda") * 2 + 0.5 + offset).to(dtype)
+                    if m >= 3:
+                        x[m // 2, n // 3] = float("nan")  # confined to its row
                     w, b = torch.randn(n, device="cuda"), None if rms else torch.randn(n, device="cuda")
                     p = cb._on_clusters("fwd", x, (), w, b, None, rms)
                     y, mean, rstd = cb.row_norm_fwd(x, w, b, 1e-5, rms)
@@ -100,8 +126,10 @@ def check(out, dtype, shape, waves):
                     y_ref, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b, 1e-5)
                     e_m = rel(mean, mean_ref)
                 e_y, e_r = rel(y, y_ref), rel(rstd, rstd_ref)
-                ok = (p is not None and p.plan.push and e_y <= tol and e_m <= 1e-6
-                      and e_r <= (1e-4 if offset else 2e-5) and torch.equal(y, y2))
+                flags = (p.plan.merge, p.plan.one_pass) if p is not None else ()
+                ok = (p is not None and p.plan.push and flags == (tuple(shape[5:]) + (False, False))[:2]
+                      and e_y <= tol and e_m <= 1e-6 and e_r <= (1e-4 if offset else 2e-5)
+                      and torch.equal(y.nan_to_num(), y2.nan_to_num()))
                 row = dict(label, cluster=p.plan.cluster if p else 0, err_y=f"{e_y:.2e}", err_mean=f"{e_m:.2e}",
                            err_rstd=f"{e_r:.2e}", ok=ok)
             except Exception as e:  # noqa: BLE001
@@ -112,11 +140,18 @@ def check(out, dtype, shape, waves):
                 log("CHECK FAIL", row)
 
 
-def impls(eb, N, rms, compiled):
-    """(label, context, call) of every forward timed at one point."""
+def impls(eb, N, rms, compiled, variants=None):
+    """(label, context, call) of every forward timed at one point (variants: those named only)."""
     def nk(x, w, b, dy, mean, rstd):
         return tb.row_norm_fwd(x, w, b, 1e-5, rms)
     routed = all_routes("fwd", eb, N)
+    if variants:
+        for v in variants:
+            if v == "normkit":
+                yield v, contextlib.nullcontext(), nk
+            else:
+                yield v, Routing(cuda_rows=routed, shapes={("fwd", eb): variant_shape(v, eb, N)}), nk
+        return
     yield "normkit", contextlib.nullcontext(), nk  # the shipped table
     yield "triton", Routing(cuda_rows={("fwd", eb): NEVER}), nk
     yield "barrier", Routing(cuda_rows=routed), nk  # the persistent cluster kernel, its measured shape
@@ -144,21 +179,23 @@ def _both(a, b):
         yield
 
 
-def time_rows(timer, copy, out, dtype, budget, path, compiled):
+def time_rows(timer, copy, out, dtype, budget, path, compiled, widths=WIDTHS, ops=("rms", "ln"), variants=None,
+              repeat=1):
     eb = dtype.itemsize
-    for N in WIDTHS:
+    for N in widths:
         M = 2**26 // N
-        for op in ("rms", "ln"):
+        for op in ops:
             if left(budget) < 20:
                 log(f"budget: skipped {dtype} N={N} {op}")
                 continue
             rms = op == "rms"
             sets = ring(functools.partial(row_set, dtype, M, N, rms), 3 * M * N * eb)
-            for impl, routing, call in impls(eb, N, rms, compiled):
+            for rep, (impl, routing, call) in ((r, i) for r in range(repeat)
+                                               for i in impls(eb, N, rms, compiled, variants)):
                 if left(budget) < 8:
                     break
                 r = measure(timer, copy, routing, sets, call, 2 * M * N * eb,
-                            dict(op=op, dtype=str(dtype)[6:], M=M, N=N, dir="fwd", impl=impl))
+                            dict(op=op, dtype=str(dtype)[6:], M=M, N=N, dir="fwd", impl=impl, rep=rep))
                 out.append(r)
                 log(f"{op} {str(dtype)[6:]} N={N} {impl:<18} {r.get('gbps', r.get('error'))} {r.get('frac', '')}")
             del sets
@@ -196,7 +233,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=240)
+    ap.add_argument("--parts", default="check,time,exchange,compile")
+    ap.add_argument("--checks", default="all", help="all, or flags: the flagged shapes only")
+    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
+    ap.add_argument("--ops", default="rms,ln")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--time-dtypes", default="", help="the dtypes timed (default: --dtypes)")
+    ap.add_argument("--variants", default="", help="timed variants (default: every path and push shape)")
+    ap.add_argument("--repeat", type=int, default=1, help="time the variants this many times, interleaved")
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    widths = [int(n) for n in args.widths.split(",")]
+    ops = tuple(args.ops.split(","))
+    dtypes = [DT[d] for d in args.dtypes.split(",")]
+    time_dtypes = [DT[d] for d in (args.time_dtypes or args.dtypes).split(",")]
+    variants = [v for v in args.variants.split(",") if v]
     os.makedirs(args.out, exist_ok=True)
     text = env_text()
     timer = CudaTimer()
@@ -204,23 +255,30 @@ def main():
     log(text, f"\ncopy ceiling {copy:.0f} GB/s")
     with open(os.path.join(args.out, "env.txt"), "w") as f:
         f.write(text + f"\ncopy {copy:.1f} GB/s\n")
-    prebuild([torch.bfloat16, torch.float32])
+    prebuild(dtypes, variants)
     checks: list = []
-    for dtype in (torch.bfloat16, torch.float32):
-        for shape in PUSH[dtype.itemsize]:
-            check(checks, dtype, shape, None)
-        check(checks, dtype, WALK, 1)  # clusters walking many rows: the exchange barriers' phases
+    for dtype in dtypes if "check" in parts else ():
+        for shape in (PUSH[dtype.itemsize] if args.checks == "all" else []) + FLAGGED:
+            check(checks, dtype, shape, 1 if shape[2] > 1 else None)  # walking rows: the barriers' phases
+        if args.checks == "all":
+            check(checks, dtype, WALK, 1)
     write_csv(os.path.join(args.out, "check.csv"), checks)
     fails = [r for r in checks if not r.get("ok")]
     log(f"CHECKS {len(checks) - len(fails)}/{len(checks)} ok ({time.time() - START:.0f} s)")
     rows: list = []
     path = os.path.join(args.out, "rows.csv")
-    time_rows(timer, copy, rows, torch.bfloat16, args.budget - 60, path, compiled=False)
+    timed = dict(widths=widths, ops=ops, variants=variants, repeat=args.repeat)
+    later = {"exchange", "compile"} & set(parts) or torch.float32 in time_dtypes  # time left for them
+    if "time" in parts and torch.bfloat16 in time_dtypes:
+        time_rows(timer, copy, rows, torch.bfloat16, args.budget - (60 if later else 0), path, compiled=False,
+                  **timed)
     exch: list = []
-    time_exchange(timer, exch, args.budget - 45, os.path.join(args.out, "exchange.csv"))
-    time_rows(timer, copy, rows, torch.float32, args.budget - 40, path, compiled=False)
+    if "exchange" in parts:
+        time_exchange(timer, exch, args.budget - 45, os.path.join(args.out, "exchange.csv"))
+    if "time" in parts and torch.float32 in time_dtypes:
+        time_rows(timer, copy, rows, torch.float32, args.budget - 40, path, compiled=False, **timed)
     # torch.compile last (a compile per point): bf16
-    for N in WIDTHS[:3]:
+    for N in (WIDTHS[:3] if "compile" in parts else ()):
         for op in ("rms", "ln"):
             if left(args.budget) < 12:
                 break

@@ -83,7 +83,7 @@ class CpuGroupNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, num_groups, eps, activation, backend):
-        y, mean, rstd = _tb.group_norm_fwd(x, num_groups, weight, bias, eps, activation)
+        y, mean, rstd, ctx.centred = _tb._group_norm_fwd(x, num_groups, weight, bias, eps, activation)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.args = (num_groups, eps, activation, backend)
         ctx.set_materialize_grads(False)
@@ -96,8 +96,8 @@ class CpuGroupNorm(torch.autograd.Function):
         x, weight, bias, mean, rstd = ctx.saved_tensors  # as GroupNormFn's, minus its layout plumbing
         num_groups, _, activation, _ = ctx.args
         nx, nw, nb = ctx.needs_input_grad[:3]
-        dx, dw, db = _tb.group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation,
-                                        weight.dtype if nw else None, bias.dtype if nb else None)
+        dx, dw, db = _tb._group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation,
+                                         weight.dtype if nw else None, bias.dtype if nb else None, ctx.centred)
         return dx if nx else None, dw, db, None, None, None, None
 
 
@@ -170,7 +170,13 @@ def group_norm(x, num_groups, weight, bias, eps, activation, backend):
         return None
     x3 = x if x.dim() == 3 else x.view(x.shape[0], x.shape[1], -1)
     if needs_autograd(x, weight, bias):
-        y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb)
+        # without an activation on centred groups, torch's own autograd node: its backward is the call
+        # group_norm_bwd makes (native_group_norm_backward, same saved tensors: the same bits), with no
+        # Python backward. Not with an activation (torch's node saves the activation's input, normkit's
+        # backward and the custom op's recompute it: compiled and eager would differ in the last bits),
+        # and not for LayerNorm (torch's native_layer_norm double backward is wrong at third order)
+        out = None if activation is not None else _tb._group_norm_fwd(x3, num_groups, weight, bias, eps, shift=False)
+        y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb) if out is None else out[0]
     else:
         y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]
     return y if x.dim() == 3 else y.view_as(x)

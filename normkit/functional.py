@@ -44,6 +44,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _cpu, _host, _library, backends, compile_fusion
+from ._autocast import _autocast_upcasts
 from ._autograd import PLAIN, GroupNormFn, RowNormFn, RowOptions, check_backend, needs_autograd, param_rows, \
     row_norm_forward_fused, transforms_active
 from ._layout import as_rows, bcs, flat_param, from_bcs, is_channels_last, row_view, sample_rows
@@ -180,35 +181,6 @@ def _autocast(op: str, *tensors):
         return tensors
     return tuple(t.float() if (t is not None and t.is_floating_point() and t.dtype != torch.float64
                                and t.device.type == device_type) else t for t in tensors)
-
-
-_UPCASTS: dict = {}
-
-
-def _autocast_upcasts(op: str, device_type: str) -> bool:
-    """Whether this torch build gives aten::`op` an autocast kernel on `device_type` (the norms are
-    only ever on autocast's float32 list): read from the dispatcher, so it follows torch's version.
-    False for device types autocast does not know (meta, ...)."""
-    found = _UPCASTS.get((op, device_type))
-    if found is None:
-        found = _UPCASTS[(op, device_type)] = _query_upcasts(op, device_type)
-    return found
-
-
-def _query_upcasts(op: str, device_type: str) -> bool:
-    if not torch.amp.autocast_mode.is_autocast_available(device_type):
-        return False
-    key = "Autocast" + {"cuda": "CUDA", "cpu": "CPU", "xpu": "XPU", "mps": "MPS"}.get(device_type, device_type.upper())
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
-    except RuntimeError:  # a dispatch key this build does not know
-        return False
-
-
-# a fact of the torch build: dynamo runs it when tracing (as torch.compiler.assume_constant_result
-# marks a function) instead of tracing the dispatcher query, which it cannot; a plain dict, not
-# functools.lru_cache, whose wrapper dynamo warns about on every compile
-_autocast_upcasts._dynamo_marked_constant = True
 
 
 # ----------------------------------------------------------------------------- fused options

@@ -281,3 +281,21 @@ def test_relaxed_variant_fuses_the_modulation_in_bf16_where_the_default_does_not
             assert torch.isfinite(spec.loss(model, batch))
         calls[variant] = sum(modulated)
     assert calls["normkit"] == 0 and calls["normkit-relaxed"] > 0, calls
+
+
+def test_a_variant_that_fails_records_its_error_and_the_others_still_run(tmp_path, monkeypatch):
+    real = models.apply_variant
+
+    def apply_variant(variant, spec, model):
+        if variant == "normkit":
+            raise RuntimeError("patching broke")
+        return real(variant, spec, model)
+
+    monkeypatch.setattr(models, "apply_variant", apply_variant)
+    out = tmp_path / "f"
+    normkit.cli.main(["bench", "--models", "unet1d", "--modes", "infer", "--variants", "unpatched,normkit",
+                      "--steps", "2", "--out", str(out), "--no-plots"])
+    rows, _ = model_report.load([out])
+    by = {r.variant: r for r in rows}
+    assert by["unpatched"].ran and by["unpatched"].note == ""
+    assert not by["normkit"].ran and by["normkit"].note.startswith("error: ") and "patching broke" in by["normkit"].note

@@ -34,7 +34,7 @@ class FusedCalls:
         self.residual = self.activation = 0
         self.row_ptrs = []
         be = backends.resolve(None, torch.empty(1, device=DEVICE), "layer_norm")
-        fused, plain, gn = be.row_norm_fwd_fused, be.row_norm_fwd, be.group_norm_fwd
+        fused, plain = be.row_norm_fwd_fused, be.row_norm_fwd
 
         def row_fused(x, *a, residual=None, **k):
             self.residual += residual is not None
@@ -45,13 +45,17 @@ class FusedCalls:
             self.row_ptrs.append(x.data_ptr())
             return plain(x, *a, **k)
 
-        def group(x, num_groups, weight, bias, eps, activation=None):
+        # the torch backend's group_norm_fwd and the CPU fast path (normkit/_cpu.py) both call its _group_norm_fwd
+        gn_name = "_group_norm_fwd" if hasattr(be, "_group_norm_fwd") else "group_norm_fwd"
+        gn = getattr(be, gn_name)
+
+        def group(x, num_groups, weight, bias, eps, activation=None, **k):
             self.activation += activation is not None
-            return gn(x, num_groups, weight, bias, eps, activation)
+            return gn(x, num_groups, weight, bias, eps, activation, **k)
 
         monkeypatch.setattr(be, "row_norm_fwd_fused", row_fused)
         monkeypatch.setattr(be, "row_norm_fwd", row_plain)
-        monkeypatch.setattr(be, "group_norm_fwd", group)
+        monkeypatch.setattr(be, gn_name, group)
 
 
 @pytest.fixture

@@ -194,3 +194,22 @@ def test_calls_it_does_not_serve_take_the_general_path(served):
     normkit.layer_norm(x, 16, w, scale=randn(4, 16))
     normkit.group_norm(randn(2, 8, 4, 4).permute(0, 1, 3, 2), 4)  # neither contiguous nor channels_last
     assert served == {"row": 0, "group": 0}
+
+
+def test_plain_centred_group_norm_takes_torchs_autograd_node():
+    """Without an activation, centred groups record torch's own node (its backward is the kernel call
+    normkit's backward makes: the same bits, no Python); an off-centre group or an activation keeps
+    normkit's Function (the shifted backward; the recomputed activation input the custom op shares)."""
+    w, b = randn(16).requires_grad_(), randn(16).requires_grad_()
+    centred = randn(2, 16, 5).requires_grad_()
+    offset = (randn(2, 16, 5) + torch.arange(4.0).repeat_interleave(4).reshape(1, 16, 1) * 1e4).requires_grad_()
+    assert normkit.group_norm(centred, 4, w, b).grad_fn.name() == "NativeGroupNormBackward0"
+    assert normkit.group_norm(offset, 4, w, b).grad_fn.name() == "CpuGroupNormBackward"
+    assert normkit.group_norm(centred, 4, w, b, activation="silu").grad_fn.name() == "CpuGroupNormBackward"
+    dy = randn(2, 16, 5)
+    got = _grads(normkit.group_norm(centred, 4, w, b), [centred, w, b], dy)
+    want = normkit.backends.torch_backend.group_norm_bwd(
+        dy, centred.detach(), 4, w.detach(), b.detach(), *normkit.backends.torch_backend.group_norm_fwd(
+            centred.detach(), 4, w.detach(), b.detach(), 1e-5)[1:], None, torch.float32, torch.float32)
+    for g, e in zip(got, want):
+        assert torch.equal(g, e), "torch's node and the torch backend's backward differ"

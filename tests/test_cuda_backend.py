@@ -429,6 +429,10 @@ def test_cluster_plans():
     p = configs.plan_cluster("fwd", 65536, 2, (256, 8, 1, True, True))  # forward: reload, push exchange
     assert p.recompute and p.push and p.cluster == 4 and p.smem == 65536 * 2 // 4
     assert not configs.plan_cluster("bwd", 65536, 2, (512, 2, 2, False, True)).push  # a forward-only flag
+    p = configs.plan_cluster("fwd", 65536, 2, (256, 8, 1, True, True, True, False))  # merge per CTA
+    assert p.push and p.merge and not p.one_pass
+    p = configs.plan_cluster("bwd", 65536, 2, (256, 4, 3, True, False, True, True))  # merge in any exchange
+    assert p.merge and not p.one_pass  # one_pass: the push forward's LayerNorm only
     for (direction, eb, n), shape in configs.CLUSTER_SHAPES.items():  # the measured shapes are used and valid
         p = configs.plan_cluster(direction, n, eb)
         assert p is not None and p.threads * p.items * (16 // eb) * p.cluster >= n
@@ -485,7 +489,7 @@ def test_cluster_launches(cluster_recorded):
     cluster.launch_fwd(p, x, y, w, w, mean, rstd, 1e-5)
     name, grid, block, smem, args, cl = cluster_recorded[-1]
     plan = configs.plan_cluster("fwd", 65536, 2)
-    flags = ", ".join("true" if f else "false" for f in (plan.recompute, plan.push))
+    flags = ", ".join("true" if f else "false" for f in (plan.recompute, plan.push, plan.merge, plan.one_pass))
     assert name == (f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, "
                     f"{plan.stages}, {flags}>")
     assert cl == plan.cluster and grid == (p.grid_clusters(300) * cl, 1, 1) and block == (plan.threads, 1, 1)
@@ -498,7 +502,8 @@ def test_cluster_launches(cluster_recorded):
     dw_part = torch.empty(parts, 65536)
     assert cluster.launch_bwd(p, xs, xs, w, None, None, rstd[:3], torch.empty_like(xs), dw_part, None) == parts
     name, grid, block, smem, args, cl = cluster_recorded[-1]
-    assert name.startswith("nk::row_bwd_cluster<__nv_bfloat16, float, nk::Identity, true,") and name.endswith("true, false>")
+    assert name.startswith("nk::row_bwd_cluster<__nv_bfloat16, float, nk::Identity, true,") and \
+        name.endswith("true, false, false>")
     assert grid == (3 * cl, 1, 1) and args[10] is dw_part and args[11] is None
 
 
@@ -515,21 +520,24 @@ def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
     x = torch.empty(5000, 65536, dtype=torch.bfloat16)
     cluster.launch_fwd(p, x, torch.empty_like(x), None, None, None, torch.empty(5000), 1e-6)
     name, grid, block, smem, args, cl = cluster_recorded[-1]
-    assert name.endswith(", 256, 8, 1, true, true>") and cl == 4
+    assert name.endswith(", 256, 8, 1, true, true, false, false>") and cl == 4
     assert grid == (min(5000, persistent.clusters * configs.CLUSTER_PUSH_WAVES) * 4, 1, 1)
 
 
 def test_cluster_routes_are_data():
     """The Triton backend's table says which widths and ops run on the cluster kernels (measured
-    on the H200, the 16-bit backward again on the H100 in sessions 8 and 9, the forward in session
-    9): the 16-bit LayerNorm backward from 64K, no 16-bit RMSNorm backward (Triton's two-row split
-    tiles won at 16K and 256K in session 9), the fp32 RMSNorm backward at 8K-32K; never under the
-    interpreter; the bench's overrides win."""
+    on the H200, the 16-bit backward again on the H100 in sessions 8-10, the forward in session
+    9): the 16-bit LayerNorm backward at 128K (session 10: register-capped split rows won at 32K, 64K
+    and 256K), no 16-bit RMSNorm backward (Triton's two-row split tiles won at 16K and 256K in
+    session 9), the fp32 RMSNorm backward at 8K-32K; never under the interpreter; the bench's
+    overrides win."""
     from normkit.backends.triton import configs as tc
     tc.row_config.cache_clear()
     try:
         assert not tc.row_config("bwd", 32768, 2, "sm_90", False, "ln").cuda
-        assert tc.row_config("bwd", 65536, 2, "sm_90", False, "ln").cuda
+        assert tc.row_config("bwd", 131072, 2, "sm_90", False, "ln").cuda
+        capped = [tc.row_config("bwd", n, 2, "sm_90", False, "ln") for n in (32768, 65536, 262144)]
+        assert all(not c.cuda and c.reg_cap == 128 and c.programs_per_sm == 2 for c in capped)
         assert not tc.row_config("bwd", 16384, 2, "sm_90", False, "rms").cuda
         assert not tc.row_config("bwd", 262144, 2, "sm_90", False, "rms").cuda
         assert not tc.row_config("bwd", 8192, 2, "sm_90", False, "ln").cuda
@@ -948,19 +956,23 @@ def test_cluster_kernels_match_oracle(op, m, n, dtype, cuda_poison, monkeypatch)
 
 
 # the push forward (quack's exchange): reload or registers, one or two stages
-PUSH_SHAPES = [(256, 8, 1, True, True), (256, 8, 1, False, True), (128, 8, 2, True, True)]
+# session 10: + merge (one value per CTA in the exchange), one_pass (LayerNorm's moments in one read)
+PUSH_SHAPES = [(256, 8, 1, True, True), (256, 8, 1, False, True), (128, 8, 2, True, True),
+               (256, 8, 1, True, True, True, True), (256, 8, 1, False, True, True, False),
+               (128, 8, 2, True, True, True, True), (256, 8, 1, True, True, False, True)]
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("waves", [None, 1], ids=["rows", "walking"])
-@pytest.mark.parametrize("shape", PUSH_SHAPES, ids=lambda s: "x".join(map(str, s[:3])) + ("-reload" if s[3] else ""))
+@pytest.mark.parametrize("shape", PUSH_SHAPES, ids=lambda s: "x".join(map(str, s[:3])) + ("-reload" if s[3] else "")
+                         + ("-merge" if s[5:6] == (True,) else "") + ("-onepass" if s[6:7] == (True,) else ""))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("op", OPS)
 def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monkeypatch):
     """The push forward against the float64 oracle (y, mean, rstd) at awkward shapes, with clusters
     of one row each and (waves=1) clusters walking rows, which reuses each exchange barrier at the
-    next phase; rows offset by 1e4; the same bits twice."""
+    next phase; rows offset by 1e4; a NaN confined to its row; the same bits twice."""
     from normkit.backends.cuda import cluster
     eb = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setitem(configs.CLUSTER_KERNELS, ("fwd", eb), shape)
@@ -975,9 +987,12 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
         for m, n, offset in [(37, 16392, 0.0), (5, 24576, 0.0), (1, 65536, 0.0), (700, 65536, 0.0),
                              (3, 262144, 0.0), (9, 32768, 1e4)]:
             x = (randn(m, n, device=DEVICE) * 2 + 0.5 + offset).to(dtype)
+            if m >= 3:
+                x[m // 2, n // 3] = math.nan
             w, b = randn(n, device=DEVICE), randn(n, device=DEVICE)
             p = cb._on_clusters("fwd", x, (), w, None if rms else b, None, rms)
             assert p is not None and p.plan.push and p.plan.recompute == shape[3]
+            assert (p.plan.merge, p.plan.one_pass) == (tuple(shape[5:]) + (False, False))[:2]
             y, mean, rstd = cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)
             what = f"push {op} {m}x{n} {dtype} offset {offset}"
             if rms:
@@ -987,7 +1002,8 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
                 assert_close(mean, mean_ref, 1e-6, what + " mean")
             assert_close(y, y_ref, TOL[dtype], what)
             assert_close(rstd, rstd_ref, 1e-4 if offset else 2e-5, what + " rstd")
-            assert torch.equal(y, cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)[0]), what
+            y2 = cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)[0]
+            assert torch.equal(y.nan_to_num(), y2.nan_to_num()), what
     finally:
         cluster.prepare.cache_clear()
 

@@ -71,9 +71,9 @@ def test_tuned_rows_per_op_and_prefetch():
     from normkit.backends.triton import configs
 
     configs.row_config.cache_clear()
-    rms = configs.row_config("bwd", 32768, 2, "sm_90", False, "rms")
-    ln = configs.row_config("bwd", 32768, 2, "sm_90", False, "ln")
-    assert (rms.block_m, rms.split, ln.block_m, ln.split) == (1, 8, 2, 8)
+    rms = configs.row_config("bwd", 65536, 2, "sm_90", False, "rms")
+    ln = configs.row_config("bwd", 65536, 2, "sm_90", False, "ln")
+    assert (rms.split, rms.num_warps, rms.reg_cap, ln.split, ln.num_warps, ln.reg_cap) == (8, 16, 0, 16, 8, 128)
     assert configs.row_config("bwd", 4096, 2, "sm_90").prefetch
     assert not configs.row_config("bwd", 4096, 4, "sm_90").prefetch  # fp32: measured slower for LayerNorm
     assert configs.row_config("bwd", 4096, 2, "sm_90").num_stages == 1

@@ -70,7 +70,7 @@ def load_extension():
     global _ext
     if _ext is None:
         from . import build
-        from ..functional import _autocast_upcasts
+        from .._autocast import _autocast_upcasts
         from ..reference import ACTIVATIONS
 
         from .._op_args import HOST_OPS, HOST_ROW, HOST_ROW_LENGTHS

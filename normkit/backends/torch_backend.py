@@ -167,11 +167,11 @@ def _param_grads(dw, db, dweight_dtype, dbias_dtype):
             None if dbias_dtype is None else _to(db, dbias_dtype))
 
 
-def _centred_or_shifted(xf, mean, rstd, dims):
-    """(x, its mean) for torch's backward kernels: as given where _centred, else shifted by each
-    row's (group's) first element with that data's own mean. xf and the statistics are [rows, n]
-    and [rows, 1] views."""
-    if _centred(mean, rstd):
+def _centred_or_shifted(xf, mean, rstd, dims, centred=False):
+    """(x, its mean) for torch's backward kernels: as given where _centred (or `centred`: the forward
+    found these statistics centred), else shifted by each row's (group's) first element with that
+    data's own mean. xf and the statistics are [rows, n] and [rows, 1] views."""
+    if centred or _centred(mean, rstd):
         return xf, mean
     xs = xf - xf[..., :1]
     return xs, xs.mean(dims, keepdim=True)
@@ -188,18 +188,21 @@ def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype
     return (dx, *_param_grads(dw, db, dweight_dtype, dbias_dtype))
 
 
-def _native_group_norm(x, num_groups, weight, bias, eps):
-    """(y in the compute dtype, contiguous, mean, rstd) of x [B, C, S] in any layout (torch's kernel
-    reads [B, C, S] contiguously: a channels_last x is copied once, as it copies it itself)."""
+def _native_group_norm(x, num_groups, weight, bias, eps, shift=True):
+    """(y in the compute dtype, contiguous, mean, rstd, centred) of x [B, C, S] in any layout (torch's
+    kernel reads [B, C, S] contiguously: a channels_last x is copied once, as it copies it itself);
+    centred: the kernel ran on x unshifted. None where a group is off-centre and not shift."""
     B, C, S = x.shape
     acc = _acc(x)
     xf, w, b = _to(x, acc).contiguous(), _to(weight, acc), _to(bias, acc)
     y, mean, rstd = torch.native_group_norm(xf, w, b, B, C, S, num_groups, eps)
-    if not _centred(mean, rstd):
-        xs, shift = _shifted(xf.view(B, num_groups, -1))
-        y, mean_s, rstd = torch.native_group_norm(xs.view_as(x), w, b, B, C, S, num_groups, eps)
-        mean = shift.view(B, num_groups) + mean_s
-    return y, mean, rstd
+    if _centred(mean, rstd):
+        return y, mean, rstd, True
+    if not shift:
+        return None
+    xs, shift = _shifted(xf.view(B, num_groups, -1))
+    y, mean_s, rstd = torch.native_group_norm(xs.view_as(x), w, b, B, C, S, num_groups, eps)
+    return y, shift.view(B, num_groups) + mean_s, rstd, False
 
 
 def _like(x, t):
@@ -217,14 +220,17 @@ def _channel_affine(z, weight, bias):
     return z + bias.to(z.dtype)[:, None] if bias is not None else z
 
 
-def _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
+def _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype,
+                           centred):
     B, C, S = x.shape
     acc = _acc(x)
+    rstd = _to(rstd, acc)
+    rstd_g = rstd.unsqueeze(-1)
     xs, mean_s = _centred_or_shifted(_to(x, acc).contiguous().view(B, num_groups, -1), _to(mean, acc).unsqueeze(-1),
-                                     _to(rstd, acc).unsqueeze(-1), -1)
-    rstd, dy, w = _to(rstd, acc), _to(dy, acc), _to(weight, acc)
+                                     rstd_g, -1, centred)
+    dy, w = _to(dy, acc), _to(weight, acc)
     if activation is not None:  # dy through the activation at the recomputed pre-activation value
-        z = ((xs - mean_s) * rstd.unsqueeze(-1)).view_as(x)
+        z = ((xs - mean_s) * rstd_g).view_as(x)
         if w is not None:
             z = z * w.unsqueeze(-1) if bias is None else torch.addcmul(_to(bias, acc).unsqueeze(-1), z, w.unsqueeze(-1))
         elif bias is not None:
@@ -366,13 +372,23 @@ def _channel_vec(p, num_groups, S, acc):
 
 
 def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
+    return _group_norm_fwd(x, num_groups, weight, bias, eps, activation)[:3]
+
+
+def _group_norm_fwd(x, num_groups, weight, bias, eps, activation=None, shift=True):
+    """group_norm_fwd's (y, mean, rstd) and whether torch's CPU kernel ran on unshifted data (the
+    eager backward then skips its check); None where that needs the shift and not shift (torch's
+    autograd records the unshifted kernel: see normkit/_cpu.py)."""
     acc = _acc(x)
     B, C, S = x.shape
     if _native_cpu(x, weight, bias):
-        y, mean, rstd = _native_group_norm(x, num_groups, weight, bias, eps)
+        out = _native_group_norm(x, num_groups, weight, bias, eps, shift)
+        if out is None:
+            return None
+        y, mean, rstd, centred = out
         if activation is not None:  # in fp32: one rounding to x's dtype
             y = _ACTIVATIONS[activation](y)
-        return _like(x, _to(y, x.dtype)), mean, rstd
+        return _like(x, _to(y, x.dtype)), mean, rstd, centred
     xg = _groups(x, num_groups, acc)
     # shifted two-pass statistics, as the kernels (empty groups: statistics 0/0)
     shift = xg[:, :, :1] if xg.shape[2] else xg.new_zeros(B, num_groups, 1)
@@ -387,15 +403,22 @@ def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
         z = z + _channel_vec(bias, num_groups, S, acc)
     y = torch.empty_like(x)  # x's strides: the memory format is kept
     y.copy_(_ACTIVATIONS[activation](z).reshape(B, C, S))
-    return y, (shift + mean_s).squeeze(2), rstd.squeeze(2)
+    return y, (shift + mean_s).squeeze(2), rstd.squeeze(2), False
 
 
 def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
+    return _group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype)
+
+
+def _group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype,
+                    centred=False):
+    """group_norm_bwd; centred: the forward ran torch's kernel on unshifted data (_group_norm_fwd's
+    flag: the check on these statistics would say so again)."""
     acc = _acc(x)
     B, C, S = x.shape
     if C // num_groups * S > 1 and _native_cpu(x, weight, bias):
         dx, dw, db = _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype,
-                                            dbias_dtype)
+                                            dbias_dtype, centred)
         return _like(x, dx), dw, db
     xg = _groups(x, num_groups, acc)
     xs = xg - xg[:, :, :1]  # shifted, with its own mean: the stored mean rounds at x's magnitude

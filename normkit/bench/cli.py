@@ -212,8 +212,9 @@ def run(args) -> int:
     progress.close()
     if not args.no_host:
         measured = {(h.op, h.impl) for h in host_rows}
-        for impl in (i for i in runnable if i.is_normkit or i.name in prof.host_peers):
-            host_rows += runner.run_host([op for op in ops if (op, impl.name) not in measured], [impl], timer, device)
+        host_impls = [i for i in runnable if i.is_normkit or i.name in prof.host_peers]
+        todo = [op for op in ops if any((op, i.name) not in measured for i in host_impls)]
+        host_rows += [h for h in runner.run_host(todo, host_impls, timer, device) if (h.op, h.impl) not in measured]
         cases = args.host_cases if args.host_cases is not None else (("all",) if device == "cuda" else ())
         cases = tuple(HOST_CASES) if "all" in cases else cases
         host_rows += host_cases.run([c for c in cases if (c, "normkit") not in measured], timer, device)

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .timing import host_overhead
+from .timing import host_overheads
 
 DTYPE = torch.bfloat16
 B, T, C = 1, 16, 1024  # decode-like: 16 tokens of a 1024-wide model
@@ -172,30 +172,44 @@ def _call(fn, inputs, mode: str, calls: list):
 
 
 def run(names, timer, device: str) -> list[HostRow]:
-    """Rows for the cases `names`, each by normkit and by torch, forward and forward + backward."""
+    """Rows for the cases `names`, each by normkit and by torch, forward and forward + backward; the
+    two take turns (timing.host_overheads), so they are compared under the same host drift."""
     rows = []
     for name in names:
         case = CASES[name]
-        for impl in ("normkit", "torch"):
-            fn = case.normkit if impl == "normkit" else case.torch
-            for mode in ("fwd", "fwd+bwd"):
-                row = HostRow(name, "bf16", case.title, impl, device, mode)
-                if mode != "fwd" and not case.grads:
+        for mode in ("fwd", "fwd+bwd"):
+            pair = {impl: HostRow(name, "bf16", case.title, impl, device, mode) for impl in ("normkit", "torch")}
+            if mode != "fwd" and not case.grads:
+                for row in pair.values():
                     row.note = "forward only (float8 output)"
-                else:
-                    try:
-                        inputs = tuple(t.requires_grad_(mode != "fwd") for t in case.inputs(device))
-                        calls = []
-                        call = functools.partial(_call, fn, inputs, mode, calls)
-                        call()
-                        call()  # a key's first call runs the Python host function, its second records the plan
-                        before, calls[:] = _host_stats(), []
-                        row.us_per_call, row.latency_us = host_overhead(call, timer.sync)
-                        row.note = _served(before, _host_stats(), len(calls)) if impl == "normkit" else ""
-                    except Exception as e:  # noqa: BLE001 - a row that says why
-                        row.note = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                rows.append(row)
+                rows += pair.values()
+                continue
+            calls, counted = {}, []
+            for impl, row in pair.items():
+                try:
+                    inputs = tuple(t.requires_grad_(mode != "fwd") for t in case.inputs(device))
+                    fn = case.normkit if impl == "normkit" else case.torch
+                    call = functools.partial(_call, fn, inputs, mode, counted if impl == "normkit" else [])
+                    call()
+                    call()  # a key's first call runs the Python host function, its second records the plan
+                    calls[impl] = call
+                except Exception as e:  # noqa: BLE001 - a row that says why
+                    row.note = _error(e)
+            before, counted[:] = _host_stats(), []
+            try:
+                for impl, (us, lat) in host_overheads(calls, timer.sync).items():
+                    pair[impl].us_per_call, pair[impl].latency_us = us, lat
+                if "normkit" in calls:
+                    pair["normkit"].note = _served(before, _host_stats(), len(counted))
+            except Exception as e:  # noqa: BLE001
+                for impl in calls:
+                    pair[impl].note = _error(e)
+            rows += pair.values()
     return rows
+
+
+def _error(e: Exception) -> str:
+    return f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def section(host_rows: list[HostRow]) -> list[str]:

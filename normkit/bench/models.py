@@ -366,20 +366,22 @@ class _Case:
     times: list = None
     host: list = None
     recompiles: int = 0
-    op_calls: tuple = (0, 0, 0)  # over the timed steps: normkit op calls in C++, in Python; the steps
-
-
-def _op_calls() -> tuple:
-    """normkit's custom-op calls so far (compiled code calls them): (served by the C++ host path,
-    left to Python: the op's implementation or its autograd)."""
-    from .. import _host
-
-    st = _host.stats()
-    return st.get("op_served", 0), st.get("op_python", 0) + st.get("op_autograd_python", 0)
+    op_calls: tuple = (0, 0, 0, 0, 0)  # over the timed steps: _op_calls()'s counters, then the steps
 
     def fail(self, e: BaseException) -> None:
         self.notes.insert(0, f"error: {first_line(e)}")
         self.work = None
+
+
+def _op_calls() -> tuple:
+    """The C++ host path's counters so far: normkit's custom-op calls (compiled code calls them)
+    served in C++ and left to Python (the op's implementation or its autograd), then the eager
+    calls' plan replays and Python host runs (a key's first calls, or a call no plan can replay)."""
+    from .. import _host
+
+    st = _host.stats()
+    return (st.get("op_served", 0), st.get("op_python", 0) + st.get("op_autograd_python", 0),
+            st.get("replays", 0), st.get("python_runs", 0))
 
 
 def _start(c: _Case, spec, base, size: dict, batch, ref, s: Settings) -> None:
@@ -432,9 +434,11 @@ def _finish(c: _Case, spec, size: dict, s: Settings) -> None:
         r.norm_share = norm / total if total > 0 else None
     if c.recompiles:
         c.notes.append(f"dynamo compiled {c.recompiles} more graph(s) while timed: recompiles")
-    served, python, steps = c.op_calls
+    served, python, replays, runs, steps = c.op_calls
     if served or python:  # the compiled code kept normkit's ops: where their calls ran
         c.notes.append(f"normkit op calls per step: {served / steps:g} in C++, {python / steps:g} in Python")
+    elif replays or runs:  # eager: how many calls the C++ host path replayed, how many ran its Python
+        c.notes.append(f"host path per step: {replays / steps:g} plan replays, {runs / steps:g} Python runs")
 
 
 def run_variants(spec, base, size: dict, mode: str, exe: str, variants, batch, ref, s: Settings,
@@ -599,6 +603,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--steps", type=_positive(int),
                    help="timed steps per case, taken in rounds in which the variants alternate "
                         "(default GPU 20 in 5 rounds, quick 6 in 2, CPU 6 in 2)")
+    g.add_argument("--rounds", type=_positive(int),
+                   help="rounds the timed steps are taken in (default GPU 5, quick 2, CPU 2): more rounds "
+                        "spread a host-bound case's drift over every variant alike")
     g.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
 
 
@@ -608,8 +615,9 @@ def run(args, device: str, start: float) -> int:
     from .timing import spin_cycles_per_ms
 
     steps = STEPS[(device, args.quick)]
-    if args.steps:
-        steps = Steps(steps.warmup, steps.rounds, -(-args.steps // steps.rounds), steps.profile)
+    rounds = getattr(args, "rounds", None) or steps.rounds
+    total = args.steps or steps.rounds * steps.per_round
+    steps = Steps(steps.warmup, rounds, -(-total // rounds), steps.profile)
     s = Settings(device, args.model_size or ("full" if device == "cuda" else "tiny"), steps, args.model_dtype,
                  args.batch, args.seq, args.compile_backend, args.seed)
     execs = args.execs or (EXECS if device == "cuda" else ("eager",))

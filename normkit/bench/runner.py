@@ -21,7 +21,7 @@ from . import bytemodel, fused
 from .impls import Unsupported, first_line
 from .ops import TOL, OPS, Point
 from .report import HostRow, Row
-from .timing import host_overhead
+from .timing import host_overheads
 
 RING_L2_FACTOR = 4  # the input sets a timing rotates through total at least this many L2 sizes
 MAX_RING = 64
@@ -240,23 +240,38 @@ HOST_DTYPE = "bf16"
 
 def run_host(ops, impls, timer, device: str) -> list[HostRow]:
     """Microseconds per call and single-call latency of every implementation on each op's tiny
-    decode-like input, forward and forward+backward."""
+    decode-like input, forward and forward+backward; the implementations of a row take turns
+    (timing.host_overheads), so normkit and its peers are compared under the same host drift."""
     rows = []
     for op in ops:
         shape, groups = OPS[op].tiny
         p = Point("host", op, HOST_DTYPE, shape, groups)
-        for impl in impls:
-            for mode in HOST_MODES:
-                rows.append(_host_row(p, impl, mode, timer, device))
-    return rows
+        for mode in HOST_MODES:
+            calls, mode_rows = {}, []
+            for impl in impls:
+                row = HostRow(p.op, p.dtype, p.label, impl.name, device, mode)
+                call = _host_call(p, impl, mode, row)
+                if call is not None:
+                    calls[len(mode_rows)] = call
+                mode_rows.append(row)
+            try:
+                for i, (us, lat) in host_overheads(calls, timer.sync).items():
+                    mode_rows[i].us_per_call, mode_rows[i].latency_us = us, lat
+            except Exception as e:  # noqa: BLE001 - the rows say why
+                for i in calls:
+                    mode_rows[i].note = f"error: {first_line(e)}"
+            rows += mode_rows
+    names = [i.name for i in impls]
+    return sorted(rows, key=lambda r: names.index(r.impl))  # per implementation, as the report lists them
 
 
-def _host_row(p: Point, impl, mode: str, timer, device: str) -> HostRow:
-    row = HostRow(p.op, p.dtype, p.label, impl.name, device, mode)
+def _host_call(p: Point, impl, mode: str, row: HostRow):
+    """The zero-argument call a host row times (its first call made, the row's note set), or None
+    with the row's note saying why."""
     direction = "fwd" if mode == "fwd" else "bwd"
     try:
         fn = impl.build(p, direction)
-        case = Case(p, direction, device, 1, seed=0)
+        case = Case(p, direction, row.device, 1, seed=0)
         w, b = case.params(impl.param_dtype(p))
         if mode == "fwd":
             call = functools.partial(case.call, fn, 0, w, b)
@@ -264,9 +279,9 @@ def _host_row(p: Point, impl, mode: str, timer, device: str) -> HostRow:
             call = lambda: torch.autograd.grad(*case.grad_args(fn, 0, w, b))  # noqa: E731
         call()
         row.note = impl.after_first_call() or ""
-        row.us_per_call, row.latency_us = host_overhead(call, timer.sync)
+        return call
     except Unsupported as e:
         row.note = f"unsupported: {e}"
     except Exception as e:  # noqa: BLE001
         row.note = f"error: {first_line(e)}"
-    return row
+    return None

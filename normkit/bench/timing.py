@@ -3,7 +3,7 @@
 GPU timing: each timed call gets its own pair of CUDA events, and a GPU-side spin
 (torch.cuda._sleep) is queued before it, long enough for the host to enqueue the whole call
 behind it; so the events measure the GPU's work, not Python's launch overhead (which is
-measured separately, per call, by host_overhead). The cache is kept out by the caller: it passes
+measured separately, per call, by host_overheads). The cache is kept out by the caller: it passes
 several input sets ("the ring") whose total exceeds a few times the L2 size and the calls rotate
 through them. The result is the median over all timed calls after a warm-up.
 """
@@ -122,27 +122,39 @@ def copy_ceiling_gbps(timer: CudaTimer, warmup_ms: float, rep_ms: float, nbytes:
     return 2 * nbytes / (ms * 1e6)
 
 
-def host_overhead(call, sync, budget_s: float = 0.1, latency_trials: int = 30) -> tuple[float, float]:
-    """(microseconds per call in a back-to-back loop, median latency in microseconds of one call + sync).
+def host_overheads(calls: dict, sync, budget_s: float = 0.1, latency_trials: int = 30,
+                   rounds: int = 5) -> dict:
+    """Per key of calls: (microseconds per call in a back-to-back loop, median latency in
+    microseconds of one call + sync).
 
     Meant for tiny inputs, where the device finishes each call before the host has launched the
-    next, so the loop measures what the host spends per call. The loop runs about budget_s.
-    """
-    t0 = time.perf_counter()
-    for _ in range(20):
-        call()
-    sync()
-    n = min(5000, max(20, int(budget_s / max((time.perf_counter() - t0) / 20, 1e-7))))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    sync()
-    per_call = (time.perf_counter() - t0) / n * 1e6
-    lat = []
-    for _ in range(latency_trials):
-        sync()
+    next, so the loop measures what the host spends per call. The calls take turns, so that a
+    drift of the host (other processes, clocks) falls on all alike: `rounds` rounds in which each
+    runs one loop of about budget_s / rounds (the median over rounds is kept), then the latency
+    trials interleaved the same way."""
+    loops = {}
+    for key, call in calls.items():
         t0 = time.perf_counter()
-        call()
+        for _ in range(20):
+            call()
         sync()
-        lat.append((time.perf_counter() - t0) * 1e6)
-    return per_call, statistics.median(lat)
+        per = max((time.perf_counter() - t0) / 20, 1e-7)
+        loops[key] = min(2000, max(10, int(budget_s / rounds / per)))
+    per_call = {key: [] for key in calls}
+    lat = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(loops[key]):
+                call()
+            sync()
+            per_call[key].append((time.perf_counter() - t0) / loops[key] * 1e6)
+    for _ in range(latency_trials):
+        for key, call in calls.items():
+            sync()
+            t0 = time.perf_counter()
+            call()
+            sync()
+            lat[key].append((time.perf_counter() - t0) * 1e6)
+    return {key: (statistics.median(per_call[key]), statistics.median(lat[key])) for key in calls}

@@ -57,12 +57,14 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 # The forward: the push exchange with the stage read again (quack's design), one stage, many
 # clusters. Run S9-w (H100, benchmarks/results/2026-11-25-h100-session9-widefwd9/), bf16 RMS / LN:
 # 0.89 / 0.83 at 64K, 0.87 / 0.79 at 128K, 0.83 / 0.71 at 256K, where the persistent barrier
-# kernel made 0.71 / 0.58, 0.68 / 0.53, 0.67 / 0.53.
-CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True), ("fwd", 4): (256, 8, 1, True, True),
+# kernel made 0.71 / 0.58, 0.68 / 0.53, 0.67 / 0.53. Session 10 (run R10, 16-bit): LayerNorm's moments in
+# one read (ONE_PASS, 7th value) 0.82 -> 0.85 at 64K, 0.80 -> 0.82 at 128K, 0.72 -> 0.75 at 256K (RMSNorm
+# ignores it); 32K and fp32 are left as measured in S9-w.
+CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (256, 8, 1, True, True),
                    ("bwd", 2): (512, 2, 2), ("bwd", 4): (512, 4, 2)}
 CLUSTER_SHAPES = {
-    ("fwd", 2, 32768): (128, 8, 1, True, True), ("fwd", 2, 65536): (128, 8, 1, True, True),
-    ("fwd", 2, 262144): (512, 8, 1, True, True), ("fwd", 4, 32768): (128, 8, 1, True, True),
+    ("fwd", 2, 32768): (128, 8, 1, True, True), ("fwd", 2, 65536): (128, 8, 1, True, True, False, True),
+    ("fwd", 2, 262144): (512, 8, 1, True, True, False, True), ("fwd", 4, 32768): (128, 8, 1, True, True),
     ("bwd", 2, 131072): (256, 4, 3, True), ("bwd", 2, 262144): (256, 4, 3, True),
     ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
     # fp32 backward at 256K: 16 CTAs of 512 x 8 packs (16K columns), one stage of 128 KB, dx from the
@@ -241,18 +243,22 @@ class ClusterPlan:
     smem: int  # dynamic shared memory bytes (the stages)
     recompute: bool = False  # read the stage again (backward: dx, RECOMPUTE; forward: every pass, RELOAD)
     push: bool = False  # forward: partials pushed by st.async to mbarriers, many clusters (PUSH)
+    merge: bool = False  # the CTA's warps merged first, one value per CTA in each exchange (MERGE)
+    one_pass: bool = False  # push LayerNorm: moments from one read of the slice (ONE_PASS)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> ClusterPlan | None:
     """The cluster kernel's plan for rows of `cols` columns, or None when they cannot take it
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
-    shape: (threads, items, stages[, recompute[, push]]); default: CLUSTER_SHAPES' for the width,
-    else CLUSTER_KERNELS'."""
+    shape: (threads, items, stages[, recompute[, push[, merge[, one_pass]]]]); default: CLUSTER_SHAPES' for
+    the width, else CLUSTER_KERNELS'."""
     shape = shape or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
         or CLUSTER_KERNELS[(direction, elem_bytes)]
     threads, items, stages, *rest = shape
     recompute = bool(rest and rest[0])
     push = len(rest) > 1 and bool(rest[1]) and direction == "fwd"
+    merge = len(rest) > 2 and bool(rest[2])
+    one_pass = push and len(rest) > 3 and bool(rest[3])
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:
         return None
@@ -269,7 +275,7 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
     smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
     if smem > CLUSTER_SMEM_MAX:
         return None
-    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push)
+    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass)
 
 
 def grid_blocks(work_blocks: int, sms: int, resident: int, waves: int) -> int:

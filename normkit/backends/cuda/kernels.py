@@ -94,11 +94,12 @@ def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: conf
     t, w, a = _ctype(dtype), _ctype(wdtype), _act(activation)
     shape = f"{plan.threads}, {plan.items}, {plan.stages}"
     if direction == "fwd":
-        flags = f"{_b(plan.recompute)}, {_b(plan.push)}"
+        flags = f"{_b(plan.recompute)}, {_b(plan.push)}, {_b(plan.merge)}, {_b(plan.one_pass)}"
         return KernelSpec("row_cluster.cu", f"nk::row_fwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {flags}>",
                           ROW_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
-                      f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}>",
+                      f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}, "
+                      f"{_b(plan.merge)}>",
                       ROW_BWD_CLUSTER_PARAMS)
 
 
@@ -254,7 +255,11 @@ def catalog() -> list[KernelSpec]:
                 for reload in (False, True):
                     p = dataclasses.replace(plan, recompute=reload, push=True)
                     specs.append(row_cluster(direction, dtype, torch.float32, act, rms, p))
+                    p = dataclasses.replace(p, merge=True, one_pass=True)  # and the session-10 flags
+                    specs.append(row_cluster(direction, dtype, torch.float32, act, rms, p))
         specs.append(row_cluster(direction, torch.float16, torch.float16, "gelu", False, plan, direction == "bwd"))
+        if direction == "bwd":  # one value per CTA in the exchange (session 10)
+            specs.append(row_cluster(direction, dtype, torch.float32, None, False, dataclasses.replace(plan, merge=True), True))
     specs += [llmc(n) for n in LLMC]
     specs += [seed004_group_norm_mish(1 << k) for k in range(5, 11)]
     return list(dict.fromkeys(specs))

@@ -215,13 +215,24 @@ __device__ __forceinline__ Moments merge_slots(const Moments* slots, int count) 
 // this warp's value goes to slot [rank * WARPS + warp] of every CTA; returns the merge over the
 // cluster, the same in every thread. PUSH: by st.async completing `bar` (this row parity's exchange
 // barrier, waited at `phase`) in each CTA; else plain remote stores and a cluster barrier.
-template <int WARPS, bool PUSH, typename V>
-__device__ __forceinline__ V exchange(const V& v, V* slots, Barrier* bar, unsigned phase, const Slice& s) {
+// MERGE: the CTA's warps' values are merged first (in `local`, one CTA barrier) and warp 0 sends the
+// CTA's one value to slot [rank]: C values to merge per row instead of C x WARPS, and 1/WARPS of the
+// remote stores. `local` is written again only after every CTA's warp 0 pushed (this CTA's included).
+template <int WARPS, bool PUSH, bool MERGE = false, typename V>
+__device__ __forceinline__ V exchange(const V& v, V* slots, Barrier* bar, unsigned phase, const Slice& s,
+                                      V* local = nullptr) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const float* slot = reinterpret_cast<const float*>(&slots[s.rank * WARPS + warp]);
-  if (PUSH && threadIdx.x == 0) barrier_expect(bar, s.size * WARPS * unsigned(sizeof(V)));
-  if (lane < int(s.size)) {
-    const float* f = reinterpret_cast<const float*>(&v);
+  constexpr int SENT = MERGE ? 1 : WARPS;  // values each CTA sends
+  V mine = v;
+  if (MERGE) {
+    if (lane == 0) local[warp] = v;
+    __syncthreads();
+    if (warp == 0) mine = merge_slots(local, WARPS);
+  }
+  const float* slot = reinterpret_cast<const float*>(&slots[s.rank * SENT + (MERGE ? 0 : warp)]);
+  if (PUSH && threadIdx.x == 0) barrier_expect(bar, s.size * SENT * unsigned(sizeof(V)));
+  if ((!MERGE || warp == 0) && lane < int(s.size)) {
+    const float* f = reinterpret_cast<const float*>(&mine);
 #pragma unroll
     for (int i = 0; i < int(sizeof(V) / sizeof(float)); ++i) {
       if (PUSH) push_remote(slot + i, bar, lane, f[i]);
@@ -230,13 +241,14 @@ __device__ __forceinline__ V exchange(const V& v, V* slots, Barrier* bar, unsign
   }
   if (PUSH) barrier_wait(bar, phase);
   else cluster_sync();
-  return merge_slots(slots, int(s.size) * WARPS);
+  return merge_slots(slots, int(s.size) * SENT);
 }
 
 // The barrier exchange of a value summed over the cluster; slots alternate by row parity.
-template <int WARPS, typename V>
-__device__ __forceinline__ V cluster_allreduce(V v, V (*slots)[kMaxCluster * WARPS], int it, const Slice& s) {
-  return exchange<WARPS, false>(group_allreduce<kWarpSize>(v), slots[it & 1], nullptr, 0, s);
+template <int WARPS, bool MERGE = false, typename V>
+__device__ __forceinline__ V cluster_allreduce(V v, V (*slots)[kMaxCluster * WARPS], int it, const Slice& s,
+                                               V* local = nullptr) {
+  return exchange<WARPS, false, MERGE>(group_allreduce<kWarpSize>(v), slots[it & 1], nullptr, 0, s, local);
 }
 
 // This thread's packs of a stage, shifted, into registers (packs past the slice hold 0).
@@ -277,8 +289,13 @@ __device__ __forceinline__ float thread_sum(const PACK& pack, int valid, bool sq
 
 // ================================================================== forward
 
-// The forward's body; OUT stores a normalized pack: out.store<P>(xhat, row, col).
-template <typename T, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH, typename OUT>
+// The forward's body; OUT stores a normalized pack: out.store<P>(xhat, row, col). MERGE: one value
+// per CTA in the exchange (see exchange). ONE_PASS (PUSH LayerNorm): a thread's moments from one
+// read of its packs (each pack's sum and squared deviations from the pack's own mean, merged exactly
+// (Chan) over the thread's packs, then the warp's) instead of a pass for the warp's mean and a second
+// for the deviations from it: one read of the stage fewer, one warp reduction less on the row's path.
+template <typename T, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH, bool MERGE,
+          bool ONE_PASS, typename OUT>
 __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_stride, const OUT& out,
                                             float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                                             int slice, float eps) {
@@ -291,6 +308,7 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   __shared__ cl::Barrier bars[STAGES];
   __shared__ cl::Barrier xbars[2];                                // PUSH: the exchange's, per row parity
   __shared__ Stat slots[PASSES][2][cl::kMaxCluster * WARPS];  // [pass][row parity][rank * WARPS + warp]
+  __shared__ Stat local[MERGE ? WARPS : 1];                   // MERGE: the CTA's warps' values
   const cl::Slice s(cols, slice);
   const cl::Stream<T, STAGES, 1> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x;
@@ -331,22 +349,54 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
       const unsigned phase = unsigned(it >> 1) & 1u;
       if constexpr (RMS) {
         const Sum1 w = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true)});
-        m2 = cl::exchange<WARPS, true>(w, slots[0][it & 1], bar, phase, s).v;
-      } else {  // the warp's mean, then its squared deviations from it (exact two passes)
-        const Sum2 t = group_allreduce<kWarpSize>(Sum2{float(valid * P), cl::thread_sum<ITEMS, P>(pack, valid, false)});
-        const float wmean = t.a > 0.f ? t.b / t.a : 0.f;
-        const Sum1 d = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, wmean)});
-        const cl::Moments m = cl::exchange<WARPS, true>(cl::Moments{t.a, t.b, d.v}, slots[0][it & 1], bar, phase, s);
+        m2 = cl::exchange<WARPS, true, MERGE>(w, slots[0][it & 1], bar, phase, s, local).v;
+      } else {
+        Sum2 t;
+        Sum1 d;
+        if constexpr (ONE_PASS) {
+          float pmean[ITEMS], pm2[ITEMS], tsum = 0.f;
+#pragma unroll
+          for (int k = 0; k < ITEMS; ++k) {
+            pmean[k] = pm2[k] = 0.f;
+            if (k < valid) {
+              float f[P], ps = 0.f, q = 0.f;
+              pack(k, f);
+#pragma unroll
+              for (int i = 0; i < P; ++i) ps += f[i];
+              pmean[k] = ps * (1.f / float(P));
+#pragma unroll
+              for (int i = 0; i < P; ++i) q = fmaf(f[i] - pmean[k], f[i] - pmean[k], q);
+              pm2[k] = q;
+              tsum += ps;
+            }
+          }
+          const float tn = float(valid * P), tmean = valid > 0 ? tsum / tn : 0.f;
+          float tm2 = 0.f;
+#pragma unroll
+          for (int k = 0; k < ITEMS; ++k)
+            if (k < valid) tm2 += pm2[k] + float(P) * (pmean[k] - tmean) * (pmean[k] - tmean);
+          t = group_allreduce<kWarpSize>(Sum2{tn, tsum});  // the warp's count and sum, then its M2
+          const float dl = valid > 0 ? tmean - t.b / t.a : 0.f;
+          d = group_allreduce<kWarpSize>(Sum1{tm2 + tn * dl * dl});
+        } else {  // the warp's mean, then its squared deviations from it (exact two passes)
+          t = group_allreduce<kWarpSize>(Sum2{float(valid * P), cl::thread_sum<ITEMS, P>(pack, valid, false)});
+          const float wmean = t.a > 0.f ? t.b / t.a : 0.f;
+          d = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, wmean)});
+        }
+        const cl::Moments m =
+            cl::exchange<WARPS, true, MERGE>(cl::Moments{t.a, t.b, d.v}, slots[0][it & 1], bar, phase, s, local);
         mu = m.sum / float(cols);
         m2 = m.m2;
       }
     } else {
       // the sum (of squares for RMSNorm), then for LayerNorm the squared deviations from the mean;
       // each summed over the cluster
-      m2 = cl::cluster_allreduce<WARPS>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, RMS)}, slots[0], it, s).v;
+      m2 = cl::cluster_allreduce<WARPS, MERGE>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, RMS)}, slots[0], it, s,
+                                               local).v;
       if (!RMS) {
         mu = m2 / float(cols);
-        m2 = cl::cluster_allreduce<WARPS>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, mu)}, slots[PASSES - 1], it, s).v;
+        m2 = cl::cluster_allreduce<WARPS, MERGE>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, mu)},
+                                                 slots[PASSES - 1], it, s, local).v;
       }
     }
     // every thread has read the stage (the exchange completed after every warp's first pass): refill it
@@ -380,14 +430,15 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 }
 
 // RELOAD kernels are compiled for several CTAs per SM (registers capped), the others for one.
-template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH>
+template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
+          bool MERGE = false, bool ONE_PASS = false>
 __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
     row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH>(x, x_stride, AffineActStore<T, W, ACT>{y, y_stride, w, b},
-                                                             mean, rstd, rows, cols, slice, eps);
+  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS>(
+      x, x_stride, AffineActStore<T, W, ACT>{y, y_stride, w, b}, mean, rstd, rows, cols, slice, eps);
 #endif
 }
 
@@ -395,9 +446,9 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
 
 // RECOMPUTE: the dx step reads x and dy from the stage again and recomputes xhat and g instead of
 // keeping them in registers (2 registers per element fewer: more CTAs per SM); the stage is then
-// refilled after the dx step.
+// refilled after the dx step. MERGE: one value per CTA in the row sums' exchange (see exchange).
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool PARAMS,
-          bool RECOMPUTE>
+          bool RECOMPUTE, bool MERGE = false>
 __global__ void __launch_bounds__(THREADS, 1)
     row_bwd_cluster(const T* __restrict__ dy, i64 dy_stride, const T* __restrict__ x, i64 x_stride,
                     const W* __restrict__ w, const W* __restrict__ b, const float* __restrict__ mean,
@@ -410,6 +461,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ cl::Barrier bars[STAGES];
   __shared__ Sum2 slots[2][cl::kMaxCluster * WARPS];
+  __shared__ Sum2 local[MERGE ? WARPS : 1];
   const cl::Slice s(cols, slice);
   const cl::Stream<T, STAGES, 2> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x;
@@ -462,7 +514,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-    const Sum2 sums = cl::cluster_allreduce<WARPS>(part, slots, it, s);
+    const Sum2 sums = cl::cluster_allreduce<WARPS, MERGE>(part, slots, it, s, local);
     if (!RECOMPUTE && tid == 0) {
       cl::fence_proxy_async();
       stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);
