@@ -80,14 +80,31 @@ VARIANTS.update({
     # finalize in the stats launch, removed after 6c904fd: this is the three-launch staged path)
     "nchw-staged": {"GN_STAGED_NCHW_MAX_GROUPS_PER_SM": 1.0},
 })
+# session 10 (helper gn10): the loads of a program's walk pipelined through shared memory (tl.range with
+# num_stages: cp.async), so that ~2 groups per SM keep 2-3 tiles in flight each rather than one in registers.
+# gn_regs.py (sm_90 offline, triton 3.9, bf16): looped fwd [8, 1024] x 8 warps 64 registers / 2 stages 75
+# (16 KiB shared) / 3 stages 93 (32 KiB), 2+ programs per SM; with slots 136 (1 per SM: left out); bwd
+# [4, 1024] 73 / 3 stages 80 (32 KiB). Staged stats (channels_last) [64, 64] x 4 warps fwd 120 / 2 stages
+# 128 / 3 stages 145 (3 per SM: the one-wave spans re-cut for 3); bwd 126 / 137 / 150 (3 per SM throughout).
+PIPE = {k: {"GN_LOOPED_STAGES": {"fwd": n, "bwd": n}} for k, n in (("pipe2", 2), ("pipe3", 3))}
+VARIANTS.update({
+    **PIPE,
+    # pipelined looped backward also where the two-kernel split now takes it (>= 4096 positions, >= 1.5 groups per SM)
+    "pipe3-looped": {**PIPE["pipe3"], "GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": 1.5, "bwd": 1.5}},
+    # the issue's lead: the two-kernel split (every slice's loads in flight at once) up to 4.5 groups per SM
+    "s2-4": {"GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": 4.5, "bwd": 4.5}, "GN_SPLIT2_MIN_S": {"fwd": 0, "bwd": 0}},
+    "st-pipe2": {"GN_STAGED_STATS_STAGES": {"fwd": 2, "bwd": 2}},
+    "st-pipe3": {"GN_STAGED_STATS_STAGES": {"fwd": 3, "bwd": 3}, "GN_STAGED_PROGRAMS_PER_SM": {"fwd": 3, "bwd": 3}},
+})
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
 
-def shapes(layouts=("nchw", "cl")):
-    """Each shape NCHW then channels_last (of those asked for), the suite's first (the bigger ones,
-    then batch 1 last)."""
+def shapes(layouts=("nchw", "cl"), order=None):
+    """Each shape NCHW then channels_last (of those asked for): in `order` (BxCxHxW strings, G = 32),
+    or the suite's first (the bigger ones, then batch 1 last)."""
     suite = [(tuple(s), g) for s, g, *cl in SUITES["gn-2d"].shapes if not (cl and cl[0])]
-    order = sorted(suite + list(EXTRA_SHAPES), key=lambda sg: (sg[0][0] == 1, sg in EXTRA_SHAPES))
+    order = ([(tuple(int(v) for v in spec.split("x")), 32) for spec in order] if order else
+             sorted(suite + list(EXTRA_SHAPES), key=lambda sg: (sg[0][0] == 1, sg in EXTRA_SHAPES)))
     for shape, groups in order:
         for cl in (False, True):
             if ("cl" if cl else "nchw") in layouts:
@@ -226,6 +243,8 @@ def main():
     ap.add_argument("--profile-shapes", default="8x320x64x64/g32,8x320x64x64/g32/cl,4x128x128x128/g32/cl",
                     help="labels of the points --profile covers (bf16)")
     ap.add_argument("--layouts", default="nchw,cl")
+    ap.add_argument("--shapes", default="", help="BxCxHxW,... in the order to run (G = 32); default: the suite's")
+    ap.add_argument("--cl-variants", default="", help="variants timed on channels_last points (default: --variants)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; stop starting new points after it")
     args = ap.parse_args()
     t_start = time.time()
@@ -244,7 +263,7 @@ def main():
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname]
         eb = torch.empty((), dtype=dtype).element_size()
-        for shape, G, cl in shapes(args.layouts.split(",")):
+        for shape, G, cl in shapes(args.layouts.split(","), [s for s in args.shapes.split(",") if s]):
             if time.time() - t_start > args.budget:
                 log(f"budget reached: stopping before {dname} {shape}")
                 break
@@ -261,7 +280,7 @@ def main():
             sets = [make() for _ in range(max(2, -(-RING_BYTES // (3 * numel * eb))))]
             for act in [None] + [a for a in acts if a is not None]:
                 seen = {}
-                for name in names:
+                for name in (args.cl_variants.split(",") if cl and args.cl_variants else names):
                     if act is not None and name not in act_variants:
                         continue
                     with Overrides(VARIANTS[name]):

@@ -60,10 +60,18 @@ FORCED_PATHS = {
     "looped-slots": {"GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
                      "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}, "GN_LOOPED_SLOTS": {"fwd": True, "bwd": True},
                      "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}},
+    # looped with both walks' loads pipelined 3 deep (tl.range num_stages: cp.async into shared memory
+    # on a GPU; the interpreter runs the same loop plainly)
+    "looped-pipe": {"GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
+                    "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}, "GN_LOOPED_STAGES": {"fwd": 3, "bwd": 3},
+                    "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}},
     # staged (stats, finalize, apply) for every input and layout: apply on 16-element tiles, stats
     # accumulating per element slot on 32-element tiles grouped into spans of 2 tiles with a ragged
     # last span (and a ragged last tile), the finalize one span at a time
     "staged": {**STAGED_ALL, "GN_STAGED_STATS_TILE": {2: (32, 2), 4: (32, 2)}},
+    # the same with the stats walk over its span pipelined 3 deep
+    "staged-pipe": {**STAGED_ALL, "GN_STAGED_STATS_TILE": {2: (32, 2), 4: (32, 2)},
+                    "GN_STAGED_STATS_STAGES": {"fwd": 3, "bwd": 3}},
     # the same with the stats reducing each 16-element tile across threads (no slots)
     "staged-tiles": {**STAGED_ALL, "GN_STAGED_SLOTS": {"fwd": False, "bwd": False}},
     # staged with a narrow weight-gradient reduction over several programs (4 x 4 blocks, 1 warp)
@@ -98,11 +106,13 @@ def _assert_path_taken(path, x, dtype, act):
         if path.startswith("staged"):
             assert staged is not None and staged.n_sub > 1 and staged.block_p == 1
             assert staged.slots == (path != "staged-tiles")
+            assert staged.stats_stages == (3 if path == "staged-pipe" else 1)
             continue
         cfg = _gn_plan(direction, 3, 35, dtype, x.device, (True, True, act, extra), 12, not x.is_contiguous())[0]
         assert staged is None and (cfg.block_r, cfg.block_s) == (1, 16)
         assert cfg.looped if path.startswith("looped") else cfg.two_kernel
         assert cfg.slots == (path == "looped-slots")
+        assert cfg.num_stages == (3 if path == "looped-pipe" else 1)
 
 
 @pytest.mark.parametrize("fmt", ["nchw", "channels_last"])
@@ -167,6 +177,35 @@ def test_split2_ragged_channel_slices_nan_and_offset_groups(monkeypatch):
             g1, g2 = (torch.autograd.grad(normkit.group_norm(xg, 2, w, b, activation="silu", backend="triton"),
                                           [w, b], dy) for _ in range(2))
             assert torch.equal(g1[0], g2[0]) and torch.equal(g1[1], g2[1])
+    finally:
+        monkeypatch.undo()
+        clear_caches()
+
+
+@pytest.mark.parametrize("path", ["looped-pipe", "staged-pipe"])
+@pytest.mark.parametrize("hw", [(1, 1), (1, 13), (5, 7)], ids=["hw1", "hw13", "hw35"])
+def test_pipelined_walks_awkward_shapes(path, hw, monkeypatch):
+    """The pipelined walks (looped, staged stats) with one position (HW = 1), a prime number of
+    positions, both layouts: the float64 oracle (forward and backward), a NaN confined to its group,
+    groups offset by 1e4."""
+    from normkit.backends.triton import clear_caches, configs
+    for name, value in FORCED_PATHS[path].items():
+        monkeypatch.setattr(configs, name, value)
+    clear_caches()
+    try:
+        for fmt in ("nchw", "channels_last"):
+            x = randn(2, 12, *hw, device=DEVICE)
+            x = channels_last(x) if fmt == "channels_last" else x
+            what = f"{path} {hw} {fmt}"
+            check_gn(x, 4, randn(12, device=DEVICE), randn(12, device=DEVICE), "silu", what=what)
+            xo = x.detach() + 1e4
+            assert_close(normkit.group_norm(xo, 4, backend="triton"), ref.group_norm(xo, 4)[0], 1e-5, f"{what} offset")
+            xn = x.detach().clone()
+            xn[1, 7, 0, hw[1] - 1] = float("nan")  # batch 1, group 2 (channels 6-8)
+            y = normkit.group_norm(xn, 4, backend="triton")
+            assert torch.isnan(y[1, 6:9]).all(), f"{what}: NaN did not reach its group"
+            assert not torch.isnan(y[0]).any() and not torch.isnan(y[1, :6]).any() and not torch.isnan(y[1, 9:]).any(), \
+                f"{what}: NaN leaked out of its group"
     finally:
         monkeypatch.undo()
         clear_caches()

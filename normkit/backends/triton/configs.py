@@ -181,7 +181,10 @@ GN_WARPS_PER_SM = 32  # persistent programs per SM = this / num_warps (at most 8
 # chosen when there are at least GN_LOOPED_MIN_GROUPS_PER_SM groups per SM.
 # (direction, element bytes) -> (tile elements, num_warps)
 GN_LOOPED_TILE = {("fwd", 2): (8192, 8), ("fwd", 4): (4096, 8), ("bwd", 2): (4096, 8), ("bwd", 4): (4096, 8)}
-GN_LOOPED_STAGES = 1
+# the looped walks' tile loads pipelined this deep through shared memory (group_norm.py: tl.range with
+# num_stages; Triton pipelines loads that feed no dot only there): STAGES - 1 tiles in flight per program
+# beyond the registers' one, so ~2 groups per SM keep more bytes in flight (1: not pipelined)
+GN_LOOPED_STAGES = {"fwd": 1, "bwd": 1}
 GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
 # the looped first pass (forward: statistics; backward: the two group sums) accumulates per element
 # slot and reduces across the program's threads once, not twice per tile (each reduction a barrier
@@ -245,7 +248,7 @@ def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: 
     if groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM[direction] and r_pad * s_pad > looped_tile:
         block_s = min(s_pad, looped_tile)
         block_r = min(r_pad, max(1, looped_tile // block_s))
-        return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES, looped=True,
+        return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES[direction], looped=True,
                            slots=GN_LOOPED_SLOTS[direction])
     # under the interpreter a group is never split (its programs run one after another)
     tile = 1 << 62 if interpreted else GN_TILE[(direction, elem_bytes)]
@@ -286,6 +289,8 @@ GN_STAGED_STATS_TILE = {2: (4096, 4), 4: (2048, 4)}
 # stats accumulate per element slot over a span's tiles (forward: Welford per slot; backward: sums)
 # and reduce across the slots once per program, instead of two cross-thread reductions per tile
 GN_STAGED_SLOTS = {"fwd": True, "bwd": True}
+# the stats program's walk over its span pipelined this deep (as GN_LOOPED_STAGES; 1: not pipelined)
+GN_STAGED_STATS_STAGES = {"fwd": 1, "bwd": 1}
 GN_STAGED_MAX_SUB = 1 << 16  # most tiles per stats program (a span)
 # stats programs resident per SM: the spans are cut so that the stats grid is one wave of these.
 # ncu (H100, run S8-1): the slot stats kernel takes 128 registers forward, 150 backward at 4 warps,
@@ -309,6 +314,7 @@ class StagedConfig:
     stats_block_s: int = 0
     stats_warps: int = 0
     slots: bool = False  # stats accumulate per element slot (GN_STAGED_SLOTS)
+    stats_stages: int = 1  # the stats walk's pipelining depth (GN_STAGED_STATS_STAGES)
 
     @property
     def options(self):
@@ -360,4 +366,4 @@ def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
     block_r = triton.next_power_of_2(cg)
     block_p = max(1, min(triton.next_power_of_2(n_spans), GN_STAGED_FINALIZE_TILE // block_r))
     return StagedConfig(block_c, block_s, n_sub, GN_STAGED_WARPS, block_p, block_r, stats_c, stats_s, stats_warps,
-                        GN_STAGED_SLOTS[direction])
+                        GN_STAGED_SLOTS[direction], GN_STAGED_STATS_STAGES[direction])
