@@ -80,21 +80,20 @@ VARIANTS.update({
     # finalize in the stats launch, removed after 6c904fd: this is the three-launch staged path)
     "nchw-staged": {"GN_STAGED_NCHW_MAX_GROUPS_PER_SM": 1.0},
 })
-# session 10 (helper gn10): the loads of a program's walk pipelined through shared memory (tl.range with
-# num_stages: cp.async), so that ~2 groups per SM keep 2-3 tiles in flight each rather than one in registers.
-# gn_regs.py (sm_90 offline, triton 3.9, bf16): looped fwd [8, 1024] x 8 warps 64 registers / 2 stages 75
-# (16 KiB shared) / 3 stages 93 (32 KiB), 2+ programs per SM; with slots 136 (1 per SM: left out); bwd
-# [4, 1024] 73 / 3 stages 80 (32 KiB). Staged stats (channels_last) [64, 64] x 4 warps fwd 120 / 2 stages
-# 128 / 3 stages 145 (3 per SM: the one-wave spans re-cut for 3); bwd 126 / 137 / 150 (3 per SM throughout).
-PIPE = {k: {"GN_LOOPED_STAGES": {"fwd": n, "bwd": n}} for k, n in (("pipe2", 2), ("pipe3", 3))}
+# session 10 (run S10-gn10, H100, helper gn10): the looped walks and the staged stats span pipelined through
+# shared memory (tl.range num_stages: cp.async, 2-3 tiles in flight per program; device triton 3.6 emitted
+# the cp.async, 78 -> 98 registers fwd) were no faster: looped fwd 8x320x64x64 20.5 -> 19.9 us, 8x640x32x32
+# 11.6 -> 13.3 us; staged stats 14.4 -> 15.1 us; the code is in commit 2dc5d1f (pipe2, pipe3, st-pipe2,
+# st-pipe3), removed. The two-kernel split up to 4.5 groups per SM (s2-4) lost too. Adopted from lt-16k:
+# the NCHW bf16 forward holds groups of up to 16384 padded elements in one tile (8x1280x16x16 0.32 -> 0.40),
+# the bf16 looped backward takes 8192-element tiles with the least-padding channel block (32x256x56x56
+# 0.52 -> 0.60). s9-default: the table before that, to compare against. Variants override the current table;
+# since session 10 the bound between one tile and looped is GN_ONE_TILE_MAX, no longer the looped tile.
 VARIANTS.update({
-    **PIPE,
-    # pipelined looped backward also where the two-kernel split now takes it (>= 4096 positions, >= 1.5 groups per SM)
-    "pipe3-looped": {**PIPE["pipe3"], "GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": 1.5, "bwd": 1.5}},
-    # the issue's lead: the two-kernel split (every slice's loads in flight at once) up to 4.5 groups per SM
     "s2-4": {"GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": 4.5, "bwd": 4.5}, "GN_SPLIT2_MIN_S": {"fwd": 0, "bwd": 0}},
-    "st-pipe2": {"GN_STAGED_STATS_STAGES": {"fwd": 2, "bwd": 2}},
-    "st-pipe3": {"GN_STAGED_STATS_STAGES": {"fwd": 3, "bwd": 3}, "GN_STAGED_PROGRAMS_PER_SM": {"fwd": 3, "bwd": 3}},
+    "s9-default": {"GN_TILE": {**configs.GN_TILE, ("fwd", 2): 8192},
+                   "GN_LOOPED_TILE": {**LT, ("bwd", 2): (4096, 8)}, "GN_LOOPED_MIN_BLOCK_FRACTION": {},
+                   "GN_ONE_TILE_MAX": {**configs.GN_ONE_TILE_MAX, ("fwd", 2): {"nchw": 8192, "cl": 8192}}},
 })
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 

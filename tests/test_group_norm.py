@@ -51,27 +51,21 @@ STAGED_ALL = {"GN_STAGED_MIN_NUMEL": 0, "GN_STAGED_NCHW_MAX_GROUPS_PER_SM": floa
               "GN_STAGED_CL_MAX_GROUP_CHANNELS": {"fwd": 1 << 30, "bwd": 1 << 30},
               "GN_STAGED_TILE": {2: 16, 4: 16}, "GN_STAGED_STATS_TILE": {2: (16, 4), 4: (16, 4)},
               "GN_STAGED_MAX_SUB": 2, "GN_STAGED_PROGRAMS_PER_SM": {"fwd": 1e-3, "bwd": 1e-3}, "GN_STAGED_FINALIZE_TILE": 1}
+# every group looped, whatever its size and the group count (no one-tile groups, no two-kernel split)
+LOOPED_ALL = {"GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0},
+              "GN_ONE_TILE_MAX": {(d, b): {"nchw": 0, "cl": 0} for d in ("fwd", "bwd") for b in (2, 4)},
+              "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}}
 FORCED_PATHS = {
     # looped (a program per group walking tiles; forward and backward) on tiles of 16 elements:
-    # 3 x 3 tiles per group with ragged edges on both axes, whatever the group count
-    "looped": {"GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
-               "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}, "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}},
+    # 3 x 3 tiles per group with ragged edges on both axes
+    "looped": {**LOOPED_ALL, "GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)}},
     # the same with the first pass accumulating per element slot (ragged slots: counts differ per column)
-    "looped-slots": {"GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
-                     "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}, "GN_LOOPED_SLOTS": {"fwd": True, "bwd": True},
-                     "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}},
-    # looped with both walks' loads pipelined 3 deep (tl.range num_stages: cp.async into shared memory
-    # on a GPU; the interpreter runs the same loop plainly)
-    "looped-pipe": {"GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
-                    "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0}, "GN_LOOPED_STAGES": {"fwd": 3, "bwd": 3},
-                    "GN_SPLIT2_LAYOUTS": {(d, b): () for d in ("fwd", "bwd") for b in (2, 4)}},
+    "looped-slots": {**LOOPED_ALL, "GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
+                     "GN_LOOPED_SLOTS": {"fwd": True, "bwd": True}},
     # staged (stats, finalize, apply) for every input and layout: apply on 16-element tiles, stats
     # accumulating per element slot on 32-element tiles grouped into spans of 2 tiles with a ragged
     # last span (and a ragged last tile), the finalize one span at a time
     "staged": {**STAGED_ALL, "GN_STAGED_STATS_TILE": {2: (32, 2), 4: (32, 2)}},
-    # the same with the stats walk over its span pipelined 3 deep
-    "staged-pipe": {**STAGED_ALL, "GN_STAGED_STATS_TILE": {2: (32, 2), 4: (32, 2)},
-                    "GN_STAGED_STATS_STAGES": {"fwd": 3, "bwd": 3}},
     # the same with the stats reducing each 16-element tile across threads (no slots)
     "staged-tiles": {**STAGED_ALL, "GN_STAGED_SLOTS": {"fwd": False, "bwd": False}},
     # staged with a narrow weight-gradient reduction over several programs (4 x 4 blocks, 1 warp)
@@ -106,13 +100,11 @@ def _assert_path_taken(path, x, dtype, act):
         if path.startswith("staged"):
             assert staged is not None and staged.n_sub > 1 and staged.block_p == 1
             assert staged.slots == (path != "staged-tiles")
-            assert staged.stats_stages == (3 if path == "staged-pipe" else 1)
             continue
         cfg = _gn_plan(direction, 3, 35, dtype, x.device, (True, True, act, extra), 12, not x.is_contiguous())[0]
         assert staged is None and (cfg.block_r, cfg.block_s) == (1, 16)
         assert cfg.looped if path.startswith("looped") else cfg.two_kernel
         assert cfg.slots == (path == "looped-slots")
-        assert cfg.num_stages == (3 if path == "looped-pipe" else 1)
 
 
 @pytest.mark.parametrize("fmt", ["nchw", "channels_last"])
@@ -182,17 +174,34 @@ def test_split2_ragged_channel_slices_nan_and_offset_groups(monkeypatch):
         clear_caches()
 
 
-@pytest.mark.parametrize("path", ["looped-pipe", "staged-pipe"])
+# looped on 256-element tiles whose channel block may shrink to a quarter of the tile's to pad the group's
+# channels least: groups of 3 channels take blocks of 1 (4 with the full block), whatever the group count
+LOOPED_MINPAD = {**LOOPED_ALL, "GN_LOOPED_TILE": {(d, b): (256, 4) for d in ("fwd", "bwd") for b in (2, 4)},
+                 "GN_LOOPED_MIN_BLOCK_FRACTION": {(d, b): 0.25 for d in ("fwd", "bwd") for b in (2, 4)},
+                 "GN_STAGED_MIN_NUMEL": 1 << 62}
+
+
+@pytest.mark.parametrize("path", ["looped", "looped-minpad", "staged"])
 @pytest.mark.parametrize("hw", [(1, 1), (1, 13), (5, 7)], ids=["hw1", "hw13", "hw35"])
-def test_pipelined_walks_awkward_shapes(path, hw, monkeypatch):
-    """The pipelined walks (looped, staged stats) with one position (HW = 1), a prime number of
-    positions, both layouts: the float64 oracle (forward and backward), a NaN confined to its group,
-    groups offset by 1e4."""
-    from normkit.backends.triton import clear_caches, configs
-    for name, value in FORCED_PATHS[path].items():
+def test_walks_awkward_shapes(path, hw, monkeypatch):
+    """The looped walk (16-element tiles; 256-element ones with the least-padding channel block) and the
+    staged path with one position (HW = 1), a prime number of positions, both layouts: the float64
+    oracle (forward and backward), a NaN confined to its group, groups offset by 1e4."""
+    from normkit.backends.triton import _gn_plan, clear_caches, configs
+    for name, value in (LOOPED_MINPAD if path == "looped-minpad" else FORCED_PATHS[path]).items():
         monkeypatch.setattr(configs, name, value)
     clear_caches()
     try:
+        if path == "looped":
+            cfg = _gn_plan("fwd", 3, hw[0] * hw[1], torch.float32, torch.device(DEVICE), (True, True, None, None), 8)[0]
+            assert cfg.looped, f"expected the looped path: {cfg}"
+        if path == "looped-minpad":
+            for fraction, block_r in ((0.25, 1), (1.0, 4)):
+                monkeypatch.setattr(configs, "GN_LOOPED_MIN_BLOCK_FRACTION", {(d, b): fraction for d in ("fwd", "bwd")
+                                                                              for b in (2, 4)})
+                clear_caches()
+                cfg = _gn_plan("bwd", 3, hw[0] * hw[1], torch.float32, torch.device(DEVICE), (True, True, None, (True, True)), 8)[0]
+                assert cfg.looped and cfg.block_r == block_r, f"fraction {fraction}: {cfg}, expected blocks of {block_r}"
         for fmt in ("nchw", "channels_last"):
             x = randn(2, 12, *hw, device=DEVICE)
             x = channels_last(x) if fmt == "channels_last" else x

@@ -447,7 +447,7 @@ def _gn_plan(direction: str, cg: int, s: int, dtype: torch.dtype, device: torch.
     if direction == "bwd":
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
     constexprs.update(ACT=_kernels().act_codes[activation], BLOCK_R=cfg.block_r, BLOCK_S=cfg.block_s, KS=cfg.ks,
-                      SPLIT=cfg.split, LOOPED=cfg.looped, SLOTS=cfg.slots, STAGES=cfg.num_stages)
+                      SPLIT=cfg.split, LOOPED=cfg.looped, SLOTS=cfg.slots)
     return cfg, constexprs, device_index, sms
 
 
@@ -557,7 +557,7 @@ def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups,
     p2 = _empty((B * n_spans, C), dtype=torch.float32, device=x.device)
     k.gn_stats((B * n_cb * n_spans,), (x, dy, weight, bias, mean, rstd, p1, p2, C, S, num_groups, cg, n_cb, n_sb,
                                        n_spans, n_sub) + strides,
-               dict(**stats_flags, BLOCK_C=stats_c, BLOCK_S=stats_s, SLOTS=cfg.slots, STAGES=cfg.stats_stages), cfg.stats_options, device_index)
+               dict(**stats_flags, BLOCK_C=stats_c, BLOCK_S=stats_s, SLOTS=cfg.slots), cfg.stats_options, device_index)
     c1 = _empty((B, num_groups), dtype=torch.float32, device=x.device)  # forward: the shifted means
     c2 = _empty((B, num_groups), dtype=torch.float32, device=x.device) if bwd else None
     q1 = _empty((B, C), dtype=torch.float32, device=x.device) if bwd else None

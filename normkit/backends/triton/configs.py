@@ -172,19 +172,30 @@ def col_sum_block(rows: int, n: int, sms: int) -> tuple:
 # ----------------------------------------------------------------------------- group norm
 # elements of one program's [channels x spatial] tile, per (direction, element bytes); a group
 # larger than this is split over several programs
-GN_TILE = {("fwd", 2): 8192, ("fwd", 4): 4096, ("bwd", 2): 4096, ("bwd", 4): 2048}
+GN_TILE = {("fwd", 2): 16384, ("fwd", 4): 4096, ("bwd", 2): 4096, ("bwd", 4): 2048}
 GN_ELEMS_PER_THREAD = 16
 GN_WARPS_PER_SM = 32  # persistent programs per SM = this / num_warps (at most 8)
 # with many groups: a program per group walks [BLOCK_R, BLOCK_S] tiles of this many elements
 # twice (forward: statistics, then normalize; backward: the two group sums, then dx), the second
 # pass mostly from L2, instead of splitting the group over programs that wait on each other;
-# chosen when there are at least GN_LOOPED_MIN_GROUPS_PER_SM groups per SM.
+# chosen when there are at least GN_LOOPED_MIN_GROUPS_PER_SM groups per SM and the group, padded, is
+# larger than GN_ONE_TILE_MAX. The tile's channel block is the one, down to GN_LOOPED_MIN_BLOCK_FRACTION of
+# the tile's, that pads the group's channels least (ties: the larger).
 # (direction, element bytes) -> (tile elements, num_warps)
-GN_LOOPED_TILE = {("fwd", 2): (8192, 8), ("fwd", 4): (4096, 8), ("bwd", 2): (4096, 8), ("bwd", 4): (4096, 8)}
-# the looped walks' tile loads pipelined this deep through shared memory (group_norm.py: tl.range with
-# num_stages; Triton pipelines loads that feed no dot only there): STAGES - 1 tiles in flight per program
-# beyond the registers' one, so ~2 groups per SM keep more bytes in flight (1: not pipelined)
-GN_LOOPED_STAGES = {"fwd": 1, "bwd": 1}
+GN_LOOPED_TILE = {("fwd", 2): (8192, 8), ("fwd", 4): (4096, 8), ("bwd", 2): (8192, 8), ("bwd", 4): (4096, 8)}
+# H100, run S10-gn10 (bf16 backward): [2, 4096] tiles for 32x256x56x56 (8 channels a group) 0.52 -> 0.60 of
+# copy over [1, 4096]; [32, 256] for 8x1280x16x16's 40 channels 0.33 -> 0.31 (64 rows padded) where
+# [16, 256] pads to 48; [8, 1024] vs [4, 1024] for 20 channels within noise (16x640x32x32 0.46 / 0.49,
+# 8x640x32x32 0.43 / 0.43): the least padding keeps [4, 1024]. The forward keeps the full tile (session 9:
+# halving it was slower). (direction, element bytes) -> fraction; 1.0 where absent
+GN_LOOPED_MIN_BLOCK_FRACTION = {("bwd", 2): 0.5}
+# the most elements (padded) of a group that, with at least GN_LOOPED_MIN_GROUPS_PER_SM groups per SM, is
+# held in one tile (GN_TILE, read once, registers) rather than looped; per (direction, element bytes), per
+# layout. H100, S10-gn10: 8x1280x16x16 NCHW bf16 forward ([64, 256] groups) one tile of 16 warps, 2
+# programs per SM: 0.32 -> 0.40 of copy over looped [32, 256] tiles (channels_last not measured: looped)
+GN_ONE_TILE_MAX = {("fwd", 2): {"nchw": 16384, "cl": 8192}, ("fwd", 4): {"nchw": 4096, "cl": 4096},
+                   ("bwd", 2): {"nchw": 4096, "cl": 4096}, ("bwd", 4): {"nchw": 4096, "cl": 4096}}
+GN_LOOPED_STAGES = 1
 GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
 # the looped first pass (forward: statistics; backward: the two group sums) accumulates per element
 # slot and reduces across the program's threads once, not twice per tile (each reduction a barrier
@@ -245,10 +256,12 @@ def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: 
             and -(-cg // two[0]) * -(-s // two[1]) >= GN_SPLIT2_MIN_TILES[direction]:
         return GroupConfig(two[0], two[1], -(-s // two[1]), 1, two[2], 0, two_kernel=True)
     looped_tile, looped_warps = GN_LOOPED_TILE[(direction, elem_bytes)]
-    if groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM[direction] and r_pad * s_pad > looped_tile:
+    one_tile_max = GN_ONE_TILE_MAX[(direction, elem_bytes)]["cl" if channels_last else "nchw"]
+    if groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM[direction] and r_pad * s_pad > one_tile_max:
         block_s = min(s_pad, looped_tile)
-        block_r = min(r_pad, max(1, looped_tile // block_s))
-        return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES[direction], looped=True,
+        hi = min(r_pad, max(1, looped_tile // block_s))
+        block_r = _least_padding(cg, max(1, int(hi * GN_LOOPED_MIN_BLOCK_FRACTION.get((direction, elem_bytes), 1.0))), hi)
+        return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES, looped=True,
                            slots=GN_LOOPED_SLOTS[direction])
     # under the interpreter a group is never split (its programs run one after another)
     tile = 1 << 62 if interpreted else GN_TILE[(direction, elem_bytes)]
@@ -266,10 +279,13 @@ def _split2_tile(direction: str, cg: int, s: int, elem_bytes: int) -> tuple:
     tile, warps = GN_SPLIT2_TILE[(direction, elem_bytes)]
     block_s = min(triton.next_power_of_2(max(s, 1)), tile)
     hi = min(triton.next_power_of_2(max(cg, 1)), max(1, tile // block_s))
-    lo = min(hi, max(1, (tile // 4) // block_s))
+    return _least_padding(cg, min(hi, max(1, (tile // 4) // block_s)), hi), block_s, warps
+
+
+def _least_padding(cg: int, lo: int, hi: int) -> int:
+    """The power-of-two channel block in [lo, hi] that pads cg channels least (ties: the larger)."""
     candidates = [1 << k for k in range(lo.bit_length() - 1, hi.bit_length())]
-    block_r = min(candidates, key=lambda br: (-(-cg // br) * br, -br))
-    return block_r, block_s, warps
+    return min(candidates, key=lambda br: (-(-cg // br) * br, -br))
 
 
 # staged path (group_norm.py: stats, finalize, apply launches) for inputs of at least
@@ -289,8 +305,6 @@ GN_STAGED_STATS_TILE = {2: (4096, 4), 4: (2048, 4)}
 # stats accumulate per element slot over a span's tiles (forward: Welford per slot; backward: sums)
 # and reduce across the slots once per program, instead of two cross-thread reductions per tile
 GN_STAGED_SLOTS = {"fwd": True, "bwd": True}
-# the stats program's walk over its span pipelined this deep (as GN_LOOPED_STAGES; 1: not pipelined)
-GN_STAGED_STATS_STAGES = {"fwd": 1, "bwd": 1}
 GN_STAGED_MAX_SUB = 1 << 16  # most tiles per stats program (a span)
 # stats programs resident per SM: the spans are cut so that the stats grid is one wave of these.
 # ncu (H100, run S8-1): the slot stats kernel takes 128 registers forward, 150 backward at 4 warps,
@@ -314,7 +328,6 @@ class StagedConfig:
     stats_block_s: int = 0
     stats_warps: int = 0
     slots: bool = False  # stats accumulate per element slot (GN_STAGED_SLOTS)
-    stats_stages: int = 1  # the stats walk's pipelining depth (GN_STAGED_STATS_STAGES)
 
     @property
     def options(self):
@@ -366,4 +379,4 @@ def staged_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
     block_r = triton.next_power_of_2(cg)
     block_p = max(1, min(triton.next_power_of_2(n_spans), GN_STAGED_FINALIZE_TILE // block_r))
     return StagedConfig(block_c, block_s, n_sub, GN_STAGED_WARPS, block_p, block_r, stats_c, stats_s, stats_warps,
-                        GN_STAGED_SLOTS[direction], GN_STAGED_STATS_STAGES[direction])
+                        GN_STAGED_SLOTS[direction])

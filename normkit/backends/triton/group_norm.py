@@ -76,16 +76,15 @@ def group_norm_fwd_kernel(
     Bn, C, S, Cg, G, stride_b, stride_c, stride_s, eps,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
-    SLOTS: tl.constexpr = False, STAGES: tl.constexpr = 1,
+    SLOTS: tl.constexpr = False,
 ):
     """Programs come in units of SPLIT (= KR * KS) and walk groups u, u + U, ... (u = unit);
-    LOOPED: program p owns group p (SLOTS: its first pass accumulates per element slot; STAGES > 1:
-    its tile loads are pipelined that deep through shared memory, cp.async).
+    LOOPED: program p owns group p (SLOTS: its first pass accumulates per element slot).
     y has x's strides (the host allocates it with empty_like)."""
     pid = tl.program_id(0)
     if LOOPED:
         _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, pid, S, Cg, G, stride_b, stride_c, stride_s, eps,
-                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S, SLOTS, STAGES)
+                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S, SLOTS)
     else:
         _gn_fwd_split(X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, Bn, S, Cg, G, stride_b, stride_c, stride_s, eps,
                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S, KS, SPLIT)
@@ -105,7 +104,7 @@ def _slot_counts(Cg, S, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
 @triton.jit
 def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, stride_s, eps,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr, STAGES: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr):
     """One program, one group, in [BLOCK_R, BLOCK_S] tiles: shifted Welford over the tiles, then
     normalize, last tile first (the tiles read most recently are the likeliest to be in L2).
     Statistics: each tile's exact mean and M2 merged by Chan's rule (two reductions across the
@@ -120,7 +119,7 @@ def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, st
         nr, ns = _slot_counts(Cg, S, BLOCK_R, BLOCK_S)
         acc_m = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
         acc_q = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
-        for t in tl.range(0, n_tiles, num_stages=STAGES):
+        for t in range(0, n_tiles):
             kr = t // n_ks
             ks = t % n_ks
             offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
@@ -138,7 +137,7 @@ def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, st
         mean_s = tl.zeros([1], dtype=tl.float32)
         m2_s = tl.zeros([1], dtype=tl.float32)
         count = tl.zeros([1], dtype=tl.float32)
-        for t in tl.range(0, n_tiles, num_stages=STAGES):
+        for t in range(0, n_tiles):
             kr = t // n_ks
             ks = t % n_ks
             offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
@@ -151,7 +150,7 @@ def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, st
         mean = tl.sum(mean_s, axis=0)
         m2 = tl.sum(m2_s, axis=0)
     rstd = tl.rsqrt(m2 / (Cg * S) + eps)
-    for i in tl.range(0, n_tiles, num_stages=STAGES):
+    for i in range(0, n_tiles):
         t = n_tiles - 1 - i
         kr = t // n_ks
         ks = t % n_ks
@@ -231,7 +230,7 @@ def group_norm_bwd_kernel(
     Bn, C, S, Cg, G, stride_b, stride_c, stride_s,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
     ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr,
-    LOOPED: tl.constexpr, SLOTS: tl.constexpr = False, STAGES: tl.constexpr = 1,
+    LOOPED: tl.constexpr, SLOTS: tl.constexpr = False,
 ):
     """dx = rstd * (w*g - xhat * mean(xhat * w*g) - mean(w*g)) over the group, g = dy * act'(z)
     (dy and dx have x's strides). Per-channel sums of g*xhat and g over a (batch, spatial slice)
@@ -241,7 +240,7 @@ def group_norm_bwd_kernel(
     pid = tl.program_id(0)
     if LOOPED:
         _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, pid, C, S, Cg, G, stride_b, stride_c, stride_s,
-                       HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, BLOCK_R, BLOCK_S, SLOTS, STAGES)
+                       HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, BLOCK_R, BLOCK_S, SLOTS)
     else:
         _gn_bwd_split(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, SYNC, SCRATCH, pid, Bn, C, S, Cg, G,
                       stride_b, stride_c, stride_s, HAS_W, HAS_B, WANT_DW, WANT_DB, ACT, BLOCK_R, BLOCK_S, KS, SPLIT)
@@ -262,8 +261,7 @@ def _gn_bwd_tile(DY, X, W, B, b_idx, g, kr, ks, S, Cg, stride_b, stride_c, strid
 @triton.jit
 def _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, grp, C, S, Cg, G, stride_b, stride_c, stride_s,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
-                   ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr):
     """One program, one group, in [BLOCK_R, BLOCK_S] tiles (t = kr * n_ks + ks): the two group
     sums (SLOTS: per element slot, reduced across the program's threads once instead of per tile),
     then dx and the per-channel weight-gradient sums, last tile first (from L2)."""
@@ -277,7 +275,7 @@ def _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, grp, C, S, Cg,
     if SLOTS:  # xhat and w*g are zero outside the group
         a1 = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
         a2 = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
-        for t in tl.range(0, n_tiles, num_stages=STAGES):
+        for t in range(0, n_tiles):
             _, _, _, _, xhat, gr, wg = _gn_bwd_tile(DY, X, W, B, b_idx, g, t // n_ks, t % n_ks, S, Cg, stride_b,
                                                     stride_c, stride_s, mean, rstd, HAS_W, HAS_B, ACT,
                                                     BLOCK_R, BLOCK_S)
@@ -288,7 +286,7 @@ def _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, grp, C, S, Cg,
     else:
         c1 = tl.zeros([BLOCK_R], dtype=tl.float32)
         c2 = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for t in tl.range(0, n_tiles, num_stages=STAGES):
+        for t in range(0, n_tiles):
             _, _, _, _, xhat, gr, wg = _gn_bwd_tile(DY, X, W, B, b_idx, g, t // n_ks, t % n_ks, S, Cg, stride_b,
                                                     stride_c, stride_s, mean, rstd, HAS_W, HAS_B, ACT,
                                                     BLOCK_R, BLOCK_S)
@@ -298,7 +296,7 @@ def _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, grp, C, S, Cg,
         c2_n = tl.sum(c2, axis=0) / L
     dw_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for i in tl.range(0, n_tiles, num_stages=STAGES):
+    for i in range(0, n_tiles):
         t = n_tiles - 1 - i
         ks = t % n_ks
         offs, mask, ch, r_mask, xhat, gr, wg = _gn_bwd_tile(DY, X, W, B, b_idx, g, t // n_ks, ks, S, Cg, stride_b,
@@ -485,7 +483,7 @@ def _staged_tile(pid_tile, C, S, n_cb, n_sb, stride_b, stride_c, stride_s,
 def group_norm_staged_stats_kernel(
     X, DY, W, B, MEAN, RSTD, P1, P2, C, S, G, Cg, n_cb, n_sb, n_spans, n_sub, stride_b, stride_c, stride_s,
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr, STAGES: tl.constexpr = 1,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """Program (b, kc, span j): per channel of block kc over the span's positions, forward: mean and
     M2; backward: sum of g*xhat and of g, which are also the weight-gradient partials (row
@@ -496,10 +494,10 @@ def group_norm_staged_stats_kernel(
     bc = pid // n_spans  # b * n_cb + kc
     if SLOTS:
         p1, p2 = _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, stride_b, stride_c,
-                                     stride_s, n_sub, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S, STAGES)
+                                     stride_s, n_sub, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S)
     else:
         p1, p2 = _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c,
-                                     stride_s, n_sub, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S, STAGES)
+                                     stride_s, n_sub, BWD, HAS_W, HAS_B, ACT, BLOCK_C, BLOCK_S)
     b_idx = bc // n_cb
     ch = (bc % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
     part = (b_idx * n_spans + j).to(tl.int64) * C + ch
@@ -510,12 +508,12 @@ def group_norm_staged_stats_kernel(
 @triton.jit
 def _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb, stride_b, stride_c, stride_s, n_sub,
                         BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr):
+                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """The stats program reducing each tile across threads: per-channel (p1, p2) of span j."""
     acc1 = tl.zeros([BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_C], dtype=tl.float32)
     count = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for i in tl.range(0, n_sub, num_stages=STAGES):
+    for i in range(0, n_sub):
         ks = j * n_sub + i
         b_idx, kc, _, offs, mask, ch, c_mask = _staged_tile(bc * n_sb + ks, C, S, n_cb, n_sb,
                                                              stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
@@ -547,7 +545,7 @@ def _staged_stats_tiles(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, n_sb,
 @triton.jit
 def _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, stride_b, stride_c, stride_s, n_sub,
                         BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr):
+                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """The stats program with per-slot accumulators: each of the [BLOCK_C, BLOCK_S] element slots
     keeps its own running values over the span's tiles (forward: Welford mean and M2 of x minus the
     group's first element; backward: sums of g*xhat and g), so a tile costs its loads and a few
@@ -567,7 +565,7 @@ def _staged_stats_slots(X, DY, W, B, MEAN, RSTD, bc, j, C, S, G, Cg, n_cb, strid
     acc2 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
     cnt = tl.zeros([BLOCK_S], dtype=tl.float32)
     base = b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c
-    for i in tl.range(0, n_sub, num_stages=STAGES):
+    for i in range(0, n_sub):
         s = (j * n_sub + i) * BLOCK_S + tl.arange(0, BLOCK_S)
         s_ok = s < S  # also false past the last tile of a short last span
         mask = c_mask[:, None] & s_ok[None, :]
