@@ -8,7 +8,7 @@
 # device's own Triton compiles the looped kernels offline (gn_regs.py): registers, shared memory, and
 # whether the loads became cp.async; and the pipelined paths' tests. Files land flat in $OUT (<= 8).
 #   cd .wt-gn10 && ln -sfn ../.whl .whl && bash benchmarks/device_gn10.sh [next]
-# Run S10-gn10 ran it from commit 2dc5d1f; its pipe2 / pipe3 / pipe3-looped / st-pipe2 / st-pipe3 variants (and
+# Run S10-gn10 ran it from commit 312ad62; its pipe2 / pipe3 / pipe3-looped / st-pipe2 / st-pipe3 variants (and
 # the kernels' STAGES) were removed after it, measured no faster: run it from that commit to repeat it.
 # `next`: the confirmation run of what was adopted (default against s9-default, the table before it).
 set -uo pipefail

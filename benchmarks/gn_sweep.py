@@ -83,7 +83,7 @@ VARIANTS.update({
 # session 10 (run S10-gn10, H100, helper gn10): the looped walks and the staged stats span pipelined through
 # shared memory (tl.range num_stages: cp.async, 2-3 tiles in flight per program; device triton 3.6 emitted
 # the cp.async, 78 -> 98 registers fwd) were no faster: looped fwd 8x320x64x64 20.5 -> 19.9 us, 8x640x32x32
-# 11.6 -> 13.3 us; staged stats 14.4 -> 15.1 us; the code is in commit 2dc5d1f (pipe2, pipe3, st-pipe2,
+# 11.6 -> 13.3 us; staged stats 14.4 -> 15.1 us; the code is in commit 312ad62 (pipe2, pipe3, st-pipe2,
 # st-pipe3), removed. The two-kernel split up to 4.5 groups per SM (s2-4) lost too. Adopted from lt-16k:
 # the NCHW bf16 forward holds groups of up to 16384 padded elements in one tile (8x1280x16x16 0.32 -> 0.40),
 # the bf16 looped backward takes 8192-element tiles with the least-padding channel block (32x256x56x56
