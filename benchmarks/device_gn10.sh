@@ -10,13 +10,14 @@
 #   cd .wt-gn10 && ln -sfn ../.whl .whl && bash benchmarks/device_gn10.sh [next]
 # Run S10-gn10 ran it from commit 312ad62; its pipe2 / pipe3 / pipe3-looped / st-pipe2 / st-pipe3 variants (and
 # the kernels' STAGES) were removed after it, measured no faster: run it from that commit to repeat it.
-# `next`: the confirmation run of what was adopted (default against s9-default, the table before it).
+# `next`: the confirmation run of what was adopted (default against s9-default, the table before it), and
+# more NCHW groups read once in one tile (one-32k forward, one-16k-bwd).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 SHAPES=8x320x64x64,8x640x32x32,16x640x32x32,32x256x56x56,4x128x128x128,8x1280x16x16,1x320x64x64,32x1280x8x8,1x1280x8x8
 if [ "${1:-}" = next ]; then
     timeout 200 python3 benchmarks/gn_sweep.py --out "$OUT/s1" --dtypes bf16 --acts - --peers torch,compile \
-        --shapes $SHAPES --variants default,s9-default --budget 170 > "$OUT/sweep.log" 2>&1
+        --shapes $SHAPES --variants default,s9-default,one-32k,one-16k-bwd --cl-variants default --budget 170 > "$OUT/sweep.log" 2>&1
     echo "sweep rc $?"; tail -2 "$OUT/sweep.log"
     [ -f "$OUT/s1/gn_sweep.csv" ] && mv "$OUT/s1/gn_sweep.csv" "$OUT/sweep.csv"; rm -rf "$OUT/s1"
     exit 0

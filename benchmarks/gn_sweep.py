@@ -94,6 +94,14 @@ VARIANTS.update({
     "s9-default": {"GN_TILE": {**configs.GN_TILE, ("fwd", 2): 8192},
                    "GN_LOOPED_TILE": {**LT, ("bwd", 2): (4096, 8)}, "GN_LOOPED_MIN_BLOCK_FRACTION": {},
                    "GN_ONE_TILE_MAX": {**configs.GN_ONE_TILE_MAX, ("fwd", 2): {"nchw": 8192, "cl": 8192}}},
+    # next (not run): more NCHW groups read once, whole in one tile (the one change that won in S10-gn10).
+    # gn_regs.py --split (sm_90 offline, triton 3.9): fwd [32, 1024] x 16 warps 127 registers (8x640x32x32 and
+    # 16x640x32x32: 1 program per SM, 2 and 4 waves; [64, 256] x 16 warps, the adopted one, is 80: also 1 per
+    # SM offline and still won); bwd [64, 256] x 16 warps 128 registers, 8 B stack (8x1280x16x16)
+    "one-32k": {"GN_ONE_TILE_MAX": {**configs.GN_ONE_TILE_MAX, ("fwd", 2): {"nchw": 32768, "cl": 8192}},
+                "GN_TILE": {**configs.GN_TILE, ("fwd", 2): 32768}},
+    "one-16k-bwd": {"GN_ONE_TILE_MAX": {**configs.GN_ONE_TILE_MAX, ("bwd", 2): {"nchw": 16384, "cl": 4096}},
+                    "GN_TILE": {**configs.GN_TILE, ("bwd", 2): 16384}},
 })
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
