@@ -130,8 +130,8 @@ def host_overheads(calls: dict, sync, budget_s: float = 0.1, latency_trials: int
     Meant for tiny inputs, where the device finishes each call before the host has launched the
     next, so the loop measures what the host spends per call. The calls take turns, so that a
     drift of the host (other processes, clocks) falls on all alike: `rounds` rounds in which each
-    runs one loop of about budget_s / rounds (the median over rounds is kept), then the latency
-    trials interleaved the same way."""
+    runs one loop of about budget_s / rounds (the median over rounds is kept; one more round
+    first, untimed, as a warm-up), then the latency trials interleaved the same way."""
     loops = {}
     for key, call in calls.items():
         t0 = time.perf_counter()
@@ -142,14 +142,15 @@ def host_overheads(calls: dict, sync, budget_s: float = 0.1, latency_trials: int
         loops[key] = min(2000, max(10, int(budget_s / rounds / per)))
     per_call = {key: [] for key in calls}
     lat = {key: [] for key in calls}
-    for _ in range(rounds):
+    for r in range(rounds + 1):  # round 0 untimed: the first rows of a process warm up its caches and clocks
         for key, call in calls.items():
             sync()
             t0 = time.perf_counter()
             for _ in range(loops[key]):
                 call()
             sync()
-            per_call[key].append((time.perf_counter() - t0) / loops[key] * 1e6)
+            if r:
+                per_call[key].append((time.perf_counter() - t0) / loops[key] * 1e6)
     for _ in range(latency_trials):
         for key, call in calls.items():
             sync()
