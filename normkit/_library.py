@@ -539,3 +539,18 @@ def _register_sharding() -> None:
 
 
 _register_sharding()  # now if DTensor is already imported; else on the first tensor subclass seen
+
+
+def _op_impls() -> dict:
+    """{op name: (its Python implementation, its Python autograd kernel)} for normkit._host.op_impls."""
+    from torch._library.autograd import make_autograd_impl
+
+    mod = sys.modules[__name__]
+    out = {}
+    for name in _host.OPS:
+        opdef = getattr(mod, "_" + name)
+        out[name] = (opdef._init_fn, make_autograd_impl(opdef._opoverload, opdef))  # (keyset, *args)
+    return out
+
+
+_host._op_impls = _op_impls  # the host path reaches the ops through this, without importing this module

@@ -107,16 +107,15 @@ def dispatch_changed() -> None:
 
 def op_impls() -> dict:
     """{op name: (its Python implementation, its Python autograd kernel)}: what the dispatcher's C++
-    kernels call for a call they leave to Python (the custom op's own kernels, which theirs replace)."""
-    from torch._library.autograd import make_autograd_impl
+    kernels call for a call they leave to Python (the custom op's own kernels, which theirs replace).
+    normkit._library, which defines the ops and imports this module, hands the table over
+    (`_op_impls`) when it is imported, so this module never imports it."""
+    if _op_impls is None:
+        raise RuntimeError("normkit's custom ops are not defined yet: import normkit first")
+    return _op_impls()
 
-    from .. import _library
 
-    out = {}
-    for name in OPS:
-        opdef = getattr(_library, "_" + name)
-        out[name] = (opdef._init_fn, make_autograd_impl(opdef._opoverload, opdef))  # (keyset, *args)
-    return out
+_op_impls = None  # set by normkit._library
 
 
 def prepare_for_compile(x) -> None:
