@@ -545,10 +545,9 @@ def _op_impls() -> dict:
     """{op name: (its Python implementation, its Python autograd kernel)} for normkit._host.op_impls."""
     from torch._library.autograd import make_autograd_impl
 
-    mod = sys.modules[__name__]
     out = {}
-    for name in _host.OPS:
-        opdef = getattr(mod, "_" + name)
+    for name in _op_args.OPS:
+        opdef = globals()["_" + name]
         out[name] = (opdef._init_fn, make_autograd_impl(opdef._opoverload, opdef))  # (keyset, *args)
     return out
 

@@ -34,6 +34,8 @@ import threading
 
 import torch
 
+from .._op_args import OPS  # the ops whose dispatcher kernels this path registers (names -> argument tables)
+
 _Tensor = torch.Tensor
 status = "C++ host path: not built yet (it is built on the first call with a CUDA tensor)"
 
@@ -88,9 +90,6 @@ def load_extension():
         dispatch_changed()
         _ext = ext
     return _ext
-
-
-OPS = ("row_norm_fwd", "row_norm_fused_fwd", "row_norm_bwd", "row_norm_fused_bwd", "group_norm_fwd", "group_norm_bwd")
 
 
 def dispatch_changed() -> None:

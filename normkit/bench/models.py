@@ -615,7 +615,7 @@ def run(args, device: str, start: float) -> int:
     from .timing import spin_cycles_per_ms
 
     steps = STEPS[(device, args.quick)]
-    rounds = getattr(args, "rounds", None) or steps.rounds
+    rounds = args.rounds or steps.rounds
     total = args.steps or steps.rounds * steps.per_round
     steps = Steps(steps.warmup, rounds, -(-total // rounds), steps.profile)
     s = Settings(device, args.model_size or ("full" if device == "cuda" else "tiny"), steps, args.model_dtype,
