@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Session 10's lead device calls (one GPU; carry .whl: the diffusers and liger-kernel wheels), each under
-# 10 minutes, results under $OUT in one archive.
-#   bash benchmarks/device_session10.sh models   issue 22's eager model cases on the merged tree (unpatched vs
+# The lead's device calls (one GPU; carry .whl: the diffusers and liger-kernel wheels), each under
+# 10 minutes, results under $OUT in one archive. Sessions 10-11 ran it (named device_session10.sh in session 10).
+#   bash benchmarks/device_lead.sh models   issue 22's eager model cases on the merged tree (unpatched vs
 #                                                 normkit, Liger where it applies) and the host table
-#   bash benchmarks/device_session10.sh tests    the GPU test files (GPU_TEST_FILES)
-#   bash benchmarks/device_session10.sh mtests   the model/patch tests, each result on its own line
-#   bash benchmarks/device_session10.sh compile  compiled Llama decode and training, UNet2DModel, unpatched vs normkit
-#   bash benchmarks/device_session10.sh kernels  normkit bench's row sweep (fwd and bwd, bf16) and the GroupNorm
+#   bash benchmarks/device_lead.sh tests    the GPU test files (GPU_TEST_FILES)
+#   bash benchmarks/device_lead.sh mtests   the model/patch tests, each result on its own line
+#   bash benchmarks/device_lead.sh compile  compiled Llama decode and training, UNet2DModel, unpatched vs normkit
+#   bash benchmarks/device_lead.sh kernels  normkit bench's row sweep (fwd and bwd, bf16) and the GroupNorm
 #                                                 suite with torch and torch.compile in the same run (issue 24)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt  # (sourced with no argument it would take this script's $1)
@@ -29,7 +29,7 @@ models)
     done
     ;;
 tests)
-    timeout 400 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE $GPU_TEST_FILES 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE $GPU_TEST_FILES 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-200 | head -30; tail -1 "$OUT/tests.log"
     ;;
 mtests)
@@ -51,4 +51,4 @@ kernels)
     ;;
 esac
 # one archive: the device sends back at most 8 files
-tar czf "/tmp/session10-${1:-models}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/session10-${1:-models}.tgz" "$OUT/"
+tar czf "/tmp/lead-${1:-models}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/lead-${1:-models}.tgz" "$OUT/"
