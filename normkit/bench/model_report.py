@@ -58,10 +58,12 @@ class ModelRow:
     def ran(self) -> bool:
         return self.ms is not None
 
-    @property
-    def differs(self) -> bool:
+    def differs(self, floor=(None, None)) -> bool:
+        """A difference above the dtype's tolerance, or above twice `floor` (the unpatched eager model's
+        difference from a second run of itself, per value: the model's own run-to-run noise)."""
         tol = DIFF_TOL.get(self.dtype, 1e-3)
-        return any(d is not None and not d <= tol for d in (self.out_diff, self.grad_diff))
+        return any(d is not None and not d <= max(tol, 2 * (f or 0))
+                   for d, f in zip((self.out_diff, self.grad_diff), floor))
 
     def line(self) -> str:
         """One line for the progress log."""
@@ -81,6 +83,10 @@ class ModelRow:
 
 def _pct(v: Optional[float]) -> str:
     return "" if v is None else f"{100 * v:.0f}%"
+
+
+def _dtype_of(rows: list[ModelRow], model: str) -> str:
+    return next(r.dtype for r in rows if r.model == model)
 
 
 def finalize(rows: list[ModelRow]) -> list[ModelRow]:
@@ -150,12 +156,23 @@ def summary_markdown(rows: list[ModelRow], env: dict) -> str:
     out += _table(["environment", ""], [[k, str(env[k])] for k in ENV_KEYS if env.get(k)])
     out += ["", "## Problems (errors, differences above tolerance)", ""]
     problems = [f"- {' '.join(r.key)}: {r.note}" for r in rows if not r.ran and not r.note.startswith("skipped")]
+    # a model whose unpatched eager step differs from a second run of itself beyond the tolerance (kernels
+    # that add with atomics, e.g. some attention backwards) sets the floor its other rows are held to
+    noisy = {(r.model, r.mode): (r.out_diff, r.grad_diff) for r in rows
+             if r.ran and r.variant == "unpatched" and r.exec == "eager" and r.differs()}
     problems += [f"- {' '.join(r.key)}: differs from the unpatched eager model by {_num(r.out_diff, '.2g')} "
                  f"(loss/output), {_num(r.grad_diff, '.2g')} (gradients), above {DIFF_TOL.get(r.dtype, 1e-3):g}"
-                 for r in rows if r.ran and r.differs]
+                 + (" and twice the unpatched model's own run-to-run difference"
+                    if (r.model, r.mode) in noisy else "")
+                 for r in rows if r.ran and not (r.variant == "unpatched" and r.exec == "eager")
+                 and r.differs(noisy.get((r.model, r.mode), (None, None)))]
     out += problems or ["none"]
     out += ["", "## Notes on measured cases", ""]
-    out += [f"- {' '.join(r.key)}: {r.note}" for r in rows if r.ran and r.note] or ["none"]
+    out += [f"- {model} {mode}: the unpatched eager model differs from a second run of itself by {_num(o, '.2g')} "
+            f"(loss/output), {_num(g, '.2g')} (gradients), above {DIFF_TOL.get(_dtype_of(rows, model), 1e-3):g}: its "
+            "kernels are not run-to-run deterministic, so the other rows are held to twice that"
+            for (model, mode), (o, g) in noisy.items()]
+    out += [f"- {' '.join(r.key)}: {r.note}" for r in rows if r.ran and r.note] or ([] if noisy else ["none"])
     why: dict = {}
     for r in rows:
         if r.note.startswith("skipped"):
