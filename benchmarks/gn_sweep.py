@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from normkit import reference as ref
 from normkit.backends import triton as tb
+from normkit.backends.cuda import cluster as cuda_cluster, configs as cuda_configs
 from normkit.backends.triton import clear_caches, configs
 from normkit.bench.ops import DTYPES, SUITES
 from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
@@ -103,6 +104,25 @@ VARIANTS.update({
     "one-16k-bwd": {"GN_ONE_TILE_MAX": {**configs.GN_ONE_TILE_MAX, ("bwd", 2): {"nchw": 16384, "cl": 4096}},
                     "GN_TILE": {**configs.GN_TILE, ("bwd", 2): 16384}},
 })
+# session 12 (issue 24): dense NCHW groups on the CUDA backend's Hopper cluster kernels (row_cluster.cu
+# gn_fwd_cluster / gn_bwd_cluster: a group is a row spread over a cluster's CTAs, held on chip, read once;
+# the forward with the push exchange, the backward's weight gradients per (sample, channel) from slices of
+# whole channels). "cuda.NAME" keys set normkit.backends.cuda.configs.NAME. Shapes as GN_CLUSTER_KERNELS':
+# (threads, items, stages, reload/recompute, push, merge, one_pass).
+ALL_ROUTED = {"GN_CLUSTER_ROUTE": {"sm_90": {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}}}
+
+
+def _gn_shapes(fwd, bwd):
+    return {"cuda.GN_CLUSTER_KERNELS": {("fwd", 2): fwd, ("fwd", 4): fwd, ("bwd", 2): bwd, ("bwd", 4): bwd}}
+
+
+VARIANTS.update({
+    "cluster": ALL_ROUTED,  # fwd (256, 8) reload push one_pass; bwd (256, 4) two stages, xhat and g held
+    "cluster-128": {**ALL_ROUTED, **_gn_shapes((128, 8, 1, True, True, False, True), (128, 8, 2, False))},
+    "cluster-regs": {**ALL_ROUTED, **_gn_shapes((256, 8, 1, False, True, False, True), (256, 4, 2, True))},
+    "cluster-16": {**ALL_ROUTED, **_gn_shapes((256, 16, 1, True, True, False, True), (512, 4, 1, False))},
+    "cluster-512": {**ALL_ROUTED, **_gn_shapes((512, 8, 1, True, True, False, True), (512, 2, 2, False))},
+})
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
 
@@ -128,16 +148,26 @@ class Overrides:
     def __init__(self, values):
         self.values = values
 
+    @staticmethod
+    def _where(key):
+        """(module, attribute) of a variant's key: "cuda.NAME" is the CUDA backend's configs."""
+        return (cuda_configs, key[5:]) if key.startswith("cuda.") else (configs, key)
+
     def __enter__(self):
-        self.saved = {k: getattr(configs, k) for k in self.values}
+        self.saved = {k: getattr(*self._where(k)) for k in self.values}
         for k, v in self.values.items():
-            setattr(configs, k, v)
-        clear_caches()
+            setattr(*self._where(k), v)
+        self._clear()
 
     def __exit__(self, *exc):
         for k, v in self.saved.items():
-            setattr(configs, k, v)
+            setattr(*self._where(k), v)
+        self._clear()
+
+    @staticmethod
+    def _clear():
         clear_caches()
+        cuda_cluster.prepare_gn.cache_clear()
 
 
 def as3(t, cl):
@@ -150,6 +180,11 @@ def plan_signature(x3, G, act):
     B, C, S = x3.shape
     sig = []
     for direction, extra in (("fwd", None), ("bwd", (True, True))):
+        routed = tb._gn_on_clusters(direction, x3, (x3,) if direction == "bwd" else (), G, None, None, act,
+                                    direction == "bwd")
+        if routed is not None:
+            sig.append(("cluster", routed.plan))
+            continue
         staged = tb._staged_plan(direction, x3, C // G)[0]
         cfg = None if staged else tb._gn_plan(direction, C // G, S, x3.dtype, x3.device, (True, True, act, extra),
                                               B * G, tb._is_cl(x3))[0]

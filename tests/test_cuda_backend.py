@@ -439,6 +439,41 @@ def test_cluster_plans():
         assert (p.items, p.stages) == shape[1:3]
 
 
+def test_gn_cluster_plans():
+    """GroupNorm groups as cluster rows: the fewest CTAs that hold the group, items sized to the
+    slice; the backward with weight gradients takes slices of whole channels (CTAs dividing Cg,
+    wider CTAs where no divisor fits); positions that are not whole packs are refused."""
+    p = configs.plan_gn_cluster("fwd", 10, 4096, 2, shape=(256, 8, 1, True, True, False, True))
+    assert (p.threads, p.cluster, p.push, p.recompute, p.one_pass) == (256, 3, True, True, True)
+    assert p.slice % 8 == 0 and p.slice * 3 >= 40960 and p.items == -(-p.slice // (256 * 8))
+    assert configs.plan_gn_cluster("fwd", 10, 4100, 2) is None  # 4100 positions: not whole 8-element packs
+    assert configs.plan_gn_cluster("fwd", 10, 4100, 4) is not None  # 4-element packs
+    for cg, s, eb in ((10, 4096, 2), (20, 1024, 2), (8, 3136, 2), (40, 256, 4), (4, 16384, 2), (40, 64, 2)):
+        p = configs.plan_gn_cluster("bwd", cg, s, eb, want_params=True)
+        assert p is not None and cg % p.cluster == 0 and p.slice == cg // p.cluster * s, (cg, s, eb, p)
+        assert p.threads * p.items * (16 // eb) >= p.slice and p.smem == p.stages * 2 * -(-p.slice * eb // 128) * 128
+        q = configs.plan_gn_cluster("bwd", cg, s, eb, want_params=False)
+        assert q.cluster * q.threads <= p.cluster * p.threads  # whole channels take no fewer threads
+    assert configs.plan_gn_cluster("bwd", 4, 16384, 2, True).threads == 512  # 8 CTAs of 256 do not divide 4
+    assert configs.plan_gn_cluster("bwd", 4, 16384, 4, True) is None  # 4 CTAs of 512 x 4 fp32 packs: too few
+    assert configs.plan_gn_cluster("fwd", 40, 64, 2).threads == 128  # small groups: small CTAs
+
+
+def test_gn_cluster_route_is_data(monkeypatch):
+    """Which dense NCHW groups run on the cluster kernels is a table per arch; none under the
+    interpreter (arch ""), none on another arch, none where no measurement put a range."""
+    from normkit.backends import triton as tb
+    from normkit.backends.triton import configs as tc
+    monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {"sm_90": {("fwd", 2): (8192, 65536)}})
+    assert tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_90")
+    assert not tc.gn_cluster_routed("fwd", 10, 4096, 4, "sm_90")
+    assert not tc.gn_cluster_routed("bwd", 10, 4096, 2, "sm_90")
+    assert not tc.gn_cluster_routed("fwd", 40, 64, 2, "sm_90")  # below the range
+    assert not tc.gn_cluster_routed("fwd", 10, 4096, 2, "")
+    assert not tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_100")
+    assert tb._gn_on_clusters("fwd", torch.empty(2, 320, 4096, dtype=torch.bfloat16), (), 32, None, None, None) is None
+
+
 def test_cluster_widths_are_per_op(monkeypatch):
     """configs.CLUSTER_WIDTHS holds, per (direction, op, element bytes), the widths backend="cuda"
     runs on clusters, so LayerNorm and RMSNorm each take their faster kernel at a width; here the
@@ -1024,6 +1059,66 @@ def test_cluster_kernels_with_activation(activation, cuda_poison):
     assert_close(dx, dx_ref, TOL[torch.bfloat16], "dx")
     assert_close(dw, dw_ref, 2e-5, "dweight")
     assert_close(db, db_ref, 2e-5, "dbias")
+
+
+GN_CLUSTER_CASES = [((2, 320, 64, 64), 32), ((3, 60, 12, 12), 6), ((1, 32, 8, 8), 32), ((3, 128, 64, 64), 32),
+                    ((2, 1280, 8, 8), 32), ((5, 48, 56, 56), 3), ((2, 64, 128, 128), 32)]
+
+
+@pytest.fixture
+def gn_cluster_route(monkeypatch):
+    """Every dense NCHW group (of positions in whole packs) on the GroupNorm cluster kernels."""
+    from normkit.backends import triton as tb
+    from normkit.backends.triton import configs as tc
+    arch = "sm_%d%d" % torch.cuda.get_device_capability()
+    monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {arch: {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}})
+    tb.clear_caches()
+    yield
+    monkeypatch.undo()
+    tb.clear_caches()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("shape,groups", GN_CLUSTER_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"g{v}")
+def test_gn_cluster_kernels_match_oracle(shape, groups, dtype, act, gn_cluster_route, cuda_poison):
+    """GroupNorm on the cluster kernels (forward and backward, through the Triton backend's route):
+    the float64 oracle at diffusion shapes, groups of one channel, small and prime-ish groups, fp32 and
+    x-dtype parameters; groups offset by 1e4; a NaN confined to its group; bitwise weight gradients."""
+    from normkit.backends import triton as tb
+    from test_group_norm import check_gn
+    B, C = shape[:2]
+    x = randn(*shape, dtype=dtype, device=DEVICE) * 2 + 0.5
+    x3 = x.view(B, C, -1)
+    for direction, rows_like, params in (("fwd", (), False), ("bwd", (x3,), True)):
+        p = tb._gn_on_clusters(direction, x3, rows_like, groups, None, None, act, params)
+        # routed wherever a plan exists (fp32 backward of 2 channels x 16384: no whole-channel slices fit)
+        planned = configs.plan_gn_cluster(direction, C // groups, x3.shape[2], x.element_size(), params)
+        assert (p is not None) == (planned is not None), f"{shape} G={groups} {direction}: {planned}"
+        assert planned is not None or (dtype == torch.float32 and direction == "bwd")
+    p_dtype = torch.float32 if dtype == torch.float32 else (dtype if act else torch.float32)
+    what = f"cluster GN {shape} G={groups} {dtype} {act}"
+    check_gn(x, groups, randn(C, dtype=p_dtype, device=DEVICE), randn(C, dtype=p_dtype, device=DEVICE), act,
+             what=what)
+    check_gn(x.detach().clone(), groups, None, None, act, what=what + " no affine")
+    xo = x.detach().float() + 1e4
+    assert_close(normkit.group_norm(xo, groups, activation=act, backend="triton"),
+                 ref.group_norm(xo, groups, None, None, 1e-5, act)[0], 1e-4, what + " offset")
+    xn = x.detach().clone()
+    xn[B - 1, C - 1, 0, 0] = math.nan  # the last group of the last sample
+    y = normkit.group_norm(xn, groups, activation=act, backend="triton")
+    cg = C // groups
+    assert torch.isnan(y[B - 1, C - cg:]).all()
+    assert not torch.isnan(y[:B - 1]).any() and not torch.isnan(y[B - 1, :C - cg]).any()
+    w = randn(C, device=DEVICE).requires_grad_(True)
+    b = randn(C, device=DEVICE).requires_grad_(True)
+    xg = x.detach().requires_grad_(True)
+    dy = randn(*shape, dtype=dtype, device=DEVICE)
+    g1, g2 = (torch.autograd.grad(normkit.group_norm(xg, groups, w, b, activation=act, backend="triton"),
+                                  [xg, w, b], dy) for _ in range(2))
+    assert all(torch.equal(a, c) for a, c in zip(g1, g2)), what + ": gradients differ between runs"
 
 
 @pytest.fixture

@@ -113,3 +113,63 @@ def launch_bwd(p: Prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_par
                      M, N, plan.slice], smem=plan.smem, cluster=plan.cluster)
     return clusters
 
+
+
+# ---- GroupNorm over dense NCHW groups (row_cluster.cu gn_fwd_cluster / gn_bwd_cluster)
+
+def gn_why_not(x: torch.Tensor, rows_like=(), weight=None, bias=None) -> str | None:
+    """None if the GroupNorm cluster kernels can take x [B, C, S] (and the other tensors of x's
+    shape, `rows_like`), else why not. Cheap: called on every routed call."""
+    if not x.is_contiguous():
+        return "x is not a dense NCHW tensor"
+    if any(t.stride() != x.stride() for t in rows_like):
+        return "the gradient's strides are not x's"
+    pack = 16 // x.element_size() if x.dtype in kernels.CTYPE else 1
+    if x.shape[2] % pack:
+        return f"{x.shape[2]} positions are not whole 16-byte packs"
+    flat = x.view(x.shape[0] * x.shape[1], x.shape[2])  # rows of one channel: why_not's checks apply as is
+    why = why_not(flat, tuple(t.view(flat.shape) for t in rows_like))
+    if why is not None:
+        return why
+    params = [p for p in (weight, bias) if p is not None]
+    if params and (len({p.dtype for p in params}) > 1 or params[0].dtype not in (x.dtype, torch.float32)):
+        return "weight/bias dtypes (x's dtype or float32 expected)"
+    if not all(p.is_contiguous() for p in params):
+        return "weight/bias not contiguous"
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def prepare_gn(direction: str, cg: int, spatial: int, dtype, wdtype, activation, want_params: bool, index: int,
+               shape=None) -> Prepared | None:
+    """prepare() for GroupNorm groups of cg channels of `spatial` positions."""
+    plan = configs.plan_gn_cluster(direction, cg, spatial, torch.empty((), dtype=dtype).element_size(),
+                                   want_params, shape)
+    if plan is None:
+        return None
+    kernel = _load(kernels.gn_cluster(direction, dtype, wdtype, activation, plan, want_params), index)
+    if not kernel.smem_fits(plan.smem):
+        return None
+    clusters = kernel.max_active_clusters(plan.threads, plan.smem, plan.cluster)
+    waves = configs.CLUSTER_PUSH_WAVES if plan.push else 1
+    return Prepared(plan, kernel, clusters * waves) if clusters > 0 else None
+
+
+def launch_gn_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, eps: float) -> None:
+    """y = group_norm(x) and mean/rstd [B, G], for dense NCHW x [B, C, S]; y dense like x."""
+    B, C, S = x.shape
+    rows, plan = B * groups, p.plan
+    _use_device(p.kernel.device)
+    p.kernel.launch((p.grid_clusters(rows) * plan.cluster,), (plan.threads,),
+                    [x, y, weight, bias, mean, rstd, rows, (C // groups) * S, plan.slice, float(eps), groups, S],
+                    smem=plan.smem, cluster=plan.cluster)
+
+
+def launch_gn_bwd(p: Prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, groups: int) -> None:
+    """dx, and (unless None) the [B, C] fp32 per-sample sums of dweight/dbias, for dense NCHW x and dy."""
+    B, C, S = x.shape
+    rows, plan = B * groups, p.plan
+    _use_device(p.kernel.device)
+    p.kernel.launch((p.grid_clusters(rows) * plan.cluster,), (plan.threads,),
+                    [dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, rows, (C // groups) * S, plan.slice,
+                     groups, S], smem=plan.smem, cluster=plan.cluster)

@@ -278,6 +278,50 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
     return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass)
 
 
+# GroupNorm over dense NCHW groups on the same cluster kernels (row_cluster.cu gn_*_cluster; issue 24): a group
+# of Cg x S contiguous elements is a row. (direction, element bytes) -> the shape tuple of CLUSTER_KERNELS,
+# whose items is the most packs a thread holds: the plan takes the fewest CTAs per group that fit, and sizes
+# items to the slice. The backward's weight gradients need each CTA's slice to be whole channels, so there
+# the CTAs per group divide Cg.
+GN_CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (256, 8, 1, True, True, False, True),
+                      ("bwd", 2): (256, 4, 2, False), ("bwd", 4): (256, 4, 2, False)}
+
+
+def plan_gn_cluster(direction: str, cg: int, spatial: int, elem_bytes: int, want_params: bool = False,
+                    shape=None) -> ClusterPlan | None:
+    """The GroupNorm cluster kernel's plan for groups of cg channels of `spatial` positions, or None
+    when they cannot take it (positions not whole 16-byte packs, more than CLUSTER_MAX CTAs, stages
+    too big). shape: as GN_CLUSTER_KERNELS' values (the default)."""
+    threads, items, stages, *rest = shape or GN_CLUSTER_KERNELS[(direction, elem_bytes)]
+    recompute = bool(rest and rest[0])
+    push = direction == "fwd" and len(rest) > 1 and bool(rest[1])
+    merge = len(rest) > 2 and bool(rest[2])
+    one_pass = push and len(rest) > 3 and bool(rest[3])
+    pack = 16 // elem_bytes
+    if cg < 1 or spatial < 1 or spatial % pack:
+        return None
+    cols = cg * spatial
+    whole_channels = direction == "bwd" and want_params
+    while True:
+        cluster = cdiv(cols, threads * items * pack)
+        if whole_channels:  # the fewest CTAs, at least that many, whose slices are whole channels
+            cluster = next((c for c in range(cluster, min(cg, CLUSTER_MAX) + 1) if cg % c == 0), CLUSTER_MAX + 1)
+        if cluster <= CLUSTER_MAX or threads >= CLUSTER_MAX_THREADS:
+            break
+        threads *= 2  # wider CTAs rather than more of them
+    if cluster > CLUSTER_MAX:
+        return None
+    while cluster == 1 and threads > CLUSTER_MIN_THREADS and (threads // 2) * items * pack >= cols:
+        threads //= 2  # small groups: smaller CTAs, more of them per SM
+    slice_ = cdiv(cdiv(cols, cluster), pack) * pack
+    items = cdiv(slice_, threads * pack)  # the packs a thread holds (registers)
+    arrays = 1 if direction == "fwd" else 2
+    smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
+    if smem > CLUSTER_SMEM_MAX:
+        return None
+    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass)
+
+
 def grid_blocks(work_blocks: int, sms: int, resident: int, waves: int) -> int:
     """Blocks to launch: the work, capped at `waves` waves of resident blocks (kernels loop)."""
     return max(1, min(work_blocks, sms * max(1, resident) * waves))

@@ -33,6 +33,10 @@ PARAM_GRAD_PARAMS = _p("dy:ptr dy_stride:i64 x:ptr x_stride:i64 weight:ptr bias:
 ROW_FWD_CLUSTER_PARAMS = _p("x:ptr x_stride:i64 y:ptr y_stride:i64 weight:ptr bias:ptr mean:ptr rstd:ptr "
                             "rows:i64 cols:i32 slice:i32 eps:f32")
 ROW_BWD_CLUSTER_PARAMS = ROW_BWD_PARAMS + _p("slice:i32")
+GN_FWD_CLUSTER_PARAMS = _p("x:ptr y:ptr weight:ptr bias:ptr mean:ptr rstd:ptr rows:i64 cols:i32 slice:i32 eps:f32 "
+                           "groups:i32 spatial:i32")
+GN_BWD_CLUSTER_PARAMS = _p("dy:ptr x:ptr weight:ptr bias:ptr mean:ptr rstd:ptr dx:ptr dw_part:ptr db_part:ptr "
+                           "rows:i64 cols:i32 slice:i32 groups:i32 spatial:i32")
 COL_SUM_PARAMS = _p("a_part:ptr a:ptr b_part:ptr b:ptr parts:i64 cols:i32")
 GN_REDUCE_PARAMS = _p("x:ptr xB:i64 xC:i64 xS:i64 dy:ptr dB:i64 dC:i64 dS:i64 weight:ptr bias:ptr "
                       "mean:ptr rstd:ptr p1:ptr p2:ptr coef:ptr C:i32 S:i32 G:i32 chunk:i32 chunks:i32")
@@ -101,6 +105,20 @@ def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: conf
                       f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}, "
                       f"{_b(plan.merge)}>",
                       ROW_BWD_CLUSTER_PARAMS)
+
+
+def gn_cluster(direction: str, dtype, wdtype, activation, plan: configs.ClusterPlan,
+               want_params: bool = False) -> KernelSpec:
+    """GroupNorm over dense NCHW groups as rows of the Hopper cluster kernels (row_cluster.cu)."""
+    t, w, a = _ctype(dtype), _ctype(wdtype), _act(activation)
+    shape = f"{plan.threads}, {plan.items}, {plan.stages}"
+    if direction == "fwd":
+        flags = f"{_b(plan.recompute)}, {_b(plan.push)}, {_b(plan.merge)}, {_b(plan.one_pass)}"
+        return KernelSpec("row_cluster.cu", f"nk::gn_fwd_cluster<{t}, {w}, {a}, {shape}, {flags}>",
+                          GN_FWD_CLUSTER_PARAMS)
+    return KernelSpec("row_cluster.cu",
+                      f"nk::gn_bwd_cluster<{t}, {w}, {a}, {shape}, {_b(want_params)}, {_b(plan.recompute)}>",
+                      GN_BWD_CLUSTER_PARAMS)
 
 
 def col_sum(a_dtype, b_dtype) -> KernelSpec:
@@ -260,6 +278,15 @@ def catalog() -> list[KernelSpec]:
         specs.append(row_cluster(direction, torch.float16, torch.float16, "gelu", False, plan, direction == "bwd"))
         if direction == "bwd":  # one value per CTA in the exchange (session 10)
             specs.append(row_cluster(direction, dtype, torch.float32, None, False, dataclasses.replace(plan, merge=True), True))
+    for (direction, elem_bytes), shape in configs.GN_CLUSTER_KERNELS.items():  # GroupNorm NCHW on clusters
+        dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
+        plan = configs.ClusterPlan(*shape[:3], cluster=1, slice=0, smem=0, recompute=bool(shape[3]),
+                                   push=direction == "fwd" and bool(shape[4]), one_pass=direction == "fwd" and bool(shape[6]))
+        for act, wd in ((None, torch.float32), ("silu", dtype), ("mish", torch.float32)):
+            for params in ((False, True) if direction == "bwd" else (False,)):
+                specs.append(gn_cluster(direction, dtype, wd, act, plan, params))
+        specs.append(gn_cluster(direction, torch.float16, torch.float16, "gelu",
+                                dataclasses.replace(plan, recompute=not plan.recompute), direction == "bwd"))
     specs += [llmc(n) for n in LLMC]
     specs += [seed004_group_norm_mish(1 << k) for k in range(5, 11)]
     return list(dict.fromkeys(specs))

@@ -557,3 +557,166 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 }  // namespace nk
+
+// ================================================================== GroupNorm, NCHW (issue 24)
+//
+// A dense NCHW tensor's group (sample n, group g) is one contiguous run of Cg x S elements: a row
+// of the kernels above, rows = B x G, cols = Cg x S. The cluster holds the group on chip and reads
+// it once. What differs from LayerNorm is the affine (and its gradients): per channel,
+// channel = (row % G) * Cg + col / S. The host guarantees S is a whole number of packs (a pack lies
+// in one channel) and, for the weight gradients, that each CTA's slice is whole channels.
+namespace nk {
+
+// y = act(xhat * w[c] + b[c]), the channel's parameters for the whole pack
+template <typename T, typename W, typename ACT>
+struct GroupAffineActStore {
+  T* ptr;
+  const W* w;
+  const W* b;
+  int cols, groups, spatial;
+  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
+    const int ch = int(row % groups) * (cols / spatial) + col / spatial;
+    const float wv = w != nullptr ? to_float(w[ch]) : 1.f, bv = b != nullptr ? to_float(b[ch]) : 0.f;
+    float y[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) y[i] = ACT::fwd(fmaf(xhat[i], wv, bv));
+    store_floats<P>(ptr + row * i64(cols) + col, y);
+  }
+};
+
+// The forward: fwd_cluster over the groups as rows (mean/rstd [B, G] are its per-row statistics).
+template <typename T, typename W, typename ACT, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
+          bool MERGE = false, bool ONE_PASS = false>
+__global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
+    gn_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w, const W* __restrict__ b,
+                   float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols, int slice, float eps,
+                   int groups, int spatial) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS>(
+      x, i64(cols), GroupAffineActStore<T, W, ACT>{y, w, b, cols, groups, spatial}, mean, rstd, rows, cols, slice,
+      eps);
+#endif
+}
+
+// The backward: dx = rstd * (g - xhat * mean(xhat * g) - mean(g)) over the group, g = dz * w[c], the two
+// group sums exchanged over the cluster (barrier exchange, slots by row parity). PARAMS: each (sample,
+// channel)'s sums of dz * xhat and dz, written to row n of the [B, C] partials dw_part / db_part, which
+// col_sum adds over the samples: a thread leaves each pack's two sums in shared memory, and after the
+// exchange's barrier warp j adds channel j's packs of the slice in a fixed order (lane-strided, then
+// shuffles): the same bits every run. Each CTA's slice is whole channels (the host's plan).
+template <typename T, typename W, typename ACT, int THREADS, int ITEMS, int STAGES, bool PARAMS, bool RECOMPUTE>
+__global__ void __launch_bounds__(THREADS, 1)
+    gn_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
+                   const W* __restrict__ b, const float* __restrict__ mean, const float* __restrict__ rstd,
+                   T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part, i64 rows, int cols,
+                   int slice, int groups, int spatial) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int P = 16 / int(sizeof(T));
+  constexpr int WARPS = THREADS / kWarpSize;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ cl::Barrier bars[STAGES];
+  __shared__ Sum2 slots[2][cl::kMaxCluster * WARPS];
+  __shared__ Sum2 pack_sums[PARAMS ? THREADS * ITEMS : 1];  // PARAMS: (sum dz * xhat, sum dz) per pack
+  const cl::Slice s(cols, slice);
+  const cl::Stream<T, STAGES, 2> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int cg = cols / spatial, packs_per_channel = spatial / P;
+  stream.start(s, rows, x, i64(cols), dy, i64(cols));
+  const float inv_cols = 1.f / float(cols);
+  int valid = 0;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) valid += (tid + k * THREADS) * P < s.n ? 1 : 0;
+  float mu_next = 0.f, rs_next = 0.f;
+  if (s.cluster < rows) {
+    mu_next = mean[s.cluster];
+    rs_next = rstd[s.cluster];
+  }
+  int it = 0;
+  for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
+    const float mu = mu_next, rs = rs_next;
+    if (row + s.clusters < rows) {
+      mu_next = mean[row + s.clusters];
+      rs_next = rstd[row + s.clusters];
+    }
+    const int gbase = int(row % groups) * cg;  // the group's first channel
+    stream.wait(s, it);
+    const T* xs = stream.slice_at(it % STAGES, 0);
+    const T* dys = stream.slice_at(it % STAGES, 1);
+    constexpr int HELD = RECOMPUTE ? 1 : ITEMS;
+    float xhat[HELD][P], g[HELD][P];
+    // one pack's xhat and g (and dz), its channel's parameters read once
+    const auto grads = [&](int p, float(&xh)[P], float(&gg)[P], float(&dz)[P]) {
+      const int ch = gbase + (s.c0 + p * P) / spatial;
+      const float wv = w != nullptr ? to_float(w[ch]) : 1.f, bv = b != nullptr ? to_float(b[ch]) : 0.f;
+      float xv[P], dyv[P];
+      load_floats<P>(xs + p * P, xv);
+      load_floats<P>(dys + p * P, dyv);
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        xh[i] = (xv[i] - mu) * rs;
+        dz[i] = dyv[i] * ACT::grad(fmaf(xh[i], wv, bv));
+        gg[i] = dz[i] * wv;
+      }
+    };
+    Sum2 part = Sum2::zero();
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (k < valid) {
+        const int p = tid + k * THREADS, h = RECOMPUTE ? 0 : k;
+        float dz[P];
+        grads(p, xhat[h], g[h], dz);
+        Sum2 q = Sum2::zero();
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+          part.a = fmaf(xhat[h][i], g[h][i], part.a);
+          part.b += g[h][i];
+          q.a = fmaf(dz[i], xhat[h][i], q.a);
+          q.b += dz[i];
+        }
+        if (PARAMS) pack_sums[p] = q;
+      }
+    }
+    // the cluster barrier of the exchange also makes every pack's sums visible to the CTA
+    const Sum2 sums = cl::cluster_allreduce<WARPS>(part, slots, it, s);
+    if (!RECOMPUTE && tid == 0) {
+      cl::fence_proxy_async();
+      stream.issue(s, rows, it + STAGES, x, i64(cols), dy, i64(cols));
+    }
+    if (PARAMS) {
+      const int channels = s.n / spatial, ch0 = gbase + s.c0 / spatial;  // the slice's channels (whole)
+      const i64 n_at = (row / groups) * i64(groups) * cg;                // row n of the [B, C] partials
+      for (int c = warp; c < channels; c += WARPS) {
+        Sum2 t = Sum2::zero();
+        for (int e = lane; e < packs_per_channel; e += kWarpSize) t = Sum2::merge(t, pack_sums[c * packs_per_channel + e]);
+        t = group_allreduce<kWarpSize>(t);
+        if (lane == 0) {
+          if (dw_part != nullptr) dw_part[n_at + ch0 + c] = t.a;
+          if (db_part != nullptr) db_part[n_at + ch0 + c] = t.b;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (k < valid) {
+        const int p = tid + k * THREADS, h = RECOMPUTE ? 0 : k;
+        if (RECOMPUTE) {
+          float dz[P];
+          grads(p, xhat[h], g[h], dz);
+        }
+        float d[P];
+        pack_dx<P, false>(xhat[h], g[h], sums, inv_cols, rs, d);
+        store_floats<P>(dx + row * i64(cols) + s.c0 + p * P, d);
+      }
+    }
+    if (RECOMPUTE || PARAMS) {
+      __syncthreads();  // every thread is done with the stage (RECOMPUTE) and with pack_sums (PARAMS)
+      if (RECOMPUTE && tid == 0) {
+        cl::fence_proxy_async();
+        stream.issue(s, rows, it + STAGES, x, i64(cols), dy, i64(cols));
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace nk

@@ -223,6 +223,18 @@ GN_SPLIT2_MIN_GROUPS_PER_SM = {"fwd": 0.0, "bwd": 0.0}
 GN_SPLIT2_MAX_GROUPS_PER_SM = {"fwd": 1.5, "bwd": float("inf")}
 # the GroupNorm backward's reduction of its weight-gradient partials: (BLOCK_P, BLOCK_N, num_warps)
 GN_COL_SUM = (32, 128, 4)
+# Dense NCHW groups that run on the CUDA backend's Hopper cluster kernels (cuda/cluster.py prepare_gn: the
+# group held on chip across a cluster's CTAs and read once) when the call can take them (positions a whole
+# number of 16-byte packs): arch -> (direction, element bytes) -> (fewest, most) elements per group (Cg x S);
+# absent: not routed. Not measured yet: off until a device run shows where it wins.
+GN_CLUSTER_ROUTE: dict = {}
+
+
+def gn_cluster_routed(direction: str, cg: int, s: int, elem_bytes: int, arch: str) -> bool:
+    """Whether dense NCHW groups of cg x s elements go to the CUDA cluster kernels on `arch`
+    (GN_CLUSTER_ROUTE; "" under the interpreter)."""
+    bounds = GN_CLUSTER_ROUTE.get(arch, {}).get((direction, 2 if elem_bytes <= 2 else 4))
+    return bounds is not None and bounds[0] <= cg * s <= bounds[1]
 
 
 @dataclass(frozen=True)
