@@ -8,7 +8,7 @@ point equals one already timed there is not timed again (its row says which it e
 For choosing the table's values; the bench (`normkit bench --ops gn`) is what reports them.
 Run on a GPU:
   PYTHONPATH=. python benchmarks/gn_sweep.py --out DIR [--dtypes bf16,fp32] [--variants a,b]
-      [--acts -,silu] [--act-variants default,old] [--peers torch,compile] [--layouts nchw,cl]
+      [--acts -,silu] [--act-variants default,old] [--peers torch,compile,copy] [--layouts nchw,cl]
       [--profile [--profile-variants default,old] [--profile-shapes 8x320x64x64/g32,...]]
 Writes DIR/gn_sweep.csv (one row per point, implementation, activation, direction) and prints a
 short table of fractions of copy last."""
@@ -122,6 +122,10 @@ VARIANTS.update({
     "cluster-regs": {**ALL_ROUTED, **_gn_shapes((256, 8, 1, False, True, False, True), (256, 4, 2, True))},
     "cluster-16": {**ALL_ROUTED, **_gn_shapes((256, 16, 1, True, True, False, True), (512, 4, 1, False))},
     "cluster-512": {**ALL_ROUTED, **_gn_shapes((512, 8, 1, True, True, False, True), (512, 2, 2, False))},
+    # after run S12-1 (H200): the one-wave shapes (cluster-16 won the forward where it made one wave); groups of
+    # up to 64K bf16 elements in one CTA's shared memory (2 CTAs per SM), no exchange between CTAs
+    "cluster-32": {**ALL_ROUTED, **_gn_shapes((256, 32, 1, True, True, False, True), (128, 8, 2, False))},
+    "cluster-128r": {**ALL_ROUTED, **_gn_shapes((128, 16, 1, True, True, False, True), (128, 8, 2, True))},
 })
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
@@ -229,6 +233,18 @@ def torch_impls(G, act, compiled):
             cache[key] = (fn(xr, wr, br), (xr, wr, br))
         y, inputs = cache[key]
         return torch.autograd.grad(y, inputs, dy, retain_graph=True)
+    return fwd, bwd
+
+
+def copy_impls():
+    """The memory system's speed at this size: the forward's traffic (read x, write y) as a copy, the
+    backward's (read x and dy, write dx) as an add; timed like the kernels, so fraction-of-copy rows of the
+    same shape read against what moving those bytes alone reaches (the ceiling is a 1 GiB copy)."""
+    def fwd(x, x3, w, b, dy, dy3):
+        return x.clone(memory_format=torch.preserve_format)
+
+    def bwd(x, x3, w, b, dy, dy3):
+        return torch.add(x, dy)
     return fwd, bwd
 
 
@@ -346,7 +362,7 @@ def main():
                 for peer in (peers if (act or "-") in args.peer_acts.split(",") else []):
                     base = dict(dtype=dname, shape=label, act=act or "-", impl=peer, copy=f"{copy:.0f}")
                     try:
-                        fwd, bwd = torch_impls(G, act, peer == "compile")
+                        fwd, bwd = copy_impls() if peer == "copy" else torch_impls(G, act, peer == "compile")
                         for direction, call in (("fwd", fwd), ("bwd", bwd)):
                             ms, gbps = timed_gbps(timer, sets, call, (2 if direction == "fwd" else 3) * numel * eb)
                             rows.append(dict(base, dir=direction, ms=f"{ms:.4f}", gbps=f"{gbps:.0f}",

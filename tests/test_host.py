@@ -619,7 +619,7 @@ def test_record_row_norm_forward_and_backward():
     assert sorted(r for r in _roles(plan) if r) == [1, 2, 3] and plan[1] == ()
     # every pointer the kernel got is a slot: x, w, b are inputs 0-2, y/mean/rstd the run's buffers
     (_, _, _, _, _, _, _, _, patches, cluster), = plan[2]
-    assert cluster == (1, 1, 1)
+    assert cluster == (0, 0, 0)  # a plain launch
     assert {slot for _, slot, _, _ in patches} == {0, 1, 2, 3, 4, 5}
     dy = torch.randn(5, 33, device=DEVICE)
     tb.row_norm_bwd(dy, x, w, mean, rstd, False, w.dtype, b.dtype, bias=b, activation="silu")
@@ -900,6 +900,38 @@ def test_record_cuda_cluster_launches(direction, monkeypatch):
     # the Recorder's own plan: the same launch
     again, why = rec.plan(inputs, list(zip(range(1, len(outs) + 1), outs)))
     assert why is None and again[2] == built[2]
+
+
+def test_record_gn_cluster_launch_of_one_cta(monkeypatch):
+    """A GroupNorm cluster kernel over groups that fit one CTA is still a cluster launch (of one CTA):
+    the plan keeps the cluster shape (1, 1, 1), which host.cpp launches with cuLaunchKernelEx, since the
+    kernel's cluster instructions are illegal in a plain launch (session 12, H200: replayed plain, it
+    stopped with an illegal instruction); a plain launch is (0, 0, 0)."""
+    from types import SimpleNamespace
+
+    from normkit.backends.cuda import cluster as cc, configs as cfg, driver, kernels as ck
+    monkeypatch.setattr(driver, "bindings", lambda: SimpleNamespace(
+        CUresult=SimpleNamespace(CUDA_SUCCESS=0), cuLaunchKernelEx=lambda config, *a: (0,),
+        cuLaunchKernel=lambda *a: pytest.fail("a cluster kernel launched without its cluster")))
+    monkeypatch.setattr(driver, "launch_config", lambda grid, block, smem, _, cluster: (grid, block, smem, cluster))
+    monkeypatch.setattr(cc, "_use_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=0))
+    B, C, S, G = 2, 64, 64, 32
+    plan = cfg.plan_gn_cluster("fwd", C // G, S, 2)
+    assert plan.cluster == 1
+    kernel = driver.Kernel(ck.gn_cluster("fwd", torch.bfloat16, torch.float32, None, plan), 0, None, 0xC0FFEE,
+                           smem_granted=plan.smem)
+    kernel.__dict__["static_smem"] = 0
+    x, w, b = torch.randn(B, C, S, dtype=torch.bfloat16), torch.randn(C), torch.randn(C)
+    with plans.Recorder() as rec:
+        y, mean, rstd = torch.empty_like(x), torch.empty(B, G), torch.empty(B, G)
+        cc.launch_gn_fwd(cc.Prepared(plan, kernel, clusters=8), x, y, w, b, mean, rstd, G, 1e-5)
+    (_, name, note), = rec.launches
+    record = plans.LaunchRecord.from_cuda(*note)
+    assert record.cluster == (1, 1, 1)
+    built = plans.build_plan([record], (x, w, b), rec.watch.allocs, [(1, y), (2, mean), (3, rstd)])
+    assert built[2][0][-1] == (1, 1, 1)
+    assert plans.LaunchRecord(["*fp32"], (x,), (4,), 4).cluster == (0, 0, 0)
 
 
 def test_cuda_launches_without_arguments_are_not_replayable():

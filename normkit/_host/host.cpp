@@ -237,8 +237,10 @@ struct Patch {
 struct LaunchSpec {
   cu::Function fn;
   unsigned grid[3], block, shared;
-  unsigned cluster[3] = {1, 1, 1};  // CTAs per thread-block cluster: {1, 1, 1} is a plain launch
-  bool clustered() const { return cluster[0] * cluster[1] * cluster[2] > 1; }
+  // CTAs per thread-block cluster; {0, 0, 0}: a plain launch. A cluster of one CTA is launched as a cluster
+  // (cuLaunchKernelEx): the kernel's cluster instructions are illegal in a plain launch.
+  unsigned cluster[3] = {0, 0, 0};
+  bool clustered() const { return cluster[0] > 0; }
   std::vector<uint8_t> params;
   std::vector<uint32_t> offsets;
   std::vector<Patch> patches;
@@ -348,10 +350,10 @@ PlanPtr to_plan(py::handle data, int n_inputs, int device) {
     TORCH_CHECK(s.params.size() <= kMaxParamBytes && s.offsets.size() <= kMaxParams,
                 "normkit host path: plan with too many kernel parameters");
     for (auto o : s.offsets) TORCH_CHECK(o < s.params.size(), "normkit host path: bad plan offset");
-    for (int i = 0; i < 3; i++) {
-      s.cluster[i] = item<unsigned>(l[py::int_(9)], i);
-      TORCH_CHECK(s.cluster[i] >= 1 && s.grid[i] % s.cluster[i] == 0, "normkit host path: bad plan cluster");
-    }
+    for (int i = 0; i < 3; i++) s.cluster[i] = item<unsigned>(l[py::int_(9)], i);
+    for (int i = 0; i < 3; i++)
+      TORCH_CHECK(s.clustered() ? s.cluster[i] >= 1 && s.grid[i] % s.cluster[i] == 0 : s.cluster[i] == 0,
+                  "normkit host path: bad plan cluster");
     plan->launches.push_back(std::move(s));
   }
   return plan;

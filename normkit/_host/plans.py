@@ -13,7 +13,7 @@ How a run is recorded:
   the arguments handed to Triton's launcher; and the CUDA backend's launches the Triton backend
   routes to (its cluster kernels: driver.launch), with their KernelSpec and arguments. Both become
   the same plan launch: a function, grid, block, shared memory, parameters, and a cluster shape
-  ((1, 1, 1): a plain launch; else host.cpp launches it with cuLaunchKernelEx);
+  ((0, 0, 0): a plain launch; else, a cluster of one CTA too, host.cpp launches it with cuLaunchKernelEx);
 - a TorchDispatchMode sees every torch op of the run. Allocations (empty, empty_strided, ...) are
   the plan's buffers, torch.zeros a buffer the replay zeroes (the fp8 amax the kernels accumulate
   into); views are free; any other op (a copy_, zero_, fill_, ...) is work a replay would not redo,
@@ -77,7 +77,9 @@ class LaunchRecord:
     pdl: bool = False
     scratch: int = 0  # global + profile scratch bytes per program (Triton allocates them per launch)
     kernel: object = None  # the CompiledKernel: kept alive while a plan uses its CUfunction
-    cluster: tuple = (1, 1, 1)  # CTAs per thread-block cluster (CUDA-backend kernels)
+    # CTAs per thread-block cluster (CUDA-backend kernels); (0, 0, 0): a plain launch. A cluster of one CTA
+    # is still launched as a cluster: its kernel's cluster instructions are illegal in a plain launch
+    cluster: tuple = (0, 0, 0)
     null_pointers: int = TRITON_SCRATCH_POINTERS  # appended to the parameters
 
     @classmethod
@@ -211,8 +213,9 @@ def build_plan(launches, inputs, allocs, outputs):
             raise NotReplayable("the launch needs Triton's clusters (num_ctas), cooperative/PDL attributes, "
                                 "scratch memory or oversized shared memory")
         grid = tuple(rec.grid) + (1,) * (3 - len(rec.grid))
-        cluster = tuple(rec.cluster) + (1,) * (3 - len(rec.cluster))
-        if min(cluster) < 1 or math.prod(cluster) > MAX_CLUSTER or any(g % c for g, c in zip(grid, cluster)):
+        cluster = tuple(rec.cluster) + (1,) * (3 - len(rec.cluster)) if any(rec.cluster) else (0, 0, 0)
+        if any(cluster) and (min(cluster) < 1 or math.prod(cluster) > MAX_CLUSTER
+                             or any(g % c for g, c in zip(grid, cluster))):
             raise NotReplayable(f"cluster {cluster} for grid {grid}")
         template, offsets, pointers = pack_params(rec.signature, rec.args, rec.null_pointers)
         patches = []

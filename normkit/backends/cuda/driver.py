@@ -302,7 +302,7 @@ def launch(function, grid, block, smem: int, stream, params, cluster=None, name:
     drv = bindings()
     from ..triton.launch import note_foreign_launch
     note_foreign_launch(name, None if source is None else
-                        (source[0], int(function), grid, block, smem, cluster or (1, 1, 1), tuple(source[1])))
+                        (source[0], int(function), grid, block, smem, cluster or (0, 0, 0), tuple(source[1])))
     if cluster is None:
         result = drv.cuLaunchKernel(function, *grid, *block, smem, stream, ctypes.addressof(params), 0)
     else:
