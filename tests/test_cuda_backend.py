@@ -454,9 +454,10 @@ def test_gn_cluster_plans():
         assert p.threads * p.items * (16 // eb) >= p.slice and p.smem == p.stages * 2 * -(-p.slice * eb // 128) * 128
         q = configs.plan_gn_cluster("bwd", cg, s, eb, want_params=False)
         assert q.cluster * q.threads <= p.cluster * p.threads  # whole channels take no fewer threads
-    assert configs.plan_gn_cluster("bwd", 4, 16384, 2, True).threads == 512  # 8 CTAs of 256 do not divide 4
-    assert configs.plan_gn_cluster("bwd", 4, 16384, 4, True) is None  # 4 CTAs of 512 x 4 fp32 packs: too few
-    assert configs.plan_gn_cluster("fwd", 40, 64, 2).threads == 128  # small groups: small CTAs
+    shape = (256, 4, 2, False)
+    assert configs.plan_gn_cluster("bwd", 4, 16384, 2, True, shape).threads == 512  # 8 CTAs of 256 do not divide 4
+    assert configs.plan_gn_cluster("bwd", 4, 16384, 4, True, shape) is None  # 4 CTAs of 512 x 4 fp32 packs: too few
+    assert configs.plan_gn_cluster("fwd", 40, 64, 2, shape=(256, 8, 1, True, True)).threads == 128  # small: small CTAs
 
 
 def test_gn_cluster_route_is_data(monkeypatch):
@@ -464,6 +465,12 @@ def test_gn_cluster_route_is_data(monkeypatch):
     interpreter (arch ""), none on another arch, none where no measurement put a range."""
     from normkit.backends import triton as tb
     from normkit.backends.triton import configs as tc
+    # the measured table (S12-1 / S12-2, H200): fp32 NCHW groups of 16K-48K elements both ways (the forward
+    # from 8K), the bf16 backward at 16K-32K, not the bf16 forward
+    assert tc.gn_cluster_routed("fwd", 10, 4096, 4, "sm_90") and tc.gn_cluster_routed("bwd", 8, 3136, 4, "sm_90")
+    assert tc.gn_cluster_routed("fwd", 40, 256, 4, "sm_90") and not tc.gn_cluster_routed("bwd", 40, 256, 4, "sm_90")
+    assert tc.gn_cluster_routed("bwd", 8, 3136, 2, "sm_90") and not tc.gn_cluster_routed("bwd", 10, 4096, 2, "sm_90")
+    assert not tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_90") and not tc.gn_cluster_routed("fwd", 4, 16384, 4, "sm_90")
     monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {"sm_90": {("fwd", 2): (8192, 65536)}})
     assert tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_90")
     assert not tc.gn_cluster_routed("fwd", 10, 4096, 4, "sm_90")

@@ -282,9 +282,11 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
 # of Cg x S contiguous elements is a row. (direction, element bytes) -> the shape tuple of CLUSTER_KERNELS,
 # whose items is the most packs a thread holds: the plan takes the fewest CTAs per group that fit, and sizes
 # items to the slice. The backward's weight gradients need each CTA's slice to be whole channels, so there
-# the CTAs per group divide Cg.
-GN_CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (256, 8, 1, True, True, False, True),
-                      ("bwd", 2): (256, 4, 2, False), ("bwd", 4): (256, 4, 2, False)}
+# the CTAs per group divide Cg. Runs S12-1 / S12-2 (H200, gn_sweep.py's cluster variants): CTAs of 128
+# threads (more of them per SM) won the routed points (triton/configs.py GN_CLUSTER_ROUTE); the bf16 forward,
+# not routed, keeps the row forward's shape.
+GN_CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (128, 8, 1, True, True, False, True),
+                      ("bwd", 2): (128, 8, 2, False), ("bwd", 4): (128, 8, 2, False)}
 
 
 def plan_gn_cluster(direction: str, cg: int, spatial: int, elem_bytes: int, want_params: bool = False,
