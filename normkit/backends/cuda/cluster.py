@@ -83,7 +83,12 @@ def prepare(direction: str, cols: int, dtype, wdtype, activation, rms: bool, wan
     plan = configs.plan_cluster(direction, cols, torch.empty((), dtype=dtype).element_size(), shape)
     if plan is None:
         return None
-    kernel = _load(kernels.row_cluster(direction, dtype, wdtype, activation, rms, plan, want_params), index)
+    return _prepared(plan, kernels.row_cluster(direction, dtype, wdtype, activation, rms, plan, want_params), index)
+
+
+def _prepared(plan, spec, index: int) -> Prepared | None:
+    """The plan with its kernel loaded and the clusters resident at once; None if it cannot launch here."""
+    kernel = _load(spec, index)
     if not kernel.smem_fits(plan.smem):
         return None
     clusters = kernel.max_active_clusters(plan.threads, plan.smem, plan.cluster)
@@ -147,12 +152,7 @@ def prepare_gn(direction: str, cg: int, spatial: int, dtype, wdtype, activation,
                                    want_params, shape)
     if plan is None:
         return None
-    kernel = _load(kernels.gn_cluster(direction, dtype, wdtype, activation, plan, want_params), index)
-    if not kernel.smem_fits(plan.smem):
-        return None
-    clusters = kernel.max_active_clusters(plan.threads, plan.smem, plan.cluster)
-    waves = configs.CLUSTER_PUSH_WAVES if plan.push else 1
-    return Prepared(plan, kernel, clusters * waves) if clusters > 0 else None
+    return _prepared(plan, kernels.gn_cluster(direction, dtype, wdtype, activation, plan, want_params), index)
 
 
 def launch_gn_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, eps: float) -> None:

@@ -92,13 +92,19 @@ def row_param_grad(dtype, wdtype, activation, rms: bool) -> KernelSpec:
     return KernelSpec("row_norm.cu", name, PARAM_GRAD_PARAMS)
 
 
+def _cluster_shape(plan: configs.ClusterPlan) -> tuple:
+    """The cluster kernels' template arguments of a plan: (THREADS, ITEMS, STAGES) and the forward's flags
+    (RELOAD, PUSH, MERGE, ONE_PASS)."""
+    return (f"{plan.threads}, {plan.items}, {plan.stages}",
+            f"{_b(plan.recompute)}, {_b(plan.push)}, {_b(plan.merge)}, {_b(plan.one_pass)}")
+
+
 def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: configs.ClusterPlan,
                 want_params: bool = False) -> KernelSpec:
     """The Hopper cluster kernel (row_cluster.cu) for one direction and plan."""
     t, w, a = _ctype(dtype), _ctype(wdtype), _act(activation)
-    shape = f"{plan.threads}, {plan.items}, {plan.stages}"
+    shape, flags = _cluster_shape(plan)
     if direction == "fwd":
-        flags = f"{_b(plan.recompute)}, {_b(plan.push)}, {_b(plan.merge)}, {_b(plan.one_pass)}"
         return KernelSpec("row_cluster.cu", f"nk::row_fwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {flags}>",
                           ROW_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
@@ -111,9 +117,8 @@ def gn_cluster(direction: str, dtype, wdtype, activation, plan: configs.ClusterP
                want_params: bool = False) -> KernelSpec:
     """GroupNorm over dense NCHW groups as rows of the Hopper cluster kernels (row_cluster.cu)."""
     t, w, a = _ctype(dtype), _ctype(wdtype), _act(activation)
-    shape = f"{plan.threads}, {plan.items}, {plan.stages}"
+    shape, flags = _cluster_shape(plan)
     if direction == "fwd":
-        flags = f"{_b(plan.recompute)}, {_b(plan.push)}, {_b(plan.merge)}, {_b(plan.one_pass)}"
         return KernelSpec("row_cluster.cu", f"nk::gn_fwd_cluster<{t}, {w}, {a}, {shape}, {flags}>",
                           GN_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
