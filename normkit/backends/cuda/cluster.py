@@ -119,7 +119,6 @@ def launch_bwd(p: Prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_par
     return clusters
 
 
-
 # ---- GroupNorm over dense NCHW groups (row_cluster.cu gn_fwd_cluster / gn_bwd_cluster)
 
 def gn_why_not(x: torch.Tensor, rows_like=(), weight=None, bias=None) -> str | None:
