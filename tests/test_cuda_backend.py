@@ -601,9 +601,22 @@ def test_cluster_routes_are_data():
         tc.row_config.cache_clear()
 
 
-def test_cluster_refuses_what_it_cannot_take():
-    from normkit.backends.cuda import cluster
+def test_cluster_refuses_what_it_cannot_take(monkeypatch):
+    from types import SimpleNamespace
+
+    from normkit.backends.cuda import cluster, nvrtc
     assert "not a CUDA tensor" in cluster.why_not(torch.ones(4, 16, dtype=torch.bfloat16))
+    # without cuda-python or NVRTC (the test extra's, not normkit's dependencies) the Triton backend's routes
+    # to the cluster kernels say why not, so it keeps its own kernels instead of failing the call
+    def missing():
+        raise nvrtc.CudaBackendError("cuda-python is not installed (pip install cuda-python)")
+    monkeypatch.setattr(driver, "bindings", missing)
+    cluster._unavailable.cache_clear()
+    try:
+        x = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, shape=(4, 65536))
+        assert "cannot load: cuda-python is not installed" in cluster.why_not(x)
+    finally:
+        cluster._unavailable.cache_clear()
 
 
 # ============================================================================ CPU: availability

@@ -39,8 +39,11 @@ def why_not(x: torch.Tensor, rows_like=(), weight=None, bias=None) -> str | None
         return "x is not a CUDA tensor"
     if x.dtype not in kernels.CTYPE:
         return f"dtype {x.dtype}"
-    if _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-            < configs.CLUSTER_MIN_CAPABILITY:
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    unavailable = _unavailable(index)
+    if unavailable is not None:
+        return unavailable
+    if _capability(index) < configs.CLUSTER_MIN_CAPABILITY:
         return "thread-block clusters need compute capability 9.0"
     pack = 16 // x.element_size()
     if x.shape[-1] % pack:
@@ -55,6 +58,20 @@ def why_not(x: torch.Tensor, rows_like=(), weight=None, bias=None) -> str | None
             return f"weight/bias dtypes {sorted(map(str, dtypes))} (x's dtype or float32 expected)"
         if not all(p.is_contiguous() and _aligned16(p) for p in params):
             return "weight/bias not 16-byte aligned"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable(index: int) -> str | None:
+    """Why the CUDA backend cannot build and launch here (cuda-python or NVRTC missing: they are the
+    test extra's, not normkit's own dependencies), else None. The Triton backend's routes then keep
+    its own kernels instead of failing the call."""
+    from . import driver, nvrtc
+    try:
+        driver.bindings()
+        nvrtc.version()  # loads libnvrtc
+    except nvrtc.CudaBackendError as e:
+        return f"the CUDA backend cannot load: {e}"
     return None
 
 
