@@ -669,15 +669,21 @@ def group_norm_forward(backend, x, weight, bias, num_groups: int, eps: float, ac
 
 
 def group_norm_backward(backend, dy, x, weight, bias, mean, rstd, num_groups: int, activation, needs,
-                        param_dtypes=None):
+                        param_dtypes=None, eps=None):
     """The kernels' backward: (dx, dweight, dbias), each None where not needed. param_dtypes: the
     (dweight, dbias) dtypes, default the parameters' own (given, dbias needs no bias: the kernels read
-    the bias only to recompute the activation's input)."""
+    the bias only to recompute the activation's input). eps: the forward's, for the torch backend,
+    whose CPU kernel then recomputes the activation's input with the forward's own bits (as torch's
+    autograd nodes save it: normkit/_cpu.py); the other backends' kernels do not need it."""
     need_dx, need_dw, need_db = needs
     channels_last = is_channels_last(x)
     dw_dtype, db_dtype = param_dtypes or (weight.dtype if need_dw else None, bias.dtype if need_db else None)
-    dx3, dw, db = backend.group_norm_bwd(bcs(dy, channels_last), bcs(x, channels_last), num_groups, weight,
-                                         bias, mean, rstd, activation, dw_dtype, db_dtype)
+    if eps is not None and backend is torch_backend:
+        dx3, dw, db = torch_backend._group_norm_bwd(bcs(dy, channels_last), bcs(x, channels_last), num_groups,
+                                                    weight, bias, mean, rstd, activation, dw_dtype, db_dtype, eps=eps)
+    else:
+        dx3, dw, db = backend.group_norm_bwd(bcs(dy, channels_last), bcs(x, channels_last), num_groups, weight,
+                                             bias, mean, rstd, activation, dw_dtype, db_dtype)
     return (fresh(from_bcs(dx3, x.shape)) if need_dx else None), dw, db
 
 
@@ -708,7 +714,8 @@ class GroupNormFn(_Function):
         elif _differentiable_backward_wanted():
             grads = group_norm_vjp_differentiable(dy, x, weight, bias, num_groups, eps, activation, needs)
         else:
-            grads = group_norm_backward(backend, dy, x, weight, bias, mean, rstd, num_groups, activation, needs)
+            grads = group_norm_backward(backend, dy, x, weight, bias, mean, rstd, num_groups, activation, needs,
+                                        eps=eps)
         return grads + (None,) * 4
 
     @staticmethod

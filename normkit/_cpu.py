@@ -94,10 +94,10 @@ class CpuGroupNorm(torch.autograd.Function):
         if dy is None or _differentiable_backward_wanted():
             return GroupNormFn.backward(ctx, dy, None, None)
         x, weight, bias, mean, rstd = ctx.saved_tensors  # as GroupNormFn's, minus its layout plumbing
-        num_groups, _, activation, _ = ctx.args
+        num_groups, eps, activation, _ = ctx.args
         nx, nw, nb = ctx.needs_input_grad[:3]
         dx, dw, db = _tb._group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation,
-                                         weight.dtype if nw else None, bias.dtype if nb else None, ctx.centred)
+                                         weight.dtype if nw else None, bias.dtype if nb else None, ctx.centred, eps)
         return dx if nx else None, dw, db, None, None, None, None
 
 
@@ -170,12 +170,15 @@ def group_norm(x, num_groups, weight, bias, eps, activation, backend):
         return None
     x3 = x if x.dim() == 3 else x.view(x.shape[0], x.shape[1], -1)
     if needs_autograd(x, weight, bias):
-        # without an activation on centred groups, torch's own autograd node: its backward is the call
-        # group_norm_bwd makes (native_group_norm_backward, same saved tensors: the same bits), with no
-        # Python backward. Not with an activation (torch's node saves the activation's input, normkit's
-        # backward and the custom op's recompute it: compiled and eager would differ in the last bits),
-        # and not for LayerNorm (torch's native_layer_norm double backward is wrong at third order)
-        out = None if activation is not None else _tb._group_norm_fwd(x3, num_groups, weight, bias, eps, shift=False)
+        # on centred groups, torch's own autograd nodes (native_group_norm, then the activation's), with
+        # no Python backward: their backward is the calls group_norm_bwd makes on the same saved tensors
+        # (native_group_norm_backward; the activation's backward op at its input, the kernel's output,
+        # which group_norm_bwd recomputes by running the kernel again: given eps), so the same bits as
+        # CpuGroupNorm and the custom op. Not relu (torch's saves its output: in-place ops on y would
+        # break its backward), not off-centre groups (the shifted kernel: CpuGroupNorm), and not for
+        # LayerNorm (torch's native_layer_norm double backward is wrong at third order)
+        out = None if activation == "relu" else \
+            _tb._group_norm_fwd(x3, num_groups, weight, bias, eps, activation, shift=False)
         y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb) if out is None else out[0]
     else:
         y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]

@@ -34,7 +34,10 @@ argument lists are defined once, in normkit._op_args, which their schemas come f
                                       dtype is given; dgate (the gate's dtype) absent without a gate
   group_norm_fwd(x, num_groups, weight?, bias?, eps, activation?, backend?) -> (y, mean, rstd)
   group_norm_bwd(dy, x, num_groups, weight?, bias?, mean, rstd, activation?,
-                 dweight_dtype?, dbias_dtype?, backend?) -> (dx, dweight, dbias)
+                 dweight_dtype?, dbias_dtype?, backend?, eps?) -> (dx, dweight, dbias)
+                                      eps: the forward's (the autograd formula passes it), with
+                                      which the torch backend's CPU kernel recomputes the
+                                      activation's input bitwise as the forward computed it
 `backend` is the user's choice (None: automatic), resolved inside the op on the real tensors: so
 tracing never imports a backend, and a forced backend that cannot run raises when the op runs.
 A custom op cannot return None, so an absent result (RMSNorm's mean, a gradient nobody asked for)
@@ -375,7 +378,8 @@ def _group_norm_bwd_impl(*args):
     x, dw_dtype, db_dtype = a.x, a.dweight_dtype, a.dbias_dtype
     dx, dw, db = _autograd.group_norm_backward(
         _resolve(a.backend, x, "group_norm backward", backward=True), a.dy, x, a.weight, a.bias, a.mean, a.rstd,
-        a.num_groups, a.activation, (True, dw_dtype is not None, db_dtype is not None), (dw_dtype, db_dtype))
+        a.num_groups, a.activation, (True, dw_dtype is not None, db_dtype is not None), (dw_dtype, db_dtype),
+        eps=a.eps)
     dw = _absent(x, dw_dtype) if dw is None else fresh(dw)
     db = _absent(x, db_dtype) if db is None else fresh(db)
     return dx, dw, db
@@ -415,7 +419,7 @@ def _group_norm_backward(ctx, dy, _dmean, _drstd):
         dx, dw, db = _group_norm_bwd(*A_GN_BWD.call(
             dy=dy, x=x, num_groups=num_groups, weight=weight, bias=bias if activation is not None else None,
             mean=mean, rstd=rstd, activation=activation, dweight_dtype=w_dtype if need_dw else None,
-            dbias_dtype=b_dtype if need_db else None, backend=backend))
+            dbias_dtype=b_dtype if need_db else None, backend=backend, eps=eps))
     return A_GN.by_position(len(ctx.needs_input_grad), x=dx, weight=dw if need_dw else None,
                             bias=db if need_db else None)
 

@@ -107,7 +107,10 @@ _GN = (("x", "Tensor", REQUIRED), ("num_groups", "SymInt", REQUIRED), ("weight",
 _GN_BWD = (("dy", "Tensor", REQUIRED), ("x", "Tensor", REQUIRED), ("num_groups", "SymInt", REQUIRED),
            ("weight", "Tensor?", REQUIRED), ("bias", "Tensor?", REQUIRED), ("mean", "Tensor", REQUIRED),
            ("rstd", "Tensor", REQUIRED), ("activation", "str?", REQUIRED), ("dweight_dtype", "ScalarType?", REQUIRED),
-           ("dbias_dtype", "ScalarType?", REQUIRED), ("backend", "str?", REQUIRED))
+           ("dbias_dtype", "ScalarType?", REQUIRED), ("backend", "str?", REQUIRED),
+           # the forward's eps: the torch backend's CPU kernel recomputes the activation's input with the
+           # forward's bits (torch's kernel again); None: from the statistics. The GPU kernels do not need it
+           ("eps", "float?", None))
 
 ROW_FWD = OpArgs("row_norm_fwd", _ROW, "(Tensor, Tensor, Tensor)")
 ROW_FUSED_FWD = OpArgs("row_norm_fused_fwd", _ROW + _FUSED, "(Tensor, Tensor, Tensor, Tensor, Tensor)")

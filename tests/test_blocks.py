@@ -45,13 +45,16 @@ class FusedCalls:
             self.row_ptrs.append(x.data_ptr())
             return plain(x, *a, **k)
 
-        # the torch backend's group_norm_fwd and the CPU fast path (normkit/_cpu.py) both call its _group_norm_fwd
+        # the torch backend's group_norm_fwd and the CPU fast path (normkit/_cpu.py) both call its _group_norm_fwd;
+        # the fast path's first call, for torch's autograd nodes, returns None where a group is off-centre
+        # (then normkit's Function computes it): the calls that return a value are the ones counted
         gn_name = "_group_norm_fwd" if hasattr(be, "_group_norm_fwd") else "group_norm_fwd"
         gn = getattr(be, gn_name)
 
         def group(x, num_groups, weight, bias, eps, activation=None, **k):
-            self.activation += activation is not None
-            return gn(x, num_groups, weight, bias, eps, activation, **k)
+            out = gn(x, num_groups, weight, bias, eps, activation, **k)
+            self.activation += activation is not None and out is not None
+            return out
 
         monkeypatch.setattr(be, "row_norm_fwd_fused", row_fused)
         monkeypatch.setattr(be, "row_norm_fwd", row_plain)

@@ -196,16 +196,31 @@ def test_calls_it_does_not_serve_take_the_general_path(served):
     assert served == {"row": 0, "group": 0}
 
 
+def _nodes(t) -> set:
+    """The names of the autograd nodes t's graph holds."""
+    seen, todo = {}, [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and id(node) not in seen:
+            seen[id(node)] = node.name()
+            todo.extend(n for n, _ in node.next_functions)
+    return set(seen.values())
+
+
 def test_plain_centred_group_norm_takes_torchs_autograd_node():
-    """Without an activation, centred groups record torch's own node (its backward is the kernel call
-    normkit's backward makes: the same bits, no Python); an off-centre group or an activation keeps
-    normkit's Function (the shifted backward; the recomputed activation input the custom op shares)."""
+    """Centred groups record torch's own nodes, with an activation too (its backward is the kernel calls
+    normkit's backward makes: the same bits, no Python); an off-centre group or relu (whose node saves
+    its output: in-place ops on y would break it) keeps normkit's Function (the shifted backward)."""
     w, b = randn(16).requires_grad_(), randn(16).requires_grad_()
     centred = randn(2, 16, 5).requires_grad_()
     offset = (randn(2, 16, 5) + torch.arange(4.0).repeat_interleave(4).reshape(1, 16, 1) * 1e4).requires_grad_()
     assert normkit.group_norm(centred, 4, w, b).grad_fn.name() == "NativeGroupNormBackward0"
     assert normkit.group_norm(offset, 4, w, b).grad_fn.name() == "CpuGroupNormBackward"
-    assert normkit.group_norm(centred, 4, w, b, activation="silu").grad_fn.name() == "CpuGroupNormBackward"
+    for act, node in (("silu", "SiluBackward0"), ("mish", "MishBackward0"), ("gelu", "GeluBackward0")):
+        nodes = _nodes(normkit.group_norm(centred, 4, w, b, activation=act))
+        assert {node, "NativeGroupNormBackward0"} <= nodes and "CpuGroupNormBackward" not in nodes, (act, nodes)
+    assert normkit.group_norm(offset, 4, w, b, activation="silu").grad_fn.name() == "CpuGroupNormBackward"
+    assert normkit.group_norm(centred, 4, w, b, activation="relu").grad_fn.name() == "CpuGroupNormBackward"
     dy = randn(2, 16, 5)
     got = _grads(normkit.group_norm(centred, 4, w, b), [centred, w, b], dy)
     want = normkit.backends.torch_backend.group_norm_bwd(
@@ -213,3 +228,57 @@ def test_plain_centred_group_norm_takes_torchs_autograd_node():
             centred.detach(), 4, w.detach(), b.detach(), 1e-5)[1:], None, torch.float32, torch.float32)
     for g, e in zip(got, want):
         assert torch.equal(g, e), "torch's node and the torch backend's backward differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("dy_layout", ["contiguous", "channels_last", "transposed", "sum"])
+@pytest.mark.parametrize("x_layout", [None, torch.channels_last], ids=["nchw", "channels-last"])
+@pytest.mark.parametrize("activation", ["mish", "silu", "gelu_tanh"])
+def test_group_norm_activation_nodes_match_the_ops_backward_bitwise(activation, x_layout, dy_layout, dtype):
+    """torch's nodes (centred groups) give the bits of the custom op's backward (group_norm_bwd with the
+    forward's eps: torch's kernel again for the activation's input) and of the general path's
+    GroupNormFn, whatever dy's layout (the activation's backward runs on flat contiguous operands in
+    both); off-centre groups (normkit's CpuGroupNorm) too."""
+    from normkit import _library
+    for offset in (0.0, 1e4):
+        x = (randn(3, 8, 5, 7, dtype=torch.float64) + offset).to(dtype)
+        x = (x if x_layout is None else x.contiguous(memory_format=x_layout)).requires_grad_()
+        p_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+        w, b = randn(8, dtype=p_dtype).requires_grad_(), randn(8, dtype=p_dtype).requires_grad_()
+        dy = randn(*((7, 5, 8, 3) if dy_layout == "transposed" else (3, 8, 5, 7)), dtype=dtype)
+        dy = {"channels_last": dy.contiguous(memory_format=torch.channels_last), "transposed": dy.permute(3, 2, 1, 0),
+              "sum": None}.get(dy_layout, dy)
+        out = []
+        for fn in (lambda: normkit.group_norm(x, 4, w, b, activation=activation),
+                   lambda: normkit.group_norm(x, 4, w, b, activation=activation, backend="torch"),
+                   lambda: _library.group_norm(x, 4, w, b, 1e-5, None, activation=activation)):
+            y = fn()
+            if not out:  # the default path: torch's nodes for centred groups, CpuGroupNorm off-centre
+                nodes = _nodes(y)
+                assert ("CpuGroupNormBackward" in nodes) == bool(offset), nodes
+                assert ("NativeGroupNormBackward0" in nodes) == (not offset), nodes
+            out.append([y.detach()] + list(torch.autograd.grad(y, [x, w, b], dy) if dy is not None else
+                                           torch.autograd.grad(y.sum(), [x, w, b])))
+        for name, other in zip(("the general path", "the custom op"), out[1:]):
+            for i, (g, e) in enumerate(zip(out[0], other)):
+                assert g.dtype == e.dtype and torch.equal(g, e), f"offset {offset}: {name} [{i}] differs"
+
+
+@pytest.mark.parametrize("activation", [None, "mish", "relu"])
+@pytest.mark.parametrize("offset", [0.0, 1e4], ids=["centred", "offset1e4"])
+@pytest.mark.parametrize("shape", [(2, 16, 5), (2, 16, 3, 3)])
+def test_group_norm_outputs_take_in_place_ops(shape, offset, activation):
+    """In-place ops on the output and its views work on every route (torch's nodes, CpuGroupNorm; relu
+    too, whose torch node would refuse them), with the gradients of the same ops on a float64 copy of
+    torch's GroupNorm's output."""
+    x = (randn(*shape) + offset).requires_grad_()
+    w, b = randn(16).requires_grad_(), randn(16).requires_grad_()
+    acts = {None: lambda t: t, "mish": torch.nn.functional.mish, "relu": torch.nn.functional.relu}
+    grads = []
+    for y in (normkit.group_norm(x, 4, w, b, activation=activation),
+              acts[activation](torch.nn.functional.group_norm(x.double(), 4, w.double(), b.double())).clone()):
+        y.add_(1)
+        y[0].mul_(2)
+        grads.append(torch.autograd.grad((y * y).sum(), [x, w, b]))
+    for got, want, name in zip(*grads, ("dx", "dweight", "dbias")):
+        assert_close(got, want, 1e-4 if offset else 1e-5, name)

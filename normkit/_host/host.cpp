@@ -1625,9 +1625,13 @@ void set_gn_op_args(py::sequence names) {
   gn_op_args = std::move(r);
 }
 
+// eps: the forward's, which the torch backend's CPU kernel uses to recompute the activation's input
+// with the forward's bits; the plans (GPU kernels) do not need it, and serve a call with or without it.
+// A call may leave eps and an argument this file does not read out (their default, None, as a schema's
+// trailing defaults): n_min, the fewest arguments a call passes, is one past the last position of the others.
 struct GnBwdOpArgs {
-  int dy, x, groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype, backend;
-  size_t n;
+  int dy, x, groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype, backend, eps;
+  size_t n, n_min;
   std::vector<int> unread;
 };
 GnBwdOpArgs gn_bwd_op_args{};
@@ -1637,9 +1641,12 @@ void set_gn_bwd_op_args(py::sequence names) {
   const std::pair<const char*, int*> fields[] = {
       {"dy", &r.dy}, {"x", &r.x}, {"num_groups", &r.groups}, {"weight", &r.weight}, {"bias", &r.bias},
       {"mean", &r.mean}, {"rstd", &r.rstd}, {"activation", &r.activation}, {"dweight_dtype", &r.dweight_dtype},
-      {"dbias_dtype", &r.dbias_dtype}, {"backend", &r.backend}};
+      {"dbias_dtype", &r.dbias_dtype}, {"backend", &r.backend}, {"eps", &r.eps}};
   r.unread = op_positions(names, fields, "group_norm_bwd");
   r.n = py::len(names);
+  r.n_min = 0;
+  for (const auto& f : fields)
+    if (f.second != &r.eps) r.n_min = std::max(r.n_min, static_cast<size_t>(*f.second) + 1);
   gn_bwd_op_args = std::move(r);
 }
 
@@ -1808,12 +1815,14 @@ bool parse_row_bwd_op(const c10::IValue* a, size_t n, bool fused, RowBwdCall& c)
 // group_norm_bwd (normkit._op_args): a[0..n) as the op's arguments, read as
 // normkit._library._group_norm_bwd_impl reads them.
 bool parse_gn_bwd_op(const c10::IValue* a, size_t n, GnBwdCall& c) {
+  static const c10::IValue none;
   const GnBwdOpArgs& p = gn_bwd_op_args;
-  if (n != p.n || !a[p.dy].isTensor() || !a[p.x].isTensor() || !a[p.mean].isTensor() || !a[p.rstd].isTensor() ||
-      !iv_backend(a[p.backend]))
+  auto arg = [&](int i) -> const c10::IValue& { return static_cast<size_t>(i) < n ? a[i] : none; };
+  if (n > p.n || n < p.n_min || !a[p.dy].isTensor() || !a[p.x].isTensor() || !a[p.mean].isTensor() ||
+      !a[p.rstd].isTensor() || !iv_backend(a[p.backend]))
     return false;
   for (int i : p.unread)
-    if (!a[i].isNone()) return false;
+    if (!arg(i).isNone()) return false;
   const std::initializer_list<at::ScalarType> floats = {at::kHalf, at::kBFloat16, at::kFloat};
   c.dy = a[p.dy].toTensor();
   c.x = a[p.x].toTensor();
@@ -1825,6 +1834,7 @@ bool parse_gn_bwd_op(const c10::IValue* a, size_t n, GnBwdCall& c) {
   c.act = iv_activation(a[p.activation]);
   if (c.act < 0 || !iv_dtype(a[p.dweight_dtype], floats, c.dw_dtype) || !iv_dtype(a[p.dbias_dtype], floats, c.db_dtype))
     return false;
+  if (!arg(p.eps).isNone() && !arg(p.eps).isDouble()) return false;  // unused: the plans recompute from the stats
   if (!modes_ok() || functorch_active() || (c.dw_dtype && !c.w.defined())) return false;
   const c10::Device dev = c.x.device();
   if (c.x.dim() < 2 || !tensor_ok(c.x, dev) || !grad_ok(c.dy, c.x)) return false;
@@ -2020,8 +2030,8 @@ py::object parse_op(const std::string& name, py::args args) {
     if (!parse_row_bwd_op(a.data(), a.size(), fused, c) || !row_bwd_key(c, key)) return py::none();
     return py::cast(key.list());
   }
-  TORCH_CHECK(name == "group_norm_bwd" && a.size() == gn_bwd_op_args.n, "parse_op: ", name, " with ", a.size(),
-              " arguments");
+  TORCH_CHECK(name == "group_norm_bwd" && a.size() <= gn_bwd_op_args.n && a.size() >= gn_bwd_op_args.n_min,
+              "parse_op: ", name, " with ", a.size(), " arguments");
   GnBwdCall c;
   return parse_gn_bwd_op(a.data(), a.size(), c) ? py::cast(true) : py::none();
 }

@@ -221,7 +221,7 @@ def _channel_affine(z, weight, bias):
 
 
 def _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype,
-                           centred):
+                           centred, eps=None):
     B, C, S = x.shape
     acc = _acc(x)
     rstd = _to(rstd, acc)
@@ -229,13 +229,24 @@ def _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activati
     xs, mean_s = _centred_or_shifted(_to(x, acc).contiguous().view(B, num_groups, -1), _to(mean, acc).unsqueeze(-1),
                                      rstd_g, -1, centred)
     dy, w = _to(dy, acc), _to(weight, acc)
-    if activation is not None:  # dy through the activation at the recomputed pre-activation value
-        z = ((xs - mean_s) * rstd_g).view_as(x)
-        if w is not None:
-            z = z * w.unsqueeze(-1) if bias is None else torch.addcmul(_to(bias, acc).unsqueeze(-1), z, w.unsqueeze(-1))
-        elif bias is not None:
-            z = z + _to(bias, acc).unsqueeze(-1)
-        dy = _ACTIVATION_GRADS[activation](dy, z)
+    if activation is not None:  # dy through the activation at the pre-activation value
+        if eps is not None:
+            # the forward kernel's own bits: torch's kernel again, on the data it ran on (x, or x shifted:
+            # xs is that same tensor), with the same weight, bias and eps. So this backward is the one
+            # torch's autograd nodes give (native_group_norm, then the activation, which saves its
+            # input): normkit/_cpu.py records those for centred groups, and this op must match them
+            z = torch.native_group_norm(xs.view_as(x), w, _to(bias, acc), B, C, S, num_groups, eps)[0]
+        else:  # recomputed from the statistics (no eps: the backend interface's call)
+            z = ((xs - mean_s) * rstd_g).view_as(x)
+            if w is not None:
+                z = z * w.unsqueeze(-1) if bias is None else torch.addcmul(_to(bias, acc).unsqueeze(-1), z,
+                                                                           w.unsqueeze(-1))
+            elif bias is not None:
+                z = z + _to(bias, acc).unsqueeze(-1)
+        # on flat contiguous operands, as torch's node of the forward's activation (on the kernel's flat
+        # output: _group_norm_fwd) gets them: torch's activation kernels round their vectorized and
+        # scalar loops differently, and which elements take which depends on the operands' strides
+        dy = _ACTIVATION_GRADS[activation](dy.contiguous().view(-1), z.view(-1)).view_as(z)
     dx, dw, db = _gn_bwd(dy.contiguous(), xs.view_as(x), mean_s.view_as(rstd), rstd, w, B, C, S, num_groups,
                          [True, dweight_dtype is not None, dbias_dtype is not None])
     return (_to(dx, x.dtype), *_param_grads(dw, db, dweight_dtype, dbias_dtype))
@@ -387,7 +398,12 @@ def _group_norm_fwd(x, num_groups, weight, bias, eps, activation=None, shift=Tru
             return None
         y, mean, rstd, centred = out
         if activation is not None:  # in fp32: one rounding to x's dtype
-            y = _ACTIVATIONS[activation](y)
+            # recorded by autograd (normkit/_cpu.py: torch's nodes), on the kernel's output as one flat run:
+            # the view's backward hands the activation's backward the incoming gradient as one contiguous
+            # run (reshaped: copied unless it is one), whatever its layout, as group_norm_bwd calls it.
+            # Else not through a view (the same bits: contiguous operands), so the Functions' and the
+            # custom op's outputs are no views (in-place ops on them stay allowed)
+            y = _ACTIVATIONS[activation](y.view(-1)).view_as(y) if y.requires_grad else _ACTIVATIONS[activation](y)
         return _like(x, _to(y, x.dtype)), mean, rstd, centred
     xg = _groups(x, num_groups, acc)
     # shifted two-pass statistics, as the kernels (empty groups: statistics 0/0)
@@ -411,14 +427,16 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
 
 
 def _group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype,
-                    centred=False):
+                    centred=False, eps=None):
     """group_norm_bwd; centred: the forward ran torch's kernel on unshifted data (_group_norm_fwd's
-    flag: the check on these statistics would say so again)."""
+    flag: the check on these statistics would say so again). eps: the forward's; given, torch's CPU
+    kernel recomputes the activation's input with the forward's bits (the custom op's and the eager
+    Functions' calls pass it), else it is recomputed from the statistics."""
     acc = _acc(x)
     B, C, S = x.shape
     if C // num_groups * S > 1 and _native_cpu(x, weight, bias):
         dx, dw, db = _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype,
-                                            dbias_dtype, centred)
+                                            dbias_dtype, centred, eps)
         return _like(x, dx), dw, db
     xg = _groups(x, num_groups, acc)
     xs = xg - xg[:, :, :1]  # shifted, with its own mean: the stored mean rounds at x's magnitude
