@@ -243,10 +243,11 @@ def _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activati
                                                                            w.unsqueeze(-1))
             elif bias is not None:
                 z = z + _to(bias, acc).unsqueeze(-1)
-        # on flat contiguous operands, as torch's node of the forward's activation (on the kernel's flat
-        # output: _group_norm_fwd) gets them: torch's activation kernels round their vectorized and
-        # scalar loops differently, and which elements take which depends on the operands' strides
-        dy = _ACTIVATION_GRADS[activation](dy.contiguous().view(-1), z.view(-1)).view_as(z)
+        # dy as it comes (x's layout): torch's activation node gets the incoming gradient as it comes
+        # too, so the two agree where it has x's memory format (always under torch.compile, whose
+        # tangents do; another layout can move the last bit: torch's activation kernels round their
+        # vectorized and scalar loops differently, and which elements take which depends on strides)
+        dy = _ACTIVATION_GRADS[activation](dy, z)
     dx, dw, db = _gn_bwd(dy.contiguous(), xs.view_as(x), mean_s.view_as(rstd), rstd, w, B, C, S, num_groups,
                          [True, dweight_dtype is not None, dbias_dtype is not None])
     return (_to(dx, x.dtype), *_param_grads(dw, db, dweight_dtype, dbias_dtype))
@@ -398,12 +399,7 @@ def _group_norm_fwd(x, num_groups, weight, bias, eps, activation=None, shift=Tru
             return None
         y, mean, rstd, centred = out
         if activation is not None:  # in fp32: one rounding to x's dtype
-            # recorded by autograd (normkit/_cpu.py: torch's nodes), on the kernel's output as one flat run:
-            # the view's backward hands the activation's backward the incoming gradient as one contiguous
-            # run (reshaped: copied unless it is one), whatever its layout, as group_norm_bwd calls it.
-            # Else not through a view (the same bits: contiguous operands), so the Functions' and the
-            # custom op's outputs are no views (in-place ops on them stay allowed)
-            y = _ACTIVATIONS[activation](y.view(-1)).view_as(y) if y.requires_grad else _ACTIVATIONS[activation](y)
+            y = _ACTIVATIONS[activation](y)
         return _like(x, _to(y, x.dtype)), mean, rstd, centred
     xg = _groups(x, num_groups, acc)
     # shifted two-pass statistics, as the kernels (empty groups: statistics 0/0)
