@@ -10,7 +10,10 @@ general path otherwise, which raises the errors for bad arguments. A served call
 backend's own entry points (backends/torch_backend.py: torch's CPU kernels, on shifted data where a
 row's mean is far from zero; see there), the same ones the general path and the custom op run, so eager and compiled calls give the
 same bits; with autograd, through slim autograd.Functions whose backward is RowNormFn's and
-GroupNormFn's own (torch's backward kernels; the differentiable closed form for create_graph).
+GroupNormFn's own (torch's backward kernels; the differentiable closed form for create_graph), except
+GroupNorm on centred groups (with or without an activation other than relu), which records torch's
+own autograd nodes: their backward is the one those Functions and the custom op run (see group_norm
+below), without a Python backward.
 Only the default backend (backend=None) is served: backend="torch" names the general path to the
 same functions, which its tests exercise. Served: LayerNorm, RMSNorm with residual / prenorm /
 residual_dtype, weight_offset, activation, out_dtype (not float8); GroupNorm of contiguous or
