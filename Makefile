@@ -41,7 +41,9 @@ test-latest:
 bench: setup
 	$(PY) -m normkit bench $(BENCH_ARGS)
 
-lock: setup
+# no `setup` prerequisite: that would reinstall the tested set into the venv being locked (make lock VENV=.venv-latest)
+lock:
+	@test -x $(PY) || { echo "make lock: $(PY) is missing: run make test-latest (or make setup) first" >&2; exit 1; }
 	{ sed -n '1,2p' $(TESTED); $(PY) -m pip freeze 2>/dev/null | grep -v -e '^-e ' -e '^#' -e '^normkit' -e '^torch==' \
 		| sort -f; } > $(TESTED).new && mv $(TESTED).new $(TESTED)
 
