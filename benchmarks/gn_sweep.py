@@ -127,6 +127,25 @@ VARIANTS.update({
     "cluster-32": {**ALL_ROUTED, **_gn_shapes((256, 32, 1, True, True, False, True), (128, 8, 2, False))},
     "cluster-128r": {**ALL_ROUTED, **_gn_shapes((128, 16, 1, True, True, False, True), (128, 8, 2, True))},
 })
+# session 13 (issue 24): channels_last groups on a cluster per (sample, channel block of whole groups), its CTAs
+# holding [positions, channels] tiles in shared memory (row_cluster.cu gn_cl_fwd_cluster / gn_cl_bwd_cluster).
+# Shapes as GN_CL_CLUSTER_KERNELS': (threads, most bytes of each tile, bytes of a position's run, CTAs per SM wanted).
+CL_ROUTED = {"GN_CL_CLUSTER_ROUTE": {"sm_90": {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}}}
+
+
+def _cl_shapes(fwd, bwd):
+    return {**CL_ROUTED, "cuda.GN_CL_CLUSTER_KERNELS": {("fwd", 2): fwd, ("fwd", 4): fwd, ("bwd", 2): bwd,
+                                                         ("bwd", 4): bwd}}
+
+
+VARIANTS.update({
+    "clc": CL_ROUTED,  # fwd (256, 64 KB, 64 B, 2), bwd (256, 48 KB, 64 B, 2)
+    "clc-512": _cl_shapes((512, 64 * 1024, 64, 2), (512, 48 * 1024, 64, 2)),
+    "clc-96k": _cl_shapes((256, 96 * 1024, 64, 2), (256, 80 * 1024, 64, 1)),
+    "clc-32k": _cl_shapes((256, 32 * 1024, 64, 4), (256, 24 * 1024, 64, 4)),
+    "clc-run128": _cl_shapes((256, 64 * 1024, 128, 2), (256, 48 * 1024, 128, 2)),
+    "clc-128": _cl_shapes((128, 32 * 1024, 64, 4), (128, 24 * 1024, 64, 4)),
+})
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
 
@@ -172,6 +191,7 @@ class Overrides:
     def _clear():
         clear_caches()
         cuda_cluster.prepare_gn.cache_clear()
+        cuda_cluster.prepare_gn_cl.cache_clear()
 
 
 def as3(t, cl):
@@ -186,6 +206,9 @@ def plan_signature(x3, G, act):
     for direction, extra in (("fwd", None), ("bwd", (True, True))):
         routed = tb._gn_on_clusters(direction, x3, (x3,) if direction == "bwd" else (), G, None, None, act,
                                     direction == "bwd")
+        if tb._is_cl(x3):
+            routed = tb._gn_cl_on_clusters(direction, x3, (x3,) if direction == "bwd" else (), G, None, None, act,
+                                           direction == "bwd")
         if routed is not None:
             sig.append(("cluster", routed.plan))
             continue
@@ -303,6 +326,7 @@ def main():
     ap.add_argument("--layouts", default="nchw,cl")
     ap.add_argument("--shapes", default="", help="BxCxHxW,... in the order to run (G = 32); default: the suite's")
     ap.add_argument("--cl-variants", default="", help="variants timed on channels_last points (default: --variants)")
+    ap.add_argument("--dirs", default="fwd,bwd", help="directions timed")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; stop starting new points after it")
     args = ap.parse_args()
     t_start = time.time()
@@ -318,6 +342,7 @@ def main():
     acts = [None if a == "-" else a for a in args.acts.split(",")]
     act_variants = set(args.act_variants.split(","))
     peers = [p for p in args.peers.split(",") if p]
+    dirs = args.dirs.split(",")
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname]
         eb = torch.empty((), dtype=dtype).element_size()
@@ -353,6 +378,8 @@ def main():
                             err, perr = check(*sets[0], G, act)
                             fwd, bwd = nk_impls(G, act, dtype)
                             for direction, call in (("fwd", fwd), ("bwd", bwd)):
+                                if direction not in dirs:
+                                    continue
                                 ms, gbps = timed_gbps(timer, sets, call, (2 if direction == "fwd" else 3) * numel * eb)
                                 rows.append(dict(base, dir=direction, ms=f"{ms:.4f}", gbps=f"{gbps:.0f}",
                                                  frac=f"{gbps / copy:.3f}", relerr=f"{err:.1e}",
@@ -364,10 +391,12 @@ def main():
                     try:
                         fwd, bwd = copy_impls() if peer == "copy" else torch_impls(G, act, peer == "compile")
                         for direction, call in (("fwd", fwd), ("bwd", bwd)):
+                            if direction not in dirs:
+                                continue
                             ms, gbps = timed_gbps(timer, sets, call, (2 if direction == "fwd" else 3) * numel * eb)
                             rows.append(dict(base, dir=direction, ms=f"{ms:.4f}", gbps=f"{gbps:.0f}",
                                              frac=f"{gbps / copy:.3f}"))
-                        if peer == "compile":
+                        if peer == "compile" and len(rows) >= 2:
                             frames = torch._dynamo.utils.counters["frames"]["ok"]
                             rows[-1]["compiled_frames"] = rows[-2]["compiled_frames"] = str(frames)
                     except Exception as e:  # noqa: BLE001

@@ -460,6 +460,36 @@ def test_gn_cluster_plans():
     assert configs.plan_gn_cluster("fwd", 40, 64, 2, shape=(256, 8, 1, True, True)).threads == 128  # small: small CTAs
 
 
+def test_gn_cl_cluster_plans():
+    """channels_last GroupNorm slabs: channel blocks of whole groups in whole 16-byte packs (a 64-byte run
+    where whole groups allow), dividing C; the fewest CTAs whose tiles fit, more for batch-1 grids; no
+    plan where channels are not whole packs or a slab needs more than CLUSTER_MAX CTAs. The backward
+    holds x and dy, and the cluster's per-channel slots."""
+    plan = configs.plan_gn_cl_cluster
+    p = plan("fwd", 8, 320, 4096, 10, 2, 132)
+    assert (p.block_c, p.cluster, p.slice) == (40, 5, 820)  # 320 KB slabs in CTAs of about 64 KB
+    assert p.smem == -(-820 * 80 // 16) * 16 + (256 // 5 + 1) * 40 * 4
+    q = plan("bwd", 8, 320, 4096, 10, 2, 132)
+    assert (q.block_c, q.cluster) == (40, 7) and q.smem == 2 * -(-q.slice * 80 // 16) * 16 + 2 * (256 // 5 + 1) * 40 * 4 \
+        + 7 * 2 * 40 * 4
+    assert plan("fwd", 8, 320, 4096, 10, 4, 132).block_c == 20  # 80 bytes of fp32
+    assert plan("fwd", 32, 256, 3136, 8, 2, 132).block_c == 32  # 4 groups of 8: a 64-byte run
+    assert plan("fwd", 2, 24, 49, 3, 2, 132).block_c == 24  # 3 x 8: the only whole-pack block
+    assert plan("bwd", 2, 256, 64, 64, 2, 132, (64, 1 << 16, 64, 2)) is None  # 2 x 64 channel sums > 64 threads
+    one = plan("fwd", 1, 320, 4096, 10, 2, 132)
+    assert one.cluster == 16 and one.slice == 256  # batch 1: 8 slabs cut into 16 CTAs each
+    assert plan("fwd", 1, 1280, 64, 40, 2, 132).slice >= configs.GN_CL_MIN_SLICE
+    for args in ((2, 36, 64, 3, 2), (2, 30, 64, 10, 4)):  # 36 / 30 channels: not whole 8 / 4-element packs
+        assert plan("fwd", *args, 132) is None
+    assert plan("fwd", 1, 2048, 1 << 20, 2048, 2, 132) is None  # one group of 4 GB: no fit
+    for d in ("fwd", "bwd"):
+        for b, c, s, cg, eb in ((8, 320, 4096, 10, 2), (4, 128, 16384, 4, 4), (3, 60, 7, 20, 4), (5, 48, 3136, 16, 2)):
+            p = plan(d, b, c, s, cg, eb, 132)
+            assert c % p.block_c == 0 and p.block_c % cg == 0 and p.block_c % (16 // eb) == 0, p
+            assert p.cluster <= configs.CLUSTER_MAX and (p.cluster - 1) * p.slice < s <= p.cluster * p.slice, p
+            assert p.smem <= configs.CLUSTER_SMEM_MAX
+
+
 def test_gn_cluster_route_is_data(monkeypatch):
     """Which dense NCHW groups run on the cluster kernels is a table per arch; none under the
     interpreter (arch ""), none on another arch, none where no measurement put a range."""
@@ -606,6 +636,9 @@ def test_cluster_refuses_what_it_cannot_take(monkeypatch):
 
     from normkit.backends.cuda import cluster, nvrtc
     assert "not a CUDA tensor" in cluster.why_not(torch.ones(4, 16, dtype=torch.bfloat16))
+    nchw = torch.ones(2, 16, 8, dtype=torch.bfloat16)  # [B, C, S]
+    assert "not a dense channels_last tensor" in cluster.gn_cl_why_not(nchw)
+    assert "not a CUDA tensor" in cluster.gn_cl_why_not(nchw.transpose(1, 2).contiguous().transpose(1, 2))
     # without cuda-python or NVRTC (the test extra's, not normkit's dependencies) the Triton backend's routes
     # to the cluster kernels say why not, so it keeps its own kernels instead of failing the call
     def missing():
@@ -1092,6 +1125,7 @@ def gn_cluster_route(monkeypatch):
     from normkit.backends.triton import configs as tc
     arch = "sm_%d%d" % torch.cuda.get_device_capability()
     monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {arch: {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}})
+    monkeypatch.setattr(tc, "GN_CL_CLUSTER_ROUTE", {arch: {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}})
     tb.clear_caches()
     yield
     monkeypatch.undo()
@@ -1138,6 +1172,59 @@ def test_gn_cluster_kernels_match_oracle(shape, groups, dtype, act, gn_cluster_r
     dy = randn(*shape, dtype=dtype, device=DEVICE)
     g1, g2 = (torch.autograd.grad(normkit.group_norm(xg, groups, w, b, activation=act, backend="triton"),
                                   [xg, w, b], dy) for _ in range(2))
+    assert all(torch.equal(a, c) for a, c in zip(g1, g2)), what + ": gradients differ between runs"
+
+
+GN_CL_CLUSTER_CASES = [((2, 320, 64, 64), 32), ((3, 64, 12, 12), 8), ((1, 32, 8, 8), 32), ((3, 128, 64, 64), 32),
+                       ((2, 1280, 8, 8), 32), ((5, 48, 56, 56), 3), ((2, 64, 128, 128), 32), ((4, 40, 5, 7), 5),
+                       ((1, 320, 64, 64), 32)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("shape,groups", GN_CL_CLUSTER_CASES,
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"g{v}")
+def test_gn_cl_cluster_kernels_match_oracle(shape, groups, dtype, act, gn_cluster_route, cuda_poison):
+    """channels_last GroupNorm on the cluster kernels (forward and backward, through the Triton backend's
+    route): the float64 oracle at diffusion shapes, batch 1 (16 CTAs a slab), groups of one channel, odd
+    positions; mean and rstd; groups offset by 1e4; a NaN confined to its group; the same bits in every run."""
+    from normkit.backends import triton as tb
+    from test_group_norm import check_gn
+    B, C = shape[:2]
+    x = (randn(*shape, dtype=dtype, device=DEVICE) * 2 + 0.5).contiguous(memory_format=torch.channels_last)
+    x3 = x.permute(0, 2, 3, 1).reshape(B, -1, C).transpose(1, 2)  # [B, C, S], channels innermost
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for direction, rows_like, params in (("fwd", (), False), ("bwd", (x3,), True)):
+        p = tb._gn_cl_on_clusters(direction, x3, rows_like, groups, None, None, act, params)
+        assert p is not None and p.plan == configs.plan_gn_cl_cluster(direction, B, C, x3.shape[2], C // groups,
+                                                                       x.element_size(), sms), direction
+    p_dtype = torch.float32 if dtype == torch.float32 else (dtype if act else torch.float32)
+    what = f"cluster channels_last GN {shape} G={groups} {dtype} {act}"
+    w, b = randn(C, dtype=p_dtype, device=DEVICE), randn(C, dtype=p_dtype, device=DEVICE)
+    check_gn(x, groups, w, b, act, what=what)
+    check_gn(x.detach().clone(), groups, None, None, act, what=what + " no affine")
+    y, mean, rstd = tb.group_norm_fwd(x3.detach(), groups, w, b, 1e-5, act)
+    _, mean_ref, rstd_ref = ref.group_norm(x.detach(), groups, w, b, 1e-5, act)
+    assert_close(mean, mean_ref, 1e-5, what + " mean")
+    assert_close(rstd, rstd_ref, 1e-5, what + " rstd")
+    assert torch.equal(y, tb.group_norm_fwd(x3.detach(), groups, w, b, 1e-5, act)[0]), what + ": y differs between runs"
+    xo = x.detach().float() + 1e4
+    assert_close(normkit.group_norm(xo, groups, activation=act, backend="triton"),
+                 ref.group_norm(xo, groups, None, None, 1e-5, act)[0], 1e-4, what + " offset")
+    xn = x.detach().clone()
+    xn[B - 1, C - 1, 0, 0] = math.nan  # the last group of the last sample
+    y = normkit.group_norm(xn, groups, activation=act, backend="triton")
+    cg = C // groups
+    assert torch.isnan(y[B - 1, C - cg:]).all()
+    assert not torch.isnan(y[:B - 1]).any() and not torch.isnan(y[B - 1, :C - cg]).any()
+    wg = randn(C, device=DEVICE).requires_grad_(True)
+    bg = randn(C, device=DEVICE).requires_grad_(True)
+    xg = x.detach().requires_grad_(True)
+    dy = randn(*shape, dtype=dtype, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    g1, g2 = (torch.autograd.grad(normkit.group_norm(xg, groups, wg, bg, activation=act, backend="triton"),
+                                  [xg, wg, bg], dy) for _ in range(2))
     assert all(torch.equal(a, c) for a, c in zip(g1, g2)), what + ": gradients differ between runs"
 
 

@@ -189,3 +189,59 @@ def launch_gn_bwd(p: Prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_
     p.kernel.launch((p.grid_clusters(rows) * plan.cluster,), (plan.threads,),
                     [dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, rows, (C // groups) * S, plan.slice,
                      groups, S], smem=plan.smem, cluster=plan.cluster)
+
+
+# ---- GroupNorm over channels_last groups (row_cluster.cu gn_cl_fwd_cluster / gn_cl_bwd_cluster)
+
+def gn_cl_why_not(x: torch.Tensor, rows_like=(), weight=None, bias=None) -> str | None:
+    """None if the channels_last GroupNorm cluster kernels can take x [B, C, S] (and the other tensors
+    of x's shape, `rows_like`), else why not."""
+    B, C, S = x.shape
+    if x.stride() != (S * C, 1, C):
+        return "x is not a dense channels_last tensor"
+    if any(t.stride() != x.stride() for t in rows_like):
+        return "the gradient's strides are not x's"
+    positions = [t.transpose(1, 2).reshape(B * S, C) for t in (x,) + tuple(rows_like)]  # views: a position's channels
+    return why_not(positions[0], positions[1:], weight, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=1024)
+def prepare_gn_cl(direction: str, batch: int, C: int, S: int, cg: int, dtype, wdtype, activation, want_params: bool,
+                  index: int, shape=None) -> Prepared | None:
+    """prepare() for channels_last GroupNorm of [batch, C, S] in groups of cg channels."""
+    plan = configs.plan_gn_cl_cluster(direction, batch, C, S, cg, torch.empty((), dtype=dtype).element_size(),
+                                      _sms(index), shape)
+    if plan is None:
+        return None
+    return _prepared(plan, kernels.gn_cl_cluster(direction, dtype, wdtype, activation, plan, want_params), index)
+
+
+def _gn_cl_grid(p: Prepared, x) -> tuple:
+    """A cluster per (sample, channel block): the grid is every slab, not the resident clusters."""
+    B, C, _ = x.shape
+    return (B * (C // p.plan.block_c) * p.plan.cluster,)
+
+
+def launch_gn_cl_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, eps: float) -> None:
+    """y = group_norm(x) and mean/rstd [B, G] for dense channels_last x [B, C, S]; y channels_last too."""
+    _, C, S = x.shape
+    plan = p.plan
+    _use_device(p.kernel.device)
+    p.kernel.launch(_gn_cl_grid(p, x), (plan.threads,),
+                    [x, y, weight, bias, mean, rstd, C, S, C // groups, plan.block_c, plan.slice, float(eps)],
+                    smem=plan.smem, cluster=plan.cluster)
+
+
+def launch_gn_cl_bwd(p: Prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, groups: int) -> None:
+    """dx, and (unless None) the [B, C] fp32 per-sample sums of dweight/dbias, for dense channels_last x and dy."""
+    _, C, S = x.shape
+    plan = p.plan
+    _use_device(p.kernel.device)
+    p.kernel.launch(_gn_cl_grid(p, x), (plan.threads,),
+                    [dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, C, S, C // groups, plan.block_c,
+                     plan.slice], smem=plan.smem, cluster=plan.cluster)

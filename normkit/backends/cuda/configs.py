@@ -324,6 +324,62 @@ def plan_gn_cluster(direction: str, cg: int, spatial: int, elem_bytes: int, want
     return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass)
 
 
+# GroupNorm over channels_last groups (row_cluster.cu gn_cl_fwd_cluster / gn_cl_bwd_cluster; issue 24): a cluster
+# per (sample, channel block of whole groups), its CTAs splitting the positions, each holding its [positions,
+# channels] tile (x; x and dy) in shared memory. (direction, element bytes) -> (threads, most bytes of each tile,
+# bytes a position's run of the block's channels should reach (a 32-byte sector or more where whole groups
+# allow), CTAs per SM wanted: batch-1 shapes take more CTAs per slab until the grid fills that many).
+GN_CL_CLUSTER_KERNELS = {("fwd", 2): (256, 64 * 1024, 64, 2), ("fwd", 4): (256, 64 * 1024, 64, 2),
+                         ("bwd", 2): (256, 48 * 1024, 64, 2), ("bwd", 4): (256, 48 * 1024, 64, 2)}
+GN_CL_MAX_GROUPS = 16  # groups per channel block (the kernels' kMaxClGroups)
+GN_CL_MIN_SLICE = 32  # positions per CTA below which batch-1 slabs are not cut further
+
+
+@dataclass(frozen=True)
+class GnClPlan:
+    threads: int
+    cluster: int  # CTAs per slab
+    slice: int  # positions per CTA
+    block_c: int  # channels per slab: whole groups, whole 16-byte packs, dividing C
+    smem: int  # dynamic shared memory bytes: the tile(s), then the per-channel partials (and slots)
+    push: bool = False  # (cluster.Prepared's field: not a push kernel)
+
+
+def plan_gn_cl_cluster(direction: str, batch: int, C: int, S: int, cg: int, elem_bytes: int, sms: int,
+                       shape=None) -> GnClPlan | None:
+    """The channels_last GroupNorm cluster kernel's plan, or None when it cannot take the call (channels
+    not whole 16-byte packs, no block of whole groups that is, a slab too big for CLUSTER_MAX CTAs'
+    shared memory).
+    shape: as GN_CL_CLUSTER_KERNELS' values (the default)."""
+    threads, tile_bytes, run_bytes, per_sm = shape or GN_CL_CLUSTER_KERNELS[(direction, elem_bytes)]
+    pack = 16 // elem_bytes
+    arrays = 1 if direction == "fwd" else 2
+    if batch < 1 or cg < 1 or S < 1 or C % cg or C % pack:
+        return None
+    groups = C // cg
+    # the backward's cluster sums take a thread per (channel, sum)
+    blocks = [k for k in range(1, min(groups, GN_CL_MAX_GROUPS) + 1)
+              if groups % k == 0 and (k * cg) % pack == 0 and k * cg // pack <= threads
+              and (arrays == 1 or 2 * k * cg <= threads)]
+    if not blocks:
+        return None
+    k = next((k for k in blocks if k * cg * elem_bytes >= run_bytes), blocks[-1])
+    block_c = k * cg
+    slabs = batch * (C // block_c)
+    cluster = min(CLUSTER_MAX, cdiv(S * block_c * elem_bytes, tile_bytes))  # (bigger tiles past CLUSTER_MAX CTAs)
+    while cluster < CLUSTER_MAX and S >= 2 * cluster * GN_CL_MIN_SLICE and slabs * cluster < per_sm * sms:
+        cluster = min(CLUSTER_MAX, cluster * 2)  # few slabs (batch 1): more, smaller CTAs
+    slice_ = cdiv(S, cluster)
+    cluster = cdiv(S, slice_)  # no CTA without positions
+    ty = threads // (block_c // pack)
+    smem = arrays * cdiv(slice_ * block_c * elem_bytes, 16) * 16 + arrays * (ty + 1) * block_c * 4
+    if direction == "bwd":
+        smem += cluster * 2 * block_c * 4  # the cluster's slots
+    if smem > CLUSTER_SMEM_MAX:
+        return None
+    return GnClPlan(threads, cluster, slice_, block_c, smem)
+
+
 def grid_blocks(work_blocks: int, sms: int, resident: int, waves: int) -> int:
     """Blocks to launch: the work, capped at `waves` waves of resident blocks (kernels loop)."""
     return max(1, min(work_blocks, sms * max(1, resident) * waves))

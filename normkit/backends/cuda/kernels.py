@@ -37,6 +37,10 @@ GN_FWD_CLUSTER_PARAMS = _p("x:ptr y:ptr weight:ptr bias:ptr mean:ptr rstd:ptr ro
                            "groups:i32 spatial:i32")
 GN_BWD_CLUSTER_PARAMS = _p("dy:ptr x:ptr weight:ptr bias:ptr mean:ptr rstd:ptr dx:ptr dw_part:ptr db_part:ptr "
                            "rows:i64 cols:i32 slice:i32 groups:i32 spatial:i32")
+GN_CL_FWD_CLUSTER_PARAMS = _p("x:ptr y:ptr weight:ptr bias:ptr mean:ptr rstd:ptr C:i32 S:i32 cg:i32 block_c:i32 "
+                              "slice:i32 eps:f32")
+GN_CL_BWD_CLUSTER_PARAMS = _p("dy:ptr x:ptr weight:ptr bias:ptr mean:ptr rstd:ptr dx:ptr dw_part:ptr db_part:ptr "
+                              "C:i32 S:i32 cg:i32 block_c:i32 slice:i32")
 COL_SUM_PARAMS = _p("a_part:ptr a:ptr b_part:ptr b:ptr parts:i64 cols:i32")
 GN_REDUCE_PARAMS = _p("x:ptr xB:i64 xC:i64 xS:i64 dy:ptr dB:i64 dC:i64 dS:i64 weight:ptr bias:ptr "
                       "mean:ptr rstd:ptr p1:ptr p2:ptr coef:ptr C:i32 S:i32 G:i32 chunk:i32 chunks:i32")
@@ -124,6 +128,16 @@ def gn_cluster(direction: str, dtype, wdtype, activation, plan: configs.ClusterP
     return KernelSpec("row_cluster.cu",
                       f"nk::gn_bwd_cluster<{t}, {w}, {a}, {shape}, {_b(want_params)}, {_b(plan.recompute)}>",
                       GN_BWD_CLUSTER_PARAMS)
+
+
+def gn_cl_cluster(direction: str, dtype, wdtype, activation, plan, want_params: bool = False) -> KernelSpec:
+    """GroupNorm over channels_last groups on Hopper clusters (row_cluster.cu gn_cl_fwd_cluster / gn_cl_bwd_cluster)."""
+    t, w, a = _ctype(dtype), _ctype(wdtype), _act(activation)
+    if direction == "fwd":
+        return KernelSpec("row_cluster.cu", f"nk::gn_cl_fwd_cluster<{t}, {w}, {a}, {plan.threads}>",
+                          GN_CL_FWD_CLUSTER_PARAMS)
+    return KernelSpec("row_cluster.cu", f"nk::gn_cl_bwd_cluster<{t}, {w}, {a}, {plan.threads}, {_b(want_params)}>",
+                      GN_CL_BWD_CLUSTER_PARAMS)
 
 
 def col_sum(a_dtype, b_dtype) -> KernelSpec:
@@ -292,6 +306,13 @@ def catalog() -> list[KernelSpec]:
                 specs.append(gn_cluster(direction, dtype, wd, act, plan, params))
         specs.append(gn_cluster(direction, torch.float16, torch.float16, "gelu",
                                 dataclasses.replace(plan, recompute=not plan.recompute), direction == "bwd"))
+    for (direction, elem_bytes), shape in configs.GN_CL_CLUSTER_KERNELS.items():  # GroupNorm channels_last
+        dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
+        plan = configs.GnClPlan(shape[0], cluster=1, slice=0, block_c=0, smem=0)
+        for act, wd in ((None, torch.float32), ("silu", dtype), ("mish", torch.float32)):
+            for params in ((False, True) if direction == "bwd" else (False,)):
+                specs.append(gn_cl_cluster(direction, dtype, wd, act, plan, params))
+        specs.append(gn_cl_cluster(direction, torch.float16, torch.float16, "gelu", plan, direction == "bwd"))
     specs += [llmc(n) for n in LLMC]
     specs += [seed004_group_norm_mish(1 << k) for k in range(5, 11)]
     return list(dict.fromkeys(specs))

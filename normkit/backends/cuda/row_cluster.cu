@@ -720,3 +720,292 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 }  // namespace nk
+
+// ================================================================== GroupNorm, channels_last (issue 24)
+//
+// x is [B, S, C] in memory: a group is S runs of Cg channels, 20-80 bytes each, C apart. A cluster
+// takes one (sample n, channel block of K = whole groups) slab, [S, K], each position's K channels
+// one contiguous run (the host picks K so the runs are whole 16-byte packs, 64 bytes or more where
+// whole groups allow); its CTAs split the positions, and each holds its [slice, K] tile(s) in shared
+// memory: x (and dy) read from HBM once (cp.async, 16 bytes a thread, every load in flight), and the
+// statistics passes and the store read the tiles. Thread (ty, px) owns pack px of each position's
+// run (P fixed channels: their parameters and group statistics stay in registers) at positions ty,
+// ty + TY, ... Sums: per channel in shared memory, added over ty in a fixed order, then over the
+// cluster's CTAs (each CTA's partials stored into every CTA's slots, one cluster barrier, added in
+// rank order): the same bits in every CTA and run.
+// Forward: LayerNorm's exact two passes over the group, on x shifted by the group's first element
+// (offsets of 1e4 keep their precision). Backward: one pass for each channel's sums of dz * xhat and
+// dz (the sample's weight-gradient partials, [B, C], that col_sum adds over samples); the group's
+// sums of g * xhat and g (g = dz * w) follow from them, then dx.
+namespace nk {
+namespace cl {
+constexpr int kMaxClGroups = 16;  // groups per channel block
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+
+// The CTA's part of a channels_last slab and its thread's place in it.
+template <typename T>
+struct ClSlab {
+  static constexpr int P = 16 / int(sizeof(T));
+  unsigned rank, size;
+  int n, cb, block_c, vpp, ty_count, gpb, ty, px, s0, ns;
+  bool active;  // the thread owns a pack column (ty < ty_count)
+  i64 base;     // the offset of (n, position s0, the block's channel 0)
+  int C;
+  __device__ ClSlab(int C_, int S, int cg, int block_c_, int slice, int threads) : C(C_) {
+    rank = special_ctarank();
+    size = special_nctarank();
+    const int blocks = C / block_c_, slab = int(special_clusterid());
+    n = slab / blocks;
+    cb = slab % blocks;
+    block_c = block_c_;
+    vpp = block_c / P;
+    ty_count = threads / vpp;
+    gpb = block_c / cg;
+    ty = int(threadIdx.x) / vpp;
+    px = int(threadIdx.x) % vpp;
+    active = ty < ty_count;
+    s0 = int(rank) * slice;
+    ns = max(0, min(slice, S - s0));
+    base = (i64(n) * S + s0) * C + i64(cb) * block_c;
+  }
+  __device__ int tile_at(int p) const { return (p * vpp + px) * P; }  // this thread's pack of position p
+  __device__ i64 global_at(int p) const { return base + i64(p) * C + px * P; }
+  // every load of this thread's packs in flight into `tile`
+  __device__ void load(T* tile, const T* src) const {
+    if (active)
+      for (int p = ty; p < ns; p += ty_count) cp_async16(tile + tile_at(p), src + global_at(p));
+  }
+};
+
+// chsum[c * STRIDE_OUT] = sum over ty of red[ty * stride + c], per channel c < block_c (warp c % WARPS,
+// lane-strided, then shuffles): a fixed order
+template <int WARPS>
+__device__ __forceinline__ void channel_sums(const float* red, int stride, int rows, int block_c, float* out) {
+  for (int c = int(threadIdx.x) / kWarpSize; c < block_c; c += WARPS) {
+    Sum1 t{0.f};
+    for (int r = int(threadIdx.x) % kWarpSize; r < rows; r += kWarpSize) t.v += red[r * stride + c];
+    t = group_allreduce<kWarpSize>(t);
+    if (threadIdx.x % kWarpSize == 0) out[c] = t.v;
+  }
+}
+
+// each CTA's `count` values (threads < count) into slots [rank * count + i] of every CTA, then the sums over
+// the cluster in rank order (threads < count, returned; the others get 0); one cluster barrier
+__device__ __forceinline__ float cluster_sum_slots(float v, float* slots, int count, unsigned rank, unsigned size) {
+  const int i = int(threadIdx.x);
+  if (i < count)
+    for (unsigned r = 0; r < size; ++r) store_remote(&slots[rank * count + i], r, v);
+  cluster_sync();
+  float t = 0.f;
+  if (i < count)
+    for (unsigned r = 0; r < size; ++r) t += slots[r * count + i];
+  return t;
+}
+}  // namespace cl
+
+template <typename T, typename W, typename ACT, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1)
+    gn_cl_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w, const W* __restrict__ b,
+                      float* __restrict__ mean, float* __restrict__ rstd, int C, int S, int cg, int block_c,
+                      int slice, float eps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int P = 16 / int(sizeof(T));
+  constexpr int WARPS = THREADS / kWarpSize;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float slots[2][cl::kMaxCluster * cl::kMaxClGroups];  // [pass][rank * gpb + group]
+  __shared__ float gstat[3][cl::kMaxClGroups];                     // per group: shift, mean (shifted), rstd
+  const cl::ClSlab<T> s(C, S, cg, block_c, slice, THREADS);
+  const int tid = threadIdx.x;
+  T* tile = reinterpret_cast<T*>(smem);  // [slice, block_c]
+  float* red = reinterpret_cast<float*>(smem + (i64(slice) * block_c * int(sizeof(T)) + 15) / 16 * 16);
+  float* chsum = red + s.ty_count * block_c;  // [block_c]
+  s.load(tile, x);
+  const i64 first = i64(s.n) * S * C + i64(s.cb) * block_c;  // (n, position 0, the block's channel 0)
+  if (tid < s.gpb) gstat[0][tid] = to_float(x[first + tid * cg]);  // the group's shift: its first element
+  cl::cluster_arrive_relaxed();  // peers may store into this CTA's slots once every CTA has arrived
+  cl::cp_async_wait_all();
+  __syncthreads();
+  cl::cluster_wait();
+  float sh[P], mu[P];  // this thread's channels' group shifts and (shifted) means
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    sh[i] = gstat[0][(s.px * P + i) / cg];
+    mu[i] = 0.f;
+  }
+  for (int pass = 0; pass < 2; ++pass) {
+    if (s.active) {
+      float acc[P];
+#pragma unroll
+      for (int i = 0; i < P; ++i) acc[i] = 0.f;
+      for (int p = s.ty; p < s.ns; p += s.ty_count) {
+        float f[P];
+        load_floats<P>(tile + s.tile_at(p), f);
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+          const float d = (f[i] - sh[i]) - mu[i];
+          acc[i] = pass == 0 ? acc[i] + d : fmaf(d, d, acc[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < P; ++i) red[s.ty * block_c + s.px * P + i] = acc[i];
+    }
+    __syncthreads();
+    cl::channel_sums<WARPS>(red, block_c, s.ty_count, block_c, chsum);
+    __syncthreads();
+    float v = 0.f;  // the CTA's partial of group tid
+    if (tid < s.gpb)
+      for (int c = 0; c < cg; ++c) v += chsum[tid * cg + c];
+    const float t = cl::cluster_sum_slots(v, slots[pass], s.gpb, s.rank, s.size);
+    if (tid < s.gpb) {
+      const float count = float(cg) * float(S);
+      if (pass == 0) gstat[1][tid] = t / count;
+      else gstat[2][tid] = rsqrtf(t / count + eps);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < P; ++i) mu[i] = gstat[1][(s.px * P + i) / cg];
+  }
+  if (s.rank == 0 && tid < s.gpb) {
+    const int g = s.n * (C / cg) + s.cb * s.gpb + tid;
+    if (mean != nullptr) mean[g] = gstat[0][tid] + gstat[1][tid];
+    if (rstd != nullptr) rstd[g] = gstat[2][tid];
+  }
+  if (!s.active) return;
+  float rs[P], wv[P], bv[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int c = s.cb * block_c + s.px * P + i;
+    rs[i] = gstat[2][(s.px * P + i) / cg];
+    wv[i] = w != nullptr ? to_float(w[c]) : 1.f;
+    bv[i] = b != nullptr ? to_float(b[c]) : 0.f;
+  }
+  for (int p = s.ty; p < s.ns; p += s.ty_count) {
+    float f[P];
+    load_floats<P>(tile + s.tile_at(p), f);
+#pragma unroll
+    for (int i = 0; i < P; ++i) f[i] = ACT::fwd(fmaf(((f[i] - sh[i]) - mu[i]) * rs[i], wv[i], bv[i]));
+    store_floats<P>(y + s.global_at(p), f);
+  }
+#endif
+}
+
+// The backward. Dynamic shared memory: the x and dy tiles, the per-thread partials [2][TY][K], the
+// per-channel sums [2][K], the cluster's slots [2][size][K]. PARAMS: rank 0 writes the sample's
+// per-channel sums of dz * xhat and dz to dw_part / db_part [B, C].
+template <typename T, typename W, typename ACT, int THREADS, bool PARAMS>
+__global__ void __launch_bounds__(THREADS, 1)
+    gn_cl_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
+                      const W* __restrict__ b, const float* __restrict__ mean, const float* __restrict__ rstd,
+                      T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part, int C, int S,
+                      int cg, int block_c, int slice) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int P = 16 / int(sizeof(T));
+  constexpr int WARPS = THREADS / kWarpSize;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float gsum[2][cl::kMaxClGroups];  // per group: sum of g * xhat, sum of g
+  const cl::ClSlab<T> s(C, S, cg, block_c, slice, THREADS);
+  const int tid = threadIdx.x;
+  const int tile_elems = (slice * block_c * int(sizeof(T)) + 15) / 16 * 16 / int(sizeof(T));
+  T* xt = reinterpret_cast<T*>(smem);
+  T* dyt = xt + tile_elems;
+  float* red = reinterpret_cast<float*>(dyt + tile_elems);  // [2][ty_count][block_c]
+  float* chsum = red + 2 * s.ty_count * block_c;             // [2][block_c]
+  float* slots = chsum + 2 * block_c;                        // [size][2 * block_c]
+  s.load(xt, x);
+  s.load(dyt, dy);
+  cl::cluster_arrive_relaxed();
+  // this thread's channels: their group's statistics and their parameters
+  const int g0 = s.n * (C / cg) + s.cb * s.gpb;
+  float mu[P], rs[P], wv[P], bv[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int cl_ = s.px * P + i, c = s.cb * block_c + cl_;
+    mu[i] = s.active ? mean[g0 + cl_ / cg] : 0.f;
+    rs[i] = s.active ? rstd[g0 + cl_ / cg] : 0.f;
+    wv[i] = w != nullptr && s.active ? to_float(w[c]) : 1.f;
+    bv[i] = b != nullptr && s.active ? to_float(b[c]) : 0.f;
+  }
+  cl::cp_async_wait_all();
+  __syncthreads();
+  cl::cluster_wait();
+  // one pack's xhat, dz
+  const auto grads = [&](int p, float(&xh)[P], float(&dz)[P]) {
+    float xv[P], dyv[P];
+    load_floats<P>(xt + s.tile_at(p), xv);
+    load_floats<P>(dyt + s.tile_at(p), dyv);
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      xh[i] = (xv[i] - mu[i]) * rs[i];
+      dz[i] = dyv[i] * ACT::grad(fmaf(xh[i], wv[i], bv[i]));
+    }
+  };
+  if (s.active) {
+    float a[P], q[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) a[i] = q[i] = 0.f;
+    for (int p = s.ty; p < s.ns; p += s.ty_count) {
+      float xh[P], dz[P];
+      grads(p, xh, dz);
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        a[i] = fmaf(dz[i], xh[i], a[i]);
+        q[i] += dz[i];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      red[s.ty * block_c + s.px * P + i] = a[i];
+      red[(s.ty_count + s.ty) * block_c + s.px * P + i] = q[i];
+    }
+  }
+  __syncthreads();
+  cl::channel_sums<WARPS>(red, block_c, s.ty_count, block_c, chsum);
+  cl::channel_sums<WARPS>(red + s.ty_count * block_c, block_c, s.ty_count, block_c, chsum + block_c);
+  __syncthreads();
+  // each channel's sums over the cluster (threads < 2K: sum of dz * xhat for c = tid, of dz for c = tid - K)
+  const float t = cl::cluster_sum_slots(tid < 2 * block_c ? chsum[tid] : 0.f, slots, 2 * block_c, s.rank, s.size);
+  if (PARAMS && s.rank == 0 && tid < 2 * block_c) {
+    float* part = tid < block_c ? dw_part : db_part;
+    const int c = tid < block_c ? tid : tid - block_c;
+    if (part != nullptr) part[i64(s.n) * C + s.cb * block_c + c] = t;
+  }
+  __syncthreads();  // every thread has read chsum
+  if (tid < 2 * block_c) chsum[tid] = t;
+  __syncthreads();
+  if (tid < s.gpb) {  // the group's sums of g * xhat and g: its channels' sums times their weights
+    float sa = 0.f, sb = 0.f;
+    for (int c = tid * cg; c < (tid + 1) * cg; ++c) {
+      const float wc = w != nullptr ? to_float(w[s.cb * block_c + c]) : 1.f;
+      sa = fmaf(wc, chsum[c], sa);
+      sb = fmaf(wc, chsum[block_c + c], sb);
+    }
+    gsum[0][tid] = sa;
+    gsum[1][tid] = sb;
+  }
+  __syncthreads();
+  if (!s.active) return;
+  const float inv_count = 1.f / (float(cg) * float(S));
+  float c1[P], c2[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int gl = (s.px * P + i) / cg;
+    c1[i] = gsum[0][gl] * inv_count;
+    c2[i] = gsum[1][gl] * inv_count;
+  }
+  for (int p = s.ty; p < s.ns; p += s.ty_count) {
+    float xh[P], dz[P], d[P];
+    grads(p, xh, dz);
+#pragma unroll
+    for (int i = 0; i < P; ++i) d[i] = rs[i] * (dz[i] * wv[i] - xh[i] * c1[i] - c2[i]);
+    store_floats<P>(dx + s.global_at(p), d);
+  }
+#endif
+}
+
+}  // namespace nk

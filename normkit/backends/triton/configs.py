@@ -243,6 +243,19 @@ def gn_cluster_routed(direction: str, cg: int, s: int, elem_bytes: int, arch: st
     return bounds is not None and bounds[0] <= cg * s <= bounds[1]
 
 
+# channels_last groups that run on the CUDA backend's cluster kernels (cuda/cluster.py prepare_gn_cl: a cluster per
+# (sample, channel block), the block's [positions, channels] slab held on chip and read once): arch ->
+# (direction, element bytes) -> (fewest, most) elements per group (Cg x S); absent: not routed.
+GN_CL_CLUSTER_ROUTE: dict = {}
+
+
+def gn_cl_cluster_routed(direction: str, cg: int, s: int, elem_bytes: int, arch: str) -> bool:
+    """Whether channels_last groups of cg x s elements go to the CUDA cluster kernels on `arch`
+    (GN_CL_CLUSTER_ROUTE)."""
+    bounds = GN_CL_CLUSTER_ROUTE.get(arch, {}).get((direction, 2 if elem_bytes <= 2 else 4))
+    return bounds is not None and bounds[0] <= cg * s <= bounds[1]
+
+
 @dataclass(frozen=True)
 class GroupConfig:
     block_r: int  # channels per tile
