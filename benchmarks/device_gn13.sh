@@ -6,8 +6,11 @@
 #                                         channels_last (bf16, fp32, both directions): the committed plans
 #                                         (default) against the cluster kernels at six shapes, torch.compile and
 #                                         same-size copies in the same run (run S13-1)
-#   bash benchmarks/device_gn13.sh final   GroupNorm / CUDA backend / host-path GPU tests, then the committed
-#                                         plans, both layouts and directions, against compile and copies (S13-2)
+#   bash benchmarks/device_gn13.sh sweep2  after S13-1: the kernels with each thread's first pass on its loads as
+#                                         they land and the forward's group sums in one warp step; their GPU
+#                                         tests, then the channels_last sweep again (run S13-2)
+#   bash benchmarks/device_gn13.sh final   the committed plans, both layouts and directions, against
+#                                         torch.compile and same-size copies (S13-3)
 # Files land in one archive in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
@@ -23,10 +26,16 @@ sweep)
         --budget 300 > "$OUT/sweep.log" 2>&1
     echo "sweep rc $?"; grep -E "^(bf16|fp32|copy|budget)" "$OUT/sweep.log" | cut -c1-400
     ;;
+sweep2)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE tests/test_cuda_backend.py -k "gn_cl_cluster" \
+        2>&1 | grep -v '^USDT' > "$OUT/tests-gn-cl.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-gn-cl.log" | cut -c1-300 | head -12; tail -1 "$OUT/tests-gn-cl.log"
+    grep -E "^E " "$OUT/tests-gn-cl.log" | head -12 | cut -c1-300
+    timeout 250 python3 benchmarks/gn_sweep.py --out "$OUT/s" --dtypes bf16,fp32 --acts - --peers compile,copy \
+        --layouts cl --shapes $SHAPES --variants default,clc,clc-96k,clc-128,clc-run128 --budget 220 > "$OUT/sweep.log" 2>&1
+    echo "sweep rc $?"; grep -E "^(bf16|fp32|copy|budget)" "$OUT/sweep.log" | cut -c1-400
+    ;;
 final)
-    timeout 330 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE tests/test_group_norm.py tests/test_cuda_backend.py \
-        tests/test_host_gpu.py 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -12; tail -1 "$OUT/tests.log"
     timeout 200 python3 benchmarks/gn_sweep.py --out "$OUT/s" --dtypes bf16,fp32 --acts - --peers compile,copy \
         --layouts nchw,cl --shapes $SHAPES --variants default --budget 180 > "$OUT/sweep.log" 2>&1
     echo "sweep rc $?"; grep -E "^(bf16|fp32|copy|budget)" "$OUT/sweep.log" | cut -c1-300

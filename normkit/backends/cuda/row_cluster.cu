@@ -727,12 +727,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 // takes one (sample n, channel block of K = whole groups) slab, [S, K], each position's K channels
 // one contiguous run (the host picks K so the runs are whole 16-byte packs, 64 bytes or more where
 // whole groups allow); its CTAs split the positions, and each holds its [slice, K] tile(s) in shared
-// memory: x (and dy) read from HBM once (cp.async, 16 bytes a thread, every load in flight), and the
-// statistics passes and the store read the tiles. Thread (ty, px) owns pack px of each position's
-// run (P fixed channels: their parameters and group statistics stay in registers) at positions ty,
-// ty + TY, ... Sums: per channel in shared memory, added over ty in a fixed order, then over the
-// cluster's CTAs (each CTA's partials stored into every CTA's slots, one cluster barrier, added in
-// rank order): the same bits in every CTA and run.
+// memory: x (and dy) read from HBM once (cp.async, 16 bytes a thread, every load in flight). Thread
+// (ty, px) owns pack px of each position's run (P fixed channels: their parameters and group
+// statistics stay in registers) at positions ty, ty + TY, ..., and reads only the packs it loaded
+// itself: the first pass runs on each chunk of its loads as it lands (cp.async groups), while the
+// rest are in flight. Sums: per thread and channel into shared memory, added in a fixed order (per
+// group by one warp; per channel in the backward), then over the cluster's CTAs (each CTA's partials
+// stored into every CTA's slots, one cluster barrier, added in rank order): the same bits in every
+// CTA and run.
 // Forward: LayerNorm's exact two passes over the group, on x shifted by the group's first element
 // (offsets of 1e4 keep their precision). Backward: one pass for each channel's sums of dz * xhat and
 // dz (the sample's weight-gradient partials, [B, C], that col_sum adds over samples); the group's
@@ -740,20 +742,29 @@ __global__ void __launch_bounds__(THREADS, 1)
 namespace nk {
 namespace cl {
 constexpr int kMaxClGroups = 16;  // groups per channel block
+constexpr int kClChunks = 4;      // cp.async groups a thread's loads are issued in
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// wait until at most `pending` of this thread's cp.async groups are in flight (0..kClChunks - 1)
+__device__ __forceinline__ void cp_async_wait(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+  }
 }
+static_assert(kClChunks <= 4, "cp_async_wait covers 4 groups");
 
 // The CTA's part of a channels_last slab and its thread's place in it.
 template <typename T>
 struct ClSlab {
   static constexpr int P = 16 / int(sizeof(T));
   unsigned rank, size;
-  int n, cb, block_c, vpp, ty_count, gpb, ty, px, s0, ns;
+  int n, cb, block_c, vpp, ty_count, gpb, ty, px, s0, ns, iters;
   bool active;  // the thread owns a pack column (ty < ty_count)
   i64 base;     // the offset of (n, position s0, the block's channel 0)
   int C;
@@ -772,18 +783,38 @@ struct ClSlab {
     active = ty < ty_count;
     s0 = int(rank) * slice;
     ns = max(0, min(slice, S - s0));
+    iters = active && ns > ty ? (ns - ty + ty_count - 1) / ty_count : 0;  // this thread's positions
     base = (i64(n) * S + s0) * C + i64(cb) * block_c;
   }
-  __device__ int tile_at(int p) const { return (p * vpp + px) * P; }  // this thread's pack of position p
+  __device__ int position(int k) const { return ty + k * ty_count; }  // this thread's k-th position
+  __device__ int tile_at(int p) const { return (p * vpp + px) * P; }   // its pack of position p in a tile
   __device__ i64 global_at(int p) const { return base + i64(p) * C + px * P; }
-  // every load of this thread's packs in flight into `tile`
-  __device__ void load(T* tile, const T* src) const {
-    if (active)
-      for (int p = ty; p < ns; p += ty_count) cp_async16(tile + tile_at(p), src + global_at(p));
+  __device__ int chunk_end(int j) const { return iters * (j + 1) / kClChunks; }
+  // this thread's packs of ARRAYS tensors into their tiles, in kClChunks cp.async groups
+  template <int ARRAYS>
+  __device__ void load(T* const (&tiles)[ARRAYS], const T* const (&src)[ARRAYS]) const {
+    int k = 0;
+    for (int j = 0; j < kClChunks; ++j) {
+      for (; k < chunk_end(j); ++k) {
+        const int p = position(k);
+#pragma unroll
+        for (int a = 0; a < ARRAYS; ++a) cp_async16(tiles[a] + tile_at(p), src[a] + global_at(p));
+      }
+      cp_async_commit();
+    }
+  }
+  // f(k) over this thread's positions, each chunk once its loads have landed (first pass)
+  template <typename F>
+  __device__ void each_as_landed(const F& f) const {
+    int k = 0;
+    for (int j = 0; j < kClChunks; ++j) {
+      cp_async_wait(kClChunks - 1 - j);
+      for (; k < chunk_end(j); ++k) f(position(k));
+    }
   }
 };
 
-// chsum[c * STRIDE_OUT] = sum over ty of red[ty * stride + c], per channel c < block_c (warp c % WARPS,
+// each channel's sum over ty: out[c] = sum over r < rows of red[r * stride + c] (warp c % WARPS,
 // lane-strided, then shuffles): a fixed order
 template <int WARPS>
 __device__ __forceinline__ void channel_sums(const float* red, int stride, int rows, int block_c, float* out) {
@@ -795,16 +826,25 @@ __device__ __forceinline__ void channel_sums(const float* red, int stride, int r
   }
 }
 
-// each CTA's `count` values (threads < count) into slots [rank * count + i] of every CTA, then the sums over
-// the cluster in rank order (threads < count, returned; the others get 0); one cluster barrier
-__device__ __forceinline__ float cluster_sum_slots(float v, float* slots, int count, unsigned rank, unsigned size) {
-  const int i = int(threadIdx.x);
-  if (i < count)
-    for (unsigned r = 0; r < size; ++r) store_remote(&slots[rank * count + i], r, v);
-  cluster_sync();
+// each group's sum over ty and its cg channels (warp g % WARPS; lane-strided over (ty, channel), then
+// shuffles: a fixed order), stored by lane 0 into slot [rank * gpb + g] of every CTA of the cluster
+template <int WARPS>
+__device__ __forceinline__ void group_sums_to_cluster(const float* red, int block_c, int rows, int cg, int gpb,
+                                                      float* slots, unsigned rank, unsigned size) {
+  for (int g = int(threadIdx.x) / kWarpSize; g < gpb; g += WARPS) {
+    Sum1 t{0.f};
+    for (int e = int(threadIdx.x) % kWarpSize; e < rows * cg; e += kWarpSize)
+      t.v += red[(e / cg) * block_c + g * cg + e % cg];
+    t = group_allreduce<kWarpSize>(t);
+    if (threadIdx.x % kWarpSize == 0)
+      for (unsigned r = 0; r < size; ++r) store_remote(&slots[rank * gpb + g], r, t.v);
+  }
+}
+
+// slot i's sum over the cluster's CTAs, in rank order (after the cluster barrier that follows the stores)
+__device__ __forceinline__ float slot_total(const float* slots, int i, int count, unsigned size) {
   float t = 0.f;
-  if (i < count)
-    for (unsigned r = 0; r < size; ++r) t += slots[r * count + i];
+  for (unsigned r = 0; r < size; ++r) t += slots[r * count + i];
   return t;
 }
 }  // namespace cl
@@ -824,46 +864,51 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int tid = threadIdx.x;
   T* tile = reinterpret_cast<T*>(smem);  // [slice, block_c]
   float* red = reinterpret_cast<float*>(smem + (i64(slice) * block_c * int(sizeof(T)) + 15) / 16 * 16);
-  float* chsum = red + s.ty_count * block_c;  // [block_c]
-  s.load(tile, x);
+  {
+    T* const tiles[1] = {tile};
+    const T* const srcs[1] = {x};
+    s.load<1>(tiles, srcs);
+  }
   const i64 first = i64(s.n) * S * C + i64(s.cb) * block_c;  // (n, position 0, the block's channel 0)
   if (tid < s.gpb) gstat[0][tid] = to_float(x[first + tid * cg]);  // the group's shift: its first element
   cl::cluster_arrive_relaxed();  // peers may store into this CTA's slots once every CTA has arrived
-  cl::cp_async_wait_all();
   __syncthreads();
-  cl::cluster_wait();
-  float sh[P], mu[P];  // this thread's channels' group shifts and (shifted) means
+  float sh[P], mu[P], acc[P];  // this thread's channels' group shifts, (shifted) means, sums
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     sh[i] = gstat[0][(s.px * P + i) / cg];
-    mu[i] = 0.f;
+    mu[i] = acc[i] = 0.f;
   }
+  // pass 0, on each chunk of this thread's loads as it lands: the sums of x - shift
+  s.each_as_landed([&](int p) {
+    float f[P];
+    load_floats<P>(tile + s.tile_at(p), f);
+#pragma unroll
+    for (int i = 0; i < P; ++i) acc[i] += f[i] - sh[i];
+  });
   for (int pass = 0; pass < 2; ++pass) {
-    if (s.active) {
-      float acc[P];
+    if (pass == 1) {  // the squared deviations from the group's mean
 #pragma unroll
       for (int i = 0; i < P; ++i) acc[i] = 0.f;
-      for (int p = s.ty; p < s.ns; p += s.ty_count) {
+      for (int k = 0; k < s.iters; ++k) {
         float f[P];
-        load_floats<P>(tile + s.tile_at(p), f);
+        load_floats<P>(tile + s.tile_at(s.position(k)), f);
 #pragma unroll
         for (int i = 0; i < P; ++i) {
           const float d = (f[i] - sh[i]) - mu[i];
-          acc[i] = pass == 0 ? acc[i] + d : fmaf(d, d, acc[i]);
+          acc[i] = fmaf(d, d, acc[i]);
         }
       }
+    }
+    if (s.active)
 #pragma unroll
       for (int i = 0; i < P; ++i) red[s.ty * block_c + s.px * P + i] = acc[i];
-    }
     __syncthreads();
-    cl::channel_sums<WARPS>(red, block_c, s.ty_count, block_c, chsum);
-    __syncthreads();
-    float v = 0.f;  // the CTA's partial of group tid
-    if (tid < s.gpb)
-      for (int c = 0; c < cg; ++c) v += chsum[tid * cg + c];
-    const float t = cl::cluster_sum_slots(v, slots[pass], s.gpb, s.rank, s.size);
+    if (pass == 0) cl::cluster_wait();
+    cl::group_sums_to_cluster<WARPS>(red, block_c, s.ty_count, cg, s.gpb, slots[pass], s.rank, s.size);
+    cl::cluster_sync();
     if (tid < s.gpb) {
-      const float count = float(cg) * float(S);
+      const float t = cl::slot_total(slots[pass], tid, s.gpb, s.size), count = float(cg) * float(S);
       if (pass == 0) gstat[1][tid] = t / count;
       else gstat[2][tid] = rsqrtf(t / count + eps);
     }
@@ -885,7 +930,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     wv[i] = w != nullptr ? to_float(w[c]) : 1.f;
     bv[i] = b != nullptr ? to_float(b[c]) : 0.f;
   }
-  for (int p = s.ty; p < s.ns; p += s.ty_count) {
+  for (int k = 0; k < s.iters; ++k) {
+    const int p = s.position(k);
     float f[P];
     load_floats<P>(tile + s.tile_at(p), f);
 #pragma unroll
@@ -896,7 +942,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 // The backward. Dynamic shared memory: the x and dy tiles, the per-thread partials [2][TY][K], the
-// per-channel sums [2][K], the cluster's slots [2][size][K]. PARAMS: rank 0 writes the sample's
+// per-channel sums [2][K], the cluster's slots [size][2K]. PARAMS: rank 0 writes the sample's
 // per-channel sums of dz * xhat and dz to dw_part / db_part [B, C].
 template <typename T, typename W, typename ACT, int THREADS, bool PARAMS>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -917,8 +963,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   float* red = reinterpret_cast<float*>(dyt + tile_elems);  // [2][ty_count][block_c]
   float* chsum = red + 2 * s.ty_count * block_c;             // [2][block_c]
   float* slots = chsum + 2 * block_c;                        // [size][2 * block_c]
-  s.load(xt, x);
-  s.load(dyt, dy);
+  {
+    T* const tiles[2] = {xt, dyt};
+    const T* const srcs[2] = {x, dy};
+    s.load<2>(tiles, srcs);
+  }
   cl::cluster_arrive_relaxed();
   // this thread's channels: their group's statistics and their parameters
   const int g0 = s.n * (C / cg) + s.cb * s.gpb;
@@ -931,9 +980,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     wv[i] = w != nullptr && s.active ? to_float(w[c]) : 1.f;
     bv[i] = b != nullptr && s.active ? to_float(b[c]) : 0.f;
   }
-  cl::cp_async_wait_all();
-  __syncthreads();
-  cl::cluster_wait();
   // one pack's xhat, dz
   const auto grads = [&](int p, float(&xh)[P], float(&dz)[P]) {
     float xv[P], dyv[P];
@@ -945,38 +991,41 @@ __global__ void __launch_bounds__(THREADS, 1)
       dz[i] = dyv[i] * ACT::grad(fmaf(xh[i], wv[i], bv[i]));
     }
   };
-  if (s.active) {
-    float a[P], q[P];
+  float a[P], q[P];  // per channel: sums of dz * xhat and dz, on each chunk as it lands
 #pragma unroll
-    for (int i = 0; i < P; ++i) a[i] = q[i] = 0.f;
-    for (int p = s.ty; p < s.ns; p += s.ty_count) {
-      float xh[P], dz[P];
-      grads(p, xh, dz);
+  for (int i = 0; i < P; ++i) a[i] = q[i] = 0.f;
+  s.each_as_landed([&](int p) {
+    float xh[P], dz[P];
+    grads(p, xh, dz);
 #pragma unroll
-      for (int i = 0; i < P; ++i) {
-        a[i] = fmaf(dz[i], xh[i], a[i]);
-        q[i] += dz[i];
-      }
+    for (int i = 0; i < P; ++i) {
+      a[i] = fmaf(dz[i], xh[i], a[i]);
+      q[i] += dz[i];
     }
+  });
+  if (s.active)
 #pragma unroll
     for (int i = 0; i < P; ++i) {
       red[s.ty * block_c + s.px * P + i] = a[i];
       red[(s.ty_count + s.ty) * block_c + s.px * P + i] = q[i];
     }
-  }
   __syncthreads();
   cl::channel_sums<WARPS>(red, block_c, s.ty_count, block_c, chsum);
   cl::channel_sums<WARPS>(red + s.ty_count * block_c, block_c, s.ty_count, block_c, chsum + block_c);
   __syncthreads();
-  // each channel's sums over the cluster (threads < 2K: sum of dz * xhat for c = tid, of dz for c = tid - K)
-  const float t = cl::cluster_sum_slots(tid < 2 * block_c ? chsum[tid] : 0.f, slots, 2 * block_c, s.rank, s.size);
-  if (PARAMS && s.rank == 0 && tid < 2 * block_c) {
-    float* part = tid < block_c ? dw_part : db_part;
-    const int c = tid < block_c ? tid : tid - block_c;
-    if (part != nullptr) part[i64(s.n) * C + s.cb * block_c + c] = t;
+  cl::cluster_wait();
+  // each channel's two sums over the cluster (thread i < 2K: slot i, of dz * xhat for i < K, else of dz)
+  if (tid < 2 * block_c)
+    for (unsigned r = 0; r < s.size; ++r) cl::store_remote(&slots[s.rank * 2 * block_c + tid], r, chsum[tid]);
+  cl::cluster_sync();
+  if (tid < 2 * block_c) {
+    const float t = cl::slot_total(slots, tid, 2 * block_c, s.size);
+    if (PARAMS && s.rank == 0) {
+      float* part = tid < block_c ? dw_part : db_part;
+      if (part != nullptr) part[i64(s.n) * C + s.cb * block_c + tid % block_c] = t;
+    }
+    chsum[tid] = t;  // (every thread read chsum before the cluster barrier)
   }
-  __syncthreads();  // every thread has read chsum
-  if (tid < 2 * block_c) chsum[tid] = t;
   __syncthreads();
   if (tid < s.gpb) {  // the group's sums of g * xhat and g: its channels' sums times their weights
     float sa = 0.f, sb = 0.f;
@@ -998,7 +1047,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     c1[i] = gsum[0][gl] * inv_count;
     c2[i] = gsum[1][gl] * inv_count;
   }
-  for (int p = s.ty; p < s.ns; p += s.ty_count) {
+  for (int k = 0; k < s.iters; ++k) {
+    const int p = s.position(k);
     float xh[P], dz[P], d[P];
     grads(p, xh, dz);
 #pragma unroll
