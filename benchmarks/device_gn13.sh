@@ -9,8 +9,9 @@
 #   bash benchmarks/device_gn13.sh sweep2  after S13-1: the kernels with each thread's first pass on its loads as
 #                                         they land and the forward's group sums in one warp step; their GPU
 #                                         tests, then the channels_last sweep again (run S13-2)
-#   bash benchmarks/device_gn13.sh final   the committed plans, both layouts and directions, against
-#                                         torch.compile and same-size copies (S13-3)
+#   bash benchmarks/device_gn13.sh final   the adopted routes: GroupNorm GPU tests (GroupNorm, CUDA backend and
+#                                         host-path files), then the committed plans, both layouts and
+#                                         directions, against torch.compile and same-size copies (S13-3)
 # Files land in one archive in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
@@ -36,6 +37,9 @@ sweep2)
     echo "sweep rc $?"; grep -E "^(bf16|fp32|copy|budget)" "$OUT/sweep.log" | cut -c1-400
     ;;
 final)
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE tests/test_group_norm.py tests/test_cuda_backend.py \
+        tests/test_host_gpu.py -k "group_norm or gn_ or channels_last or cl_" 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -12; tail -1 "$OUT/tests.log"
     timeout 200 python3 benchmarks/gn_sweep.py --out "$OUT/s" --dtypes bf16,fp32 --acts - --peers compile,copy \
         --layouts nchw,cl --shapes $SHAPES --variants default --budget 180 > "$OUT/sweep.log" 2>&1
     echo "sweep rc $?"; grep -E "^(bf16|fp32|copy|budget)" "$OUT/sweep.log" | cut -c1-300

@@ -130,7 +130,9 @@ VARIANTS.update({
 # session 13 (issue 24): channels_last groups on a cluster per (sample, channel block of whole groups), its CTAs
 # holding [positions, channels] tiles in shared memory (row_cluster.cu gn_cl_fwd_cluster / gn_cl_bwd_cluster).
 # Shapes as GN_CL_CLUSTER_KERNELS': (threads, most bytes of each tile, bytes of a position's run, CTAs per SM wanted).
-CL_ROUTED = {"GN_CL_CLUSTER_ROUTE": {"sm_90": {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}}}
+CL_ROUTED = {"GN_CL_CLUSTER_ROUTE": {"sm_90": {(d, b): ((0, 1 << 40),) for d in ("fwd", "bwd") for b in (2, 4)}}}
+S13_CL_SHAPES = {("fwd", 2): (256, 64 * 1024, 64, 2), ("fwd", 4): (256, 64 * 1024, 64, 2),  # S13-1 / S13-2's "clc"
+                 ("bwd", 2): (256, 48 * 1024, 64, 2), ("bwd", 4): (256, 48 * 1024, 64, 2)}
 
 
 def _cl_shapes(fwd, bwd):
@@ -139,7 +141,7 @@ def _cl_shapes(fwd, bwd):
 
 
 VARIANTS.update({
-    "clc": CL_ROUTED,  # fwd (256, 64 KB, 64 B, 2), bwd (256, 48 KB, 64 B, 2)
+    "clc": {**CL_ROUTED, "cuda.GN_CL_CLUSTER_KERNELS": S13_CL_SHAPES},  # fwd (256, 64 KB, 64 B, 2), bwd 48 KB
     "clc-512": _cl_shapes((512, 64 * 1024, 64, 2), (512, 48 * 1024, 64, 2)),
     "clc-96k": _cl_shapes((256, 96 * 1024, 64, 2), (256, 80 * 1024, 64, 1)),
     "clc-32k": _cl_shapes((256, 32 * 1024, 64, 4), (256, 24 * 1024, 64, 4)),

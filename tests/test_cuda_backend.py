@@ -466,17 +466,19 @@ def test_gn_cl_cluster_plans():
     plan where channels are not whole packs or a slab needs more than CLUSTER_MAX CTAs. The backward
     holds x and dy, and the cluster's per-channel slots."""
     plan = configs.plan_gn_cl_cluster
-    p = plan("fwd", 8, 320, 4096, 10, 2, 132)
+    fwd, bwd = (256, 64 * 1024, 64, 2), (256, 48 * 1024, 64, 2)
+    p = plan("fwd", 8, 320, 4096, 10, 2, 132, fwd)
     assert (p.block_c, p.cluster, p.slice) == (40, 5, 820)  # 320 KB slabs in CTAs of about 64 KB
     assert p.smem == -(-820 * 80 // 16) * 16 + (256 // 5 + 1) * 40 * 4
-    q = plan("bwd", 8, 320, 4096, 10, 2, 132)
+    q = plan("bwd", 8, 320, 4096, 10, 2, 132, bwd)
     assert (q.block_c, q.cluster) == (40, 7) and q.smem == 2 * -(-q.slice * 80 // 16) * 16 + 2 * (256 // 5 + 1) * 40 * 4 \
         + 7 * 2 * 40 * 4
-    assert plan("fwd", 8, 320, 4096, 10, 4, 132).block_c == 20  # 80 bytes of fp32
-    assert plan("fwd", 32, 256, 3136, 8, 2, 132).block_c == 32  # 4 groups of 8: a 64-byte run
-    assert plan("fwd", 2, 24, 49, 3, 2, 132).block_c == 24  # 3 x 8: the only whole-pack block
+    assert plan("fwd", 8, 320, 4096, 10, 4, 132, fwd).block_c == 20  # 80 bytes of fp32
+    assert plan("fwd", 8, 320, 4096, 10, 4, 132, (256, 1 << 16, 128, 2)).block_c == 40  # 160 bytes
+    assert plan("fwd", 32, 256, 3136, 8, 2, 132, fwd).block_c == 32  # 4 groups of 8: a 64-byte run
+    assert plan("fwd", 2, 24, 49, 3, 2, 132, fwd).block_c == 24  # 3 x 8: the only whole-pack block
     assert plan("bwd", 2, 256, 64, 64, 2, 132, (64, 1 << 16, 64, 2)) is None  # 2 x 64 channel sums > 64 threads
-    one = plan("fwd", 1, 320, 4096, 10, 2, 132)
+    one = plan("fwd", 1, 320, 4096, 10, 2, 132, fwd)
     assert one.cluster == 16 and one.slice == 256  # batch 1: 8 slabs cut into 16 CTAs each
     assert plan("fwd", 1, 1280, 64, 40, 2, 132).slice >= configs.GN_CL_MIN_SLICE
     for args in ((2, 36, 64, 3, 2), (2, 30, 64, 10, 4)):  # 36 / 30 channels: not whole 8 / 4-element packs
@@ -509,6 +511,15 @@ def test_gn_cluster_route_is_data(monkeypatch):
     assert not tc.gn_cluster_routed("fwd", 10, 4096, 2, "")
     assert not tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_100")
     assert tb._gn_on_clusters("fwd", torch.empty(2, 320, 4096, dtype=torch.bfloat16), (), 32, None, None, None) is None
+    # channels_last (S13-1 / S13-2, H200): ranges of group sizes per (direction, element bytes)
+    cl = tc.gn_cl_cluster_routed
+    assert cl("fwd", 20, 1024, 2, "sm_90") and cl("fwd", 4, 16384, 2, "sm_90") and not cl("fwd", 10, 4096, 2, "sm_90")
+    assert cl("fwd", 10, 4096, 4, "sm_90") and not cl("fwd", 40, 256, 4, "sm_90")
+    assert cl("bwd", 40, 256, 2, "sm_90") and not cl("bwd", 8, 3136, 2, "sm_90") and cl("bwd", 8, 3136, 4, "sm_90")
+    assert not cl("fwd", 40, 64, 2, "sm_90") and not cl("bwd", 40, 64, 4, "sm_90")  # small groups: Triton's
+    assert not cl("fwd", 20, 1024, 2, "") and not cl("fwd", 20, 1024, 2, "sm_100")
+    x_cl = torch.empty(2, 640, 1024, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+    assert tb._gn_cl_on_clusters("fwd", x_cl, (), 32, None, None, None) is None  # a CPU tensor: never routed
 
 
 def test_cluster_widths_are_per_op(monkeypatch):
@@ -1125,7 +1136,7 @@ def gn_cluster_route(monkeypatch):
     from normkit.backends.triton import configs as tc
     arch = "sm_%d%d" % torch.cuda.get_device_capability()
     monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {arch: {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}})
-    monkeypatch.setattr(tc, "GN_CL_CLUSTER_ROUTE", {arch: {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}})
+    monkeypatch.setattr(tc, "GN_CL_CLUSTER_ROUTE", {arch: {(d, b): ((0, 1 << 40),) for d in ("fwd", "bwd") for b in (2, 4)}})
     tb.clear_caches()
     yield
     monkeypatch.undo()

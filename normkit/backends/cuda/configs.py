@@ -329,8 +329,10 @@ def plan_gn_cluster(direction: str, cg: int, spatial: int, elem_bytes: int, want
 # channels] tile (x; x and dy) in shared memory. (direction, element bytes) -> (threads, most bytes of each tile,
 # bytes a position's run of the block's channels should reach (a 32-byte sector or more where whole groups
 # allow), CTAs per SM wanted: batch-1 shapes take more CTAs per slab until the grid fills that many).
-GN_CL_CLUSTER_KERNELS = {("fwd", 2): (256, 64 * 1024, 64, 2), ("fwd", 4): (256, 64 * 1024, 64, 2),
-                         ("bwd", 2): (256, 48 * 1024, 64, 2), ("bwd", 4): (256, 48 * 1024, 64, 2)}
+# Runs S13-1 / S13-2 (H200, gn_sweep.py's clc variants): the shapes that won where the Triton backend routes
+# (triton/configs.py GN_CL_CLUSTER_ROUTE).
+GN_CL_CLUSTER_KERNELS = {("fwd", 2): (128, 32 * 1024, 64, 4), ("fwd", 4): (256, 64 * 1024, 128, 2),
+                         ("bwd", 2): (256, 80 * 1024, 64, 1), ("bwd", 4): (256, 48 * 1024, 64, 2)}
 GN_CL_MAX_GROUPS = 16  # groups per channel block (the kernels' kMaxClGroups)
 GN_CL_MIN_SLICE = 32  # positions per CTA below which batch-1 slabs are not cut further
 

@@ -244,16 +244,25 @@ def gn_cluster_routed(direction: str, cg: int, s: int, elem_bytes: int, arch: st
 
 
 # channels_last groups that run on the CUDA backend's cluster kernels (cuda/cluster.py prepare_gn_cl: a cluster per
-# (sample, channel block), the block's [positions, channels] slab held on chip and read once): arch ->
-# (direction, element bytes) -> (fewest, most) elements per group (Cg x S); absent: not routed.
-GN_CL_CLUSTER_ROUTE: dict = {}
+# (sample, channel block of whole groups), the block's [positions, channels] slab held on chip and read once): arch ->
+# (direction, element bytes) -> ((fewest, most) elements per group (Cg x S), ...); absent: not routed. Runs S13-1 /
+# S13-2 (H200, benchmarks/results/2026-11-27-h200-session13/), cuda/configs.py's GN_CL_CLUSTER_KERNELS shapes
+# against Triton's staged / looped kernels, fraction of copy (S13-2): bf16 fwd 8x640x32x32 0.203 -> 0.213,
+# 16x640x32x32 0.313 -> 0.327, 32x256x56x56 0.412 -> 0.473, 4x128x128x128 0.286 -> 0.324 (8x320x64x64's groups of
+# 40960 stay: 0.319 -> 0.295); bf16 bwd 8x640x32x32 0.239 -> 0.277, 16x640x32x32 0.292 -> 0.314, 8x1280x16x16
+# 0.152 -> 0.178 (32x256x56x56 stays: 0.390 -> 0.331); fp32 fwd 8x320x64x64 0.364 -> 0.460, 16x640x32x32 0.351 ->
+# 0.500, 32x256x56x56 0.419 -> 0.632, 4x128x128x128 0.338 -> 0.362, 1x320x64x64 0.151 -> 0.173; fp32 bwd
+# 0.29-0.43 -> 0.38-0.58 at groups of 10K-64K (8x1280x16x16 0.243 -> 0.287). Small groups (32x1280x8x8's 2560
+# elements) stay on the Triton kernels in every case.
+GN_CL_CLUSTER_ROUTE: dict = {"sm_90": {("fwd", 2): ((16384, 32768), (49152, 65536)), ("fwd", 4): ((16384, 65536),),
+                                       ("bwd", 2): ((8192, 20480),), ("bwd", 4): ((8192, 65536),)}}
 
 
 def gn_cl_cluster_routed(direction: str, cg: int, s: int, elem_bytes: int, arch: str) -> bool:
     """Whether channels_last groups of cg x s elements go to the CUDA cluster kernels on `arch`
     (GN_CL_CLUSTER_ROUTE)."""
-    bounds = GN_CL_CLUSTER_ROUTE.get(arch, {}).get((direction, 2 if elem_bytes <= 2 else 4))
-    return bounds is not None and bounds[0] <= cg * s <= bounds[1]
+    ranges = GN_CL_CLUSTER_ROUTE.get(arch, {}).get((direction, 2 if elem_bytes <= 2 else 4), ())
+    return any(lo <= cg * s <= hi for lo, hi in ranges)
 
 
 @dataclass(frozen=True)
