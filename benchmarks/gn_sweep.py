@@ -208,9 +208,6 @@ def plan_signature(x3, G, act):
     for direction, extra in (("fwd", None), ("bwd", (True, True))):
         routed = tb._gn_on_clusters(direction, x3, (x3,) if direction == "bwd" else (), G, None, None, act,
                                     direction == "bwd")
-        if tb._is_cl(x3):
-            routed = tb._gn_cl_on_clusters(direction, x3, (x3,) if direction == "bwd" else (), G, None, None, act,
-                                           direction == "bwd")
         if routed is not None:
             sig.append(("cluster", routed.plan))
             continue

@@ -172,7 +172,10 @@ def prepare_gn(direction: str, cg: int, spatial: int, dtype, wdtype, activation,
 
 
 def launch_gn_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, eps: float) -> None:
-    """y = group_norm(x) and mean/rstd [B, G], for dense NCHW x [B, C, S]; y dense like x."""
+    """y = group_norm(x) and mean/rstd [B, G], for dense x [B, C, S] (NCHW, or channels_last with a
+    prepare_gn_cl plan); y dense like x."""
+    if isinstance(p.plan, configs.GnClPlan):
+        return _launch_gn_cl_fwd(p, x, y, weight, bias, mean, rstd, groups, eps)
     B, C, S = x.shape
     rows, plan = B * groups, p.plan
     _use_device(p.kernel.device)
@@ -182,7 +185,10 @@ def launch_gn_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, eps:
 
 
 def launch_gn_bwd(p: Prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, groups: int) -> None:
-    """dx, and (unless None) the [B, C] fp32 per-sample sums of dweight/dbias, for dense NCHW x and dy."""
+    """dx, and (unless None) the [B, C] fp32 per-sample sums of dweight/dbias, for dense x and dy (NCHW, or
+    channels_last with a prepare_gn_cl plan)."""
+    if isinstance(p.plan, configs.GnClPlan):
+        return _launch_gn_cl_bwd(p, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, groups)
     B, C, S = x.shape
     rows, plan = B * groups, p.plan
     _use_device(p.kernel.device)
@@ -227,7 +233,7 @@ def _gn_cl_grid(p: Prepared, x) -> tuple:
     return (B * (C // p.plan.block_c) * p.plan.cluster,)
 
 
-def launch_gn_cl_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, eps: float) -> None:
+def _launch_gn_cl_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, eps: float) -> None:
     """y = group_norm(x) and mean/rstd [B, G] for dense channels_last x [B, C, S]; y channels_last too."""
     _, C, S = x.shape
     plan = p.plan
@@ -237,7 +243,7 @@ def launch_gn_cl_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, e
                     smem=plan.smem, cluster=plan.cluster)
 
 
-def launch_gn_cl_bwd(p: Prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, groups: int) -> None:
+def _launch_gn_cl_bwd(p: Prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, groups: int) -> None:
     """dx, and (unless None) the [B, C] fp32 per-sample sums of dweight/dbias, for dense channels_last x and dy."""
     _, C, S = x.shape
     plan = p.plan

@@ -464,16 +464,10 @@ def group_norm_fwd(x, num_groups, weight, bias, eps: float, activation=None):
         return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     cg = C // num_groups
     units = B * num_groups
-    if _is_cl(x):
-        prepared = _gn_cl_on_clusters("fwd", x, (), num_groups, weight, bias, activation)
-        if prepared is not None:
-            _cuda_cluster().launch_gn_cl_fwd(prepared, x, y, weight, bias, mean, rstd, num_groups, eps)
-            return y, mean, rstd
-    else:
-        prepared = _gn_on_clusters("fwd", x, (), num_groups, weight, bias, activation)
-        if prepared is not None:
-            _cuda_cluster().launch_gn_fwd(prepared, x, y, weight, bias, mean, rstd, num_groups, eps)
-            return y, mean, rstd
+    prepared = _gn_on_clusters("fwd", x, (), num_groups, weight, bias, activation)
+    if prepared is not None:
+        _cuda_cluster().launch_gn_fwd(prepared, x, y, weight, bias, mean, rstd, num_groups, eps)
+        return y, mean, rstd
     staged, device_index = _staged_plan("fwd", x, cg)
     if staged is not None:
         _staged(staged, device_index, x, None, y, weight, bias, mean, rstd, num_groups, activation, eps)
@@ -509,15 +503,6 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
     cg = C // num_groups
     bias = bias if activation is not None else None  # needed only to recompute the pre-activation
     units = B * num_groups
-    if _is_cl(x):
-        prepared = _gn_cl_on_clusters("bwd", x, (dy,), num_groups, weight, bias, activation, want_dw or want_db)
-        if prepared is not None:
-            dw_part = _empty((B, C), dtype=torch.float32, device=device) if want_dw else None
-            db_part = _empty((B, C), dtype=torch.float32, device=device) if want_db else None
-            _cuda_cluster().launch_gn_cl_bwd(prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part,
-                                             num_groups)
-            _reduce_partials(dw_part, dw, db_part, db, B, C, prepared.kernel.device, configs.GN_COL_SUM)
-            return dx, dw, db
     prepared = _gn_on_clusters("bwd", x, (dy,), num_groups, weight, bias, activation, want_dw or want_db)
     if prepared is not None:
         dw_part = _empty((B, C), dtype=torch.float32, device=device) if want_dw else None
@@ -553,33 +538,22 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
 
 
 def _gn_on_clusters(direction, x, rows_like, num_groups, weight, bias, activation, want_params=False):
-    """For dense NCHW groups the table routes to the CUDA backend's cluster kernels
-    (configs.GN_CLUSTER_ROUTE): the prepared kernel if this call can take it, else None."""
+    """For dense groups the tables route to the CUDA backend's cluster kernels (NCHW: a group is a row,
+    configs.GN_CLUSTER_ROUTE; channels_last: slabs of whole groups, configs.GN_CL_CLUSTER_ROUTE): the
+    prepared kernel if this call can take it, else None."""
     B, C, S = x.shape
     cg = C // num_groups
     device_index, arch, _ = _device_facts(x.device)
-    if not configs.gn_cluster_routed(direction, cg, S, x.element_size(), arch):
+    cl = _is_cl(x)
+    if not (configs.gn_cl_cluster_routed if cl else configs.gn_cluster_routed)(direction, cg, S, x.element_size(), arch):
         return None
     cluster = _cuda_cluster()
-    if cluster.gn_why_not(x, rows_like, weight, bias) is not None:
+    if (cluster.gn_cl_why_not if cl else cluster.gn_why_not)(x, rows_like, weight, bias) is not None:
         return None
+    prepare = (functools.partial(cluster.prepare_gn_cl, direction, B, C, S, cg) if cl else
+               functools.partial(cluster.prepare_gn, direction, cg, S))
     wdtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
-    return cluster.prepare_gn(direction, cg, S, x.dtype, wdtype, activation, want_params, device_index)
-
-
-def _gn_cl_on_clusters(direction, x, rows_like, num_groups, weight, bias, activation, want_params=False):
-    """For channels_last groups the table routes to the CUDA backend's cluster kernels
-    (configs.GN_CL_CLUSTER_ROUTE): the prepared kernel if this call can take it, else None."""
-    B, C, S = x.shape
-    cg = C // num_groups
-    device_index, arch, _ = _device_facts(x.device)
-    if not configs.gn_cl_cluster_routed(direction, cg, S, x.element_size(), arch):
-        return None
-    cluster = _cuda_cluster()
-    if cluster.gn_cl_why_not(x, rows_like, weight, bias) is not None:
-        return None
-    wdtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
-    return cluster.prepare_gn_cl(direction, B, C, S, cg, x.dtype, wdtype, activation, want_params, device_index)
+    return prepare(x.dtype, wdtype, activation, want_params, device_index)
 
 
 def _is_cl(x) -> bool:
