@@ -178,9 +178,10 @@ def group_norm(x, num_groups, weight, bias, eps, activation, backend):
         # (native_group_norm_backward; the activation's backward op at its input, the kernel's output,
         # which group_norm_bwd recomputes by running the kernel again: given eps), so the same bits as
         # CpuGroupNorm and the custom op. Not relu (torch's saves its output: in-place ops on y would
-        # break its backward), not off-centre groups (the shifted kernel: CpuGroupNorm), and not for
-        # LayerNorm (torch's native_layer_norm double backward is wrong at third order)
-        out = None if activation == "relu" else \
+        # break its backward), not off-centre groups (the shifted kernel: CpuGroupNorm), not a bias without
+        # a weight (torch's backward kernel fails on it), and not for LayerNorm (torch's native_layer_norm
+        # double backward is wrong at third order)
+        out = None if activation == "relu" or (weight is None and bias is not None) else \
             _tb._group_norm_fwd(x3, num_groups, weight, bias, eps, activation, shift=False)
         y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb) if out is None else out[0]
     else:

@@ -250,6 +250,24 @@ def test_offset_groups_keep_precision():
     assert_close(y, ref.group_norm(x, 2)[0], 1e-5, "offset groups")
 
 
+@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("act", [None, "silu", "relu"])
+@pytest.mark.parametrize("offset", [0.0, 50.0], ids=["centred", "offset"])
+def test_bias_without_weight_trains(offset, act, backend):
+    """A bias and no weight under autograd: the oracle's gradients in both layouts (torch's own CPU
+    backward kernel fails on it, "tensor does not have a device"; normkit takes the bias gradient apart)."""
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        x = (randn(2, 8, 5, 3, device=DEVICE) + offset).to(memory_format=fmt).requires_grad_(True)
+        b = randn(8, device=DEVICE).requires_grad_(True)
+        y = normkit.group_norm(x, 4, None, b, activation=act, backend=backend)
+        assert_close(y, ref.group_norm(x, 4, None, b, 1e-5, act)[0], TOL[x.dtype], f"y {fmt}")
+        dy = randn(*x.shape, device=DEVICE)
+        dx, db = torch.autograd.grad(y, [x, b], dy)
+        dx_ref, _, db_ref = ref.group_norm_backward(dy, x, 4, None, b, 1e-5, act)
+        assert_close(dx, dx_ref, TOL[x.dtype], f"dx {fmt}")
+        assert_close(db, db_ref, param_tol(b.dtype, x.dtype), f"dbias {fmt}")
+
+
 def test_weight_gradients_are_bitwise_reproducible():
     x = randn(4, 16, 50, device=DEVICE).requires_grad_(True)
     w = randn(16, device=DEVICE).requires_grad_(True)

@@ -248,8 +248,13 @@ def _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activati
         # tangents do; another layout can move the last bit: torch's activation kernels round their
         # vectorized and scalar loops differently, and which elements take which depends on strides)
         dy = _ACTIVATION_GRADS[activation](dy, z)
+    # torch's kernel fails asking for the bias gradient without a weight ("tensor does not have a device";
+    # F.group_norm's own backward too): then the bias gradient is dy's per-channel sum, taken here
+    bias_apart = w is None and dbias_dtype is not None
     dx, dw, db = _gn_bwd(dy.contiguous(), xs.view_as(x), mean_s.view_as(rstd), rstd, w, B, C, S, num_groups,
-                         [True, dweight_dtype is not None, dbias_dtype is not None])
+                         [True, dweight_dtype is not None, dbias_dtype is not None and not bias_apart])
+    if bias_apart:
+        db = dy.sum(dim=(0, 2))
     return (_to(dx, x.dtype), *_param_grads(dw, db, dweight_dtype, dbias_dtype))
 
 
