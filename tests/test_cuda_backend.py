@@ -103,6 +103,25 @@ def test_no_register_spills_in_the_common_kernels():
         assert spills and all(int(n) == 0 for n in spills), f"{spec}: {log}"
 
 
+def test_no_register_spills_in_the_routed_groupnorm_cluster_kernels():
+    """The GroupNorm cluster kernels the Triton backend routes to on sm_90 (both layouts, the committed
+    shapes) keep their per-thread state in registers (ptxas -v)."""
+    specs = []
+    for (direction, eb), shape in configs.GN_CL_CLUSTER_KERNELS.items():
+        dtype = {2: torch.bfloat16, 4: torch.float32}[eb]
+        specs.append(kernels.gn_cl_cluster(direction, dtype, torch.float32, "silu",
+                                           configs.GnClPlan(shape[0], 1, 0, 0, 0), direction == "bwd"))
+    for (direction, eb), shape in configs.GN_CLUSTER_KERNELS.items():
+        dtype = {2: torch.bfloat16, 4: torch.float32}[eb]
+        plan = configs.plan_gn_cluster(direction, 10, 4096, eb, direction == "bwd", shape)
+        specs.append(kernels.gn_cluster(direction, dtype, torch.float32, "silu", plan, direction == "bwd"))
+    for spec in specs:
+        _, _, _, log = nvrtc._nvrtc_compile(nvrtc.read_source(spec.source), spec.source, [spec.name],
+                                             nvrtc.options("sm_90") + ["--ptxas-options=-v"])
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and all(int(n) == 0 for n in spills), f"{spec}: {log}"
+
+
 def test_compile_error_names_the_kernel_and_shows_the_log(tmp_path, monkeypatch):
     (tmp_path / "broken.cu").write_text(
         "namespace nk {\ntemplate <typename T> __global__ void scale(T* x) { x[0] = undeclared_name; }\n}\n")
