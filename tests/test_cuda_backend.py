@@ -541,6 +541,58 @@ def test_gn_cluster_route_is_data(monkeypatch):
     assert tb._gn_on_clusters("fwd", x_cl, (), 32, None, None, None) is None  # a CPU tensor: never routed
 
 
+def test_gn_cluster_route_picks_the_layouts_kernels(monkeypatch):
+    """One route for both layouts: dense NCHW groups go to prepare_gn (groups as rows), channels_last to
+    prepare_gn_cl (slabs of whole groups), each behind its own table and checks; here on the CPU with
+    the cluster module stood in for (no GPU)."""
+    from types import SimpleNamespace
+
+    from normkit.backends import triton as tb
+    from normkit.backends.triton import configs as tc
+    calls = []
+    fake = SimpleNamespace(gn_why_not=lambda *a: None, gn_cl_why_not=lambda *a: None,
+                           prepare_gn=lambda *a: calls.append(("nchw",) + a) or "nchw",
+                           prepare_gn_cl=lambda *a: calls.append(("cl",) + a) or "cl")
+    monkeypatch.setattr(tb, "_cuda_cluster", lambda: fake)
+    monkeypatch.setattr(tb, "_device_facts", lambda device: (0, "sm_90", 132))
+    monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {"sm_90": {("fwd", 2): (0, 1 << 40)}})
+    monkeypatch.setattr(tc, "GN_CL_CLUSTER_ROUTE", {"sm_90": {("bwd", 2): ((0, 1 << 40),)}})
+    nchw = torch.empty(2, 64, 100, dtype=torch.bfloat16)
+    cl = nchw.transpose(1, 2).contiguous().transpose(1, 2)
+    w = torch.empty(64)
+    assert tb._gn_on_clusters("fwd", nchw, (), 8, w, None, "silu") == "nchw"
+    assert calls.pop() == ("nchw", "fwd", 8, 100, torch.bfloat16, torch.float32, "silu", False, 0)
+    assert tb._gn_on_clusters("bwd", cl, (cl,), 8, None, None, None, True) == "cl"
+    assert calls.pop() == ("cl", "bwd", 2, 64, 100, 8, torch.bfloat16, torch.bfloat16, None, True, 0)
+    assert tb._gn_on_clusters("fwd", cl, (), 8, None, None, None) is None  # channels_last forward: not in its table
+    assert tb._gn_on_clusters("bwd", nchw, (nchw,), 8, None, None, None) is None
+    fake.gn_cl_why_not = lambda *a: "x is not a dense channels_last tensor"
+    assert tb._gn_on_clusters("bwd", cl, (cl,), 8, None, None, None) is None and not calls
+
+
+def test_gn_cl_launch_packs_the_kernels_parameters(monkeypatch):
+    """launch_gn_fwd / launch_gn_bwd with a channels_last plan: a cluster per (sample, channel block), the
+    arguments in the order of the kernels' parameter lists (checked against the PTX by the catalog test)."""
+    from normkit.backends.cuda import cluster
+    launched = []
+    kernel = type("K", (), {"device": 0, "launch": lambda self, grid, block, args, smem, cluster:
+                            launched.append((grid, block, args, smem, cluster))})()
+    monkeypatch.setattr(cluster, "_use_device", lambda index: None)
+    plan = configs.GnClPlan(threads=128, cluster=3, slice=34, block_c=16, smem=4096)
+    p = cluster.Prepared(plan, kernel, 1)
+    x = torch.empty(2, 64, 100, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+    cluster.launch_gn_fwd(p, x, "y", "w", "b", "mean", "rstd", 8, 1e-5)
+    grid, block, args, smem, size = launched.pop()
+    assert grid == (2 * 4 * 3,) and block == (128,) and (smem, size) == (4096, 3)
+    assert dict(zip((n for n, _ in kernels.GN_CL_FWD_CLUSTER_PARAMS), args)) == dict(
+        x=x, y="y", weight="w", bias="b", mean="mean", rstd="rstd", C=64, S=100, cg=8, block_c=16, slice=34, eps=1e-5)
+    cluster.launch_gn_bwd(p, "dy", x, "w", "b", "mean", "rstd", "dx", "dw", "db", 8)
+    grid, block, args, smem, size = launched.pop()
+    assert grid == (24,) and dict(zip((n for n, _ in kernels.GN_CL_BWD_CLUSTER_PARAMS), args)) == dict(
+        dy="dy", x=x, weight="w", bias="b", mean="mean", rstd="rstd", dx="dx", dw_part="dw", db_part="db", C=64,
+        S=100, cg=8, block_c=16, slice=34)
+
+
 def test_cluster_widths_are_per_op(monkeypatch):
     """configs.CLUSTER_WIDTHS holds, per (direction, op, element bytes), the widths backend="cuda"
     runs on clusters, so LayerNorm and RMSNorm each take their faster kernel at a width; here the
