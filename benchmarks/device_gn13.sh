@@ -12,6 +12,10 @@
 #   bash benchmarks/device_gn13.sh final   the adopted routes: GroupNorm GPU tests (GroupNorm, CUDA backend and
 #                                         host-path files), then the committed plans, both layouts and
 #                                         directions, against torch.compile and same-size copies (S13-3)
+#   bash benchmarks/device_gn13.sh ncu     (next session, not run yet) Nsight Compute of the committed forward and
+#                                         backward kernels and a same-size copy at 8x320x64x64 bf16, both
+#                                         layouts: DRAM throughput, occupancy, warp stalls (where a one-wave
+#                                         GroupNorm kernel loses to the copy; notes/perf.md session 13)
 # Files land in one archive in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
@@ -43,6 +47,14 @@ final)
     timeout 200 python3 benchmarks/gn_sweep.py --out "$OUT/s" --dtypes bf16,fp32 --acts - --peers compile,copy \
         --layouts nchw,cl --shapes $SHAPES --variants default --budget 180 > "$OUT/sweep.log" 2>&1
     echo "sweep rc $?"; grep -E "^(bf16|fp32|copy|budget)" "$OUT/sweep.log" | cut -c1-300
+    ;;
+ncu)
+    for layout in "" --cl; do
+        timeout 120 ncu --kernel-name regex:'gn_|group_norm|col_sum|elementwise|copy' --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
+            python3 benchmarks/gn_ncu.py 8x320x64x64 $layout --copy > "$OUT/ncu${layout/--/-}.txt" 2>&1
+        echo "ncu $layout rc $?"; grep -E "gn_ncu|DRAM Throughput|Duration|Achieved Occupancy" "$OUT/ncu${layout/--/-}.txt" | head -40
+    done
     ;;
 esac
 tar czf "/tmp/gn13-${1:-sweep}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/gn13-${1:-sweep}.tgz" "$OUT/"

@@ -2,7 +2,9 @@
 shape under each of gn_sweep's variants (shapes outer, variants inner, in the order given); ncu
 picks the kernels by name. On a GPU:
   ncu --kernel-name regex:'group_norm|col_sum' --section SpeedOfLight ... \
-      python benchmarks/gn_ncu.py 8x320x64x64[,8x640x32x32] --cl [--variant default,staged-tiles] [--dtype bf16]"""
+      python benchmarks/gn_ncu.py 8x320x64x64[,8x640x32x32] --cl [--variant default,staged-tiles] [--dtype bf16]
+--copy adds a copy of the same bytes per shape (x.clone(), and torch.add(x, dy) for the backward's), the
+ceiling of these sizes (gn_sweep's `copy` peer)."""
 import argparse
 import os
 import sys
@@ -23,6 +25,7 @@ def main():
     ap.add_argument("--cl", action="store_true", help="channels_last")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--variant", default="default", help="one of gn_sweep.VARIANTS, or several joined by commas")
+    ap.add_argument("--copy", action="store_true", help="also a copy of the same bytes (clone, add) per shape")
     args = ap.parse_args()
     fmt = torch.channels_last if args.cl else torch.contiguous_format
     dtype = DTYPES[args.dtype]
@@ -31,6 +34,11 @@ def main():
         x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
         dy = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
         w, b = (torch.randn(shape[1], device="cuda", dtype=dtype) for _ in range(2))
+        if args.copy:
+            print(f"gn_ncu: {spec}{'/cl' if args.cl else ''} copy", flush=True)
+            x.clone()
+            torch.add(x, dy)
+            torch.cuda.synchronize()
         for variant in args.variant.split(","):
             print(f"gn_ncu: {spec}{'/cl' if args.cl else ''} {variant}", flush=True)
             with Overrides(VARIANTS[variant]):
