@@ -18,7 +18,7 @@ from . import configs, kernels
 
 @dataclass(frozen=True)
 class Prepared:
-    plan: configs.ClusterPlan
+    plan: configs.ClusterPlan | configs.GnClPlan
     kernel: object  # driver.Kernel
     clusters: int  # the grid's clusters before capping by rows: those resident at once (persistent),
     #                 times configs.CLUSTER_PUSH_WAVES for push kernels

@@ -374,6 +374,8 @@ def plan_gn_cl_cluster(direction: str, batch: int, C: int, S: int, cg: int, elem
     slice_ = cdiv(S, cluster)
     cluster = cdiv(S, slice_)  # no CTA without positions
     ty = threads // (block_c // pack)
+    # the tile(s), then the per-thread partials [arrays][ty][block_c] and per-channel sums [arrays][block_c] (the
+    # forward leaves the latter unused: the measured plans kept it)
     smem = arrays * cdiv(slice_ * block_c * elem_bytes, 16) * 16 + arrays * (ty + 1) * block_c * 4
     if direction == "bwd":
         smem += cluster * 2 * block_c * 4  # the cluster's slots
