@@ -678,12 +678,8 @@ def group_norm_backward(backend, dy, x, weight, bias, mean, rstd, num_groups: in
     need_dx, need_dw, need_db = needs
     channels_last = is_channels_last(x)
     dw_dtype, db_dtype = param_dtypes or (weight.dtype if need_dw else None, bias.dtype if need_db else None)
-    if eps is not None and backend is torch_backend:
-        dx3, dw, db = torch_backend._group_norm_bwd(bcs(dy, channels_last), bcs(x, channels_last), num_groups,
-                                                    weight, bias, mean, rstd, activation, dw_dtype, db_dtype, eps=eps)
-    else:
-        dx3, dw, db = backend.group_norm_bwd(bcs(dy, channels_last), bcs(x, channels_last), num_groups, weight,
-                                             bias, mean, rstd, activation, dw_dtype, db_dtype)
+    dx3, dw, db = backend.group_norm_bwd(bcs(dy, channels_last), bcs(x, channels_last), num_groups, weight, bias,
+                                         mean, rstd, activation, dw_dtype, db_dtype, eps=eps)
     return (fresh(from_bcs(dx3, x.shape)) if need_dx else None), dw, db
 
 

@@ -191,7 +191,7 @@ _INTERFACE = {
     "row_norm_bwd_fused": "dy x weight mean rstd rms dweight_dtype dbias_dtype *bias *activation *weight_offset *dh "
                           "*dx_dtype *dres_dtype *mod_scale *mod_shift *dmod_dtypes *gate",
     "group_norm_fwd": "x num_groups weight bias eps activation",
-    "group_norm_bwd": "dy x num_groups weight bias mean rstd activation dweight_dtype dbias_dtype",
+    "group_norm_bwd": "dy x num_groups weight bias mean rstd activation dweight_dtype dbias_dtype *eps",
 }
 
 

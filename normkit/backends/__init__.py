@@ -51,8 +51,10 @@ group_norm_fwd(x, num_groups, weight, bias, eps, activation=None) -> (y, mean, r
     x: [B, C, S] (S = product of the spatial dims, 1 if none) in either layout: NCHW
     (stride(2) == 1) or channels_last (stride(1) == 1). y: same shape and strides as x.
     weight/bias: contiguous [C] or None. mean/rstd: contiguous [B, num_groups] float32.
-group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype)
-    -> (dx, dweight | None, dbias | None); dy and dx have x's strides.
+group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype, *, eps=None)
+    -> (dx, dweight | None, dbias | None); dy and dx have x's strides. eps: the forward's, or None; the
+    torch backend's CPU kernel recomputes the activation's input with it (the forward's own bits), the
+    others recompute it from the statistics.
 """
 from __future__ import annotations
 

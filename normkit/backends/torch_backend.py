@@ -423,8 +423,9 @@ def _group_norm_fwd(x, num_groups, weight, bias, eps, activation=None, shift=Tru
     return y, (shift + mean_s).squeeze(2), rstd.squeeze(2), False
 
 
-def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
-    return _group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype)
+def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype, *, eps=None):
+    return _group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype,
+                           eps=eps)
 
 
 def _group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype,

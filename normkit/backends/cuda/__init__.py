@@ -320,8 +320,9 @@ def group_norm_fwd(x, num_groups, weight, bias, eps, activation=None):
     return y, mean, rstd
 
 
-def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
-    """-> (dx with x's strides, dweight [C] or None, dbias [C] or None), deterministic sums."""
+def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype, *, eps=None):
+    """-> (dx with x's strides, dweight [C] or None, dbias [C] or None), deterministic sums. eps: unused (the
+    kernels recompute the activation's input from the statistics)."""
     B, C, S = x.shape
     G = num_groups
     device = x.device

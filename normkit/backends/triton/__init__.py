@@ -488,8 +488,9 @@ def group_norm_fwd(x, num_groups, weight, bias, eps: float, activation=None):
     return y, mean, rstd
 
 
-def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype):
-    """(dx with x's strides, dweight [C] or None, dbias [C] or None); deterministic sums."""
+def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dweight_dtype, dbias_dtype, *, eps=None):
+    """(dx with x's strides, dweight [C] or None, dbias [C] or None); deterministic sums. eps: unused (the
+    kernels recompute the activation's input from the statistics)."""
     B, C, S = x.shape
     device = x.device
     if dy.stride() != x.stride():  # the kernel walks dy with x's strides
@@ -545,7 +546,8 @@ def _gn_on_clusters(direction, x, rows_like, num_groups, weight, bias, activatio
     cg = C // num_groups
     device_index, arch, _ = _device_facts(x.device)
     cl = _is_cl(x)
-    if not (configs.gn_cl_cluster_routed if cl else configs.gn_cluster_routed)(direction, cg, S, x.element_size(), arch):
+    routed = configs.gn_cl_cluster_routed if cl else configs.gn_cluster_routed
+    if not routed(direction, cg, S, x.element_size(), arch):
         return None
     cluster = _cuda_cluster()
     if (cluster.gn_cl_why_not if cl else cluster.gn_why_not)(x, rows_like, weight, bias) is not None:
