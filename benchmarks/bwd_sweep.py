@@ -85,11 +85,13 @@ def variants(eb: int, widths=WIDTHS) -> dict:
     # session 10: the cluster kernels at every wide width, both ops (cl), and with MERGE (cl-m: the
     # CTA's warps' row sums merged first, one value per CTA in the exchange: 16 values merged per
     # row at 128K-256K instead of 128-256)
-    for name, merge in (("cl", False), ("cl-m", True)):
+    # session 14: cl-p, the row sums pushed by st.async onto the peers' mbarriers (the push forward's
+    # exchange, PUSH) instead of remote stores and a cluster barrier per row
+    for name, merge, push in (("cl", False, False), ("cl-m", True, False), ("cl-p", False, True)):
         shapes = {}
         for n in wide:
-            base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])
-            shapes[("bwd", eb, n)] = base + (False,) * (5 - len(base)) + (merge,)
+            base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])[:4]
+            shapes[("bwd", eb, n)] = base + (False,) * (4 - len(base)) + (push, merge)
         out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(wide), cuda=tuple(wide),
                          cluster_shapes=shapes)
     return out

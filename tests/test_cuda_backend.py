@@ -447,7 +447,8 @@ def test_cluster_plans():
     assert configs.plan_cluster("fwd", 2048, 2, (512, 4, 4)).threads == 128  # narrow rows: small CTAs
     p = configs.plan_cluster("fwd", 65536, 2, (256, 8, 1, True, True))  # forward: reload, push exchange
     assert p.recompute and p.push and p.cluster == 4 and p.smem == 65536 * 2 // 4
-    assert not configs.plan_cluster("bwd", 65536, 2, (512, 2, 2, False, True)).push  # a forward-only flag
+    p = configs.plan_cluster("bwd", 65536, 2, (512, 2, 2, False, True, False, True))  # backward: push exchange
+    assert p.push and not p.one_pass  # one_pass: the push forward's LayerNorm only
     p = configs.plan_cluster("fwd", 65536, 2, (256, 8, 1, True, True, True, False))  # merge per CTA
     assert p.push and p.merge and not p.one_pass
     p = configs.plan_cluster("bwd", 65536, 2, (256, 4, 3, True, False, True, True))  # merge in any exchange
@@ -650,6 +651,7 @@ def test_cluster_launches(cluster_recorded):
     assert smem == plan.smem and args[-4:] == [300, 65536, plan.slice, 1e-5]
     # backward: one partial row per cluster, the dx kernel with the weight-gradient sums
     p = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0)
+    plan_b = configs.plan_cluster("bwd", 65536, 2)
     parts = p.grid_clusters(3)
     assert parts == 3  # never more clusters than rows
     xs = x[:3]
@@ -657,8 +659,24 @@ def test_cluster_launches(cluster_recorded):
     assert cluster.launch_bwd(p, xs, xs, w, None, None, rstd[:3], torch.empty_like(xs), dw_part, None) == parts
     name, grid, block, smem, args, cl = cluster_recorded[-1]
     assert name.startswith("nk::row_bwd_cluster<__nv_bfloat16, float, nk::Identity, true,") and \
-        name.endswith("true, false, false>")
+        name.endswith(f"{plan_b.stages}, true, false, false, false>")  # params, not recompute, merge, push
     assert grid == (3 * cl, 1, 1) and args[10] is dw_part and args[11] is None
+
+
+def test_push_backward_stays_one_persistent_wave(cluster_recorded, monkeypatch):
+    """The push backward (the exchange by st.async, PUSH) keeps the barrier backward's grid: one wave of
+    resident clusters, each a weight-gradient partial row; its kernel name carries the push flag."""
+    from normkit.backends.cuda import cluster
+    barrier = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0, shape=(512, 2, 2))
+    p = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0,
+                        shape=(512, 2, 2, False, True))
+    assert p.plan.push and p.clusters == barrier.clusters
+    x = torch.empty(5000, 65536, dtype=torch.bfloat16)
+    parts = torch.empty(p.grid_clusters(5000), 65536)
+    assert cluster.launch_bwd(p, x, x, None, None, None, torch.empty(5000), torch.empty_like(x), parts, None) == \
+        barrier.clusters
+    name = cluster_recorded[-1][0]
+    assert name.endswith(", 512, 2, 2, true, false, false, true>")
 
 
 def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
@@ -1174,6 +1192,55 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
             assert_close(rstd, rstd_ref, 1e-4 if offset else 2e-5, what + " rstd")
             y2 = cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)[0]
             assert torch.equal(y.nan_to_num(), y2.nan_to_num()), what
+    finally:
+        cluster.prepare.cache_clear()
+
+
+# the push backward (session 14): the row sums' exchange by st.async (registers or recompute, merge)
+PUSH_BWD_SHAPES = [(512, 2, 2, False, True), (256, 4, 3, True, True), (256, 4, 3, True, True, True)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", PUSH_BWD_SHAPES, ids=lambda s: "x".join(map(str, s[:3])) +
+                         ("-recompute" if s[3] else "") + ("-merge" if s[5:6] == (True,) else ""))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("op", OPS)
+def test_push_backward_matches_oracle(op, dtype, shape, cuda_poison, monkeypatch):
+    """The push backward against the float64 oracle (dx, dweight, dbias) with fewer rows than clusters,
+    one row, and clusters walking many rows (each exchange barrier reused at the next phases); rows offset
+    by 1e4; a NaN confined to its row's dx; the same bits twice."""
+    from normkit.backends.cuda import cluster
+    eb = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setitem(configs.CLUSTER_KERNELS, ("bwd", eb), shape)
+    monkeypatch.setattr(configs, "CLUSTER_SHAPES", {})
+    for kind in ("ln", "rms"):
+        monkeypatch.setitem(configs.CLUSTER_WIDTHS, ("bwd", kind, eb), (16384, 262144))
+    cluster.prepare.cache_clear()
+    rms = op == "rms_norm"
+    try:
+        for m, n, offset in [(3, 16392, 0.0), (1, 65536, 0.0), (700, 16384, 0.0), (37, 24576, 0.0),
+                             (9, 32768, 1e4)]:
+            what = f"push backward {op} {m}x{n} {dtype} offset {offset}"
+            x = (randn(m, n, device=DEVICE) * 2 + 0.5 + offset).to(dtype)
+            w, b = randn(n, device=DEVICE), randn(n, device=DEVICE)
+            p = cb._on_clusters("bwd", x, (x,), w, None, None, rms, True)
+            if p is None:  # a plan too big for this width (fp32 stages): the shape does not apply
+                continue
+            assert p.plan.push and p.plan.recompute == shape[3]
+            check_fwd_bwd(op, x, (n,), w, b, backend="cuda", what=what)
+            dy = randn(m, n, dtype=dtype, device=DEVICE)
+            _, mean, rstd = cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)
+            g1, g2 = (cb.row_norm_bwd(dy, x, w, None if rms else mean, rstd, rms, torch.float32,
+                                      None if rms else torch.float32) for _ in range(2))
+            assert all(a is None and c is None or torch.equal(a, c) for a, c in zip(g1, g2)), what
+            if m >= 3:
+                xn = x.clone()
+                xn[m // 2, n // 3] = math.nan
+                _, mean, rstd = cb.row_norm_fwd(xn, w, None if rms else b, 1e-5, rms)
+                dx = cb.row_norm_bwd(dy, xn, w, None if rms else mean, rstd, rms, None, None)[0]
+                assert torch.isnan(dx[m // 2]).all(), what
+                assert torch.isfinite(torch.cat([dx[:m // 2], dx[m // 2 + 1:]])).all(), what
     finally:
         cluster.prepare.cache_clear()
 

@@ -100,16 +100,20 @@ def prepare(direction: str, cols: int, dtype, wdtype, activation, rms: bool, wan
     plan = configs.plan_cluster(direction, cols, torch.empty((), dtype=dtype).element_size(), shape)
     if plan is None:
         return None
-    return _prepared(plan, kernels.row_cluster(direction, dtype, wdtype, activation, rms, plan, want_params), index)
+    return _prepared(plan, kernels.row_cluster(direction, dtype, wdtype, activation, rms, plan, want_params), index,
+                     waves=configs.CLUSTER_PUSH_WAVES if plan.push and direction == "fwd" else 1)
 
 
-def _prepared(plan, spec, index: int) -> Prepared | None:
-    """The plan with its kernel loaded and the clusters resident at once; None if it cannot launch here."""
+def _prepared(plan, spec, index: int, waves: int | None = None) -> Prepared | None:
+    """The plan with its kernel loaded and the clusters resident at once (times `waves`: default
+    CLUSTER_PUSH_WAVES for push plans, whose clusters each take few rows; a backward stays one persistent
+    wave, its weight-gradient partials being one row per cluster); None if it cannot launch here."""
     kernel = _load(spec, index)
     if not kernel.smem_fits(plan.smem):
         return None
     clusters = kernel.max_active_clusters(plan.threads, plan.smem, plan.cluster)
-    waves = configs.CLUSTER_PUSH_WAVES if plan.push else 1
+    if waves is None:
+        waves = configs.CLUSTER_PUSH_WAVES if plan.push else 1
     return Prepared(plan, kernel, clusters * waves) if clusters > 0 else None
 
 

@@ -242,7 +242,7 @@ class ClusterPlan:
     slice: int  # columns per CTA (a multiple of the pack)
     smem: int  # dynamic shared memory bytes (the stages)
     recompute: bool = False  # read the stage again (backward: dx, RECOMPUTE; forward: every pass, RELOAD)
-    push: bool = False  # forward: partials pushed by st.async to mbarriers, many clusters (PUSH)
+    push: bool = False  # partials pushed by st.async to mbarriers (PUSH); the forward's: many clusters
     merge: bool = False  # the CTA's warps merged first, one value per CTA in each exchange (MERGE)
     one_pass: bool = False  # push LayerNorm: moments from one read of the slice (ONE_PASS)
 
@@ -256,9 +256,9 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
         or CLUSTER_KERNELS[(direction, elem_bytes)]
     threads, items, stages, *rest = shape
     recompute = bool(rest and rest[0])
-    push = len(rest) > 1 and bool(rest[1]) and direction == "fwd"
+    push = len(rest) > 1 and bool(rest[1])  # the backward's: the exchange alone (one persistent wave)
     merge = len(rest) > 2 and bool(rest[2])
-    one_pass = push and len(rest) > 3 and bool(rest[3])
+    one_pass = push and direction == "fwd" and len(rest) > 3 and bool(rest[3])
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:
         return None

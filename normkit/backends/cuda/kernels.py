@@ -113,7 +113,7 @@ def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: conf
                           ROW_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
                       f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}, "
-                      f"{_b(plan.merge)}>",
+                      f"{_b(plan.merge)}, {_b(plan.push)}>",
                       ROW_BWD_CLUSTER_PARAMS)
 
 
@@ -295,8 +295,11 @@ def catalog() -> list[KernelSpec]:
                     p = dataclasses.replace(p, merge=True, one_pass=True)  # and the session-10 flags
                     specs.append(row_cluster(direction, dtype, torch.float32, act, rms, p))
         specs.append(row_cluster(direction, torch.float16, torch.float16, "gelu", False, plan, direction == "bwd"))
-        if direction == "bwd":  # one value per CTA in the exchange (session 10)
+        if direction == "bwd":  # one value per CTA in the exchange (session 10); the push exchange (session 14)
             specs.append(row_cluster(direction, dtype, torch.float32, None, False, dataclasses.replace(plan, merge=True), True))
+            for rms, recompute in ((False, False), (True, True)):
+                p = dataclasses.replace(plan, recompute=recompute, push=True)
+                specs.append(row_cluster(direction, dtype, torch.float32, None, rms, p, True))
     for (direction, elem_bytes), shape in configs.GN_CLUSTER_KERNELS.items():  # GroupNorm NCHW on clusters
         dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
         plan = configs.ClusterPlan(*shape[:3], cluster=1, slice=0, smem=0, recompute=bool(shape[3]),

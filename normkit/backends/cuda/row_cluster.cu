@@ -447,8 +447,11 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
 // RECOMPUTE: the dx step reads x and dy from the stage again and recomputes xhat and g instead of
 // keeping them in registers (2 registers per element fewer: more CTAs per SM); the stage is then
 // refilled after the dx step. MERGE: one value per CTA in the row sums' exchange (see exchange).
+// PUSH: the row sums go to the peers by st.async onto a per-row-parity mbarrier (the forward's
+// exchange) instead of remote stores and a cluster barrier; the grid stays one persistent wave (the
+// weight-gradient partials are one row per cluster).
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool PARAMS,
-          bool RECOMPUTE, bool MERGE = false>
+          bool RECOMPUTE, bool MERGE = false, bool PUSH = false>
 __global__ void __launch_bounds__(THREADS, 1)
     row_bwd_cluster(const T* __restrict__ dy, i64 dy_stride, const T* __restrict__ x, i64 x_stride,
                     const W* __restrict__ w, const W* __restrict__ b, const float* __restrict__ mean,
@@ -462,10 +465,16 @@ __global__ void __launch_bounds__(THREADS, 1)
   __shared__ cl::Barrier bars[STAGES];
   __shared__ Sum2 slots[2][cl::kMaxCluster * WARPS];
   __shared__ Sum2 local[MERGE ? WARPS : 1];
+  __shared__ cl::Barrier xbars[2];  // PUSH: the exchange's, per row parity
   const cl::Slice s(cols, slice);
   const cl::Stream<T, STAGES, 2> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x;
-  stream.start(s, rows, x, x_stride, dy, dy_stride);
+  if (PUSH && tid == 0) {
+    cl::barrier_init(&xbars[0], 1);
+    cl::barrier_init(&xbars[1], 1);
+  }
+  stream.start(s, rows, x, x_stride, dy, dy_stride);  // its fence and __syncthreads cover xbars too
+  if (PUSH) cl::cluster_arrive_relaxed();             // peers may push once every CTA has arrived
   const float inv_cols = 1.f / float(cols);
   int valid = 0;
 #pragma unroll
@@ -514,7 +523,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-    const Sum2 sums = cl::cluster_allreduce<WARPS, MERGE>(part, slots, it, s, local);
+    Sum2 sums;
+    if constexpr (PUSH) {
+      if (it == 0) cl::cluster_wait();
+      sums = cl::exchange<WARPS, true, MERGE>(group_allreduce<kWarpSize>(part), slots[it & 1], &xbars[it & 1],
+                                              unsigned(it >> 1) & 1u, s, local);
+    } else {
+      sums = cl::cluster_allreduce<WARPS, MERGE>(part, slots, it, s, local);
+    }
     if (!RECOMPUTE && tid == 0) {
       cl::fence_proxy_async();
       stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);

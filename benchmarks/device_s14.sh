@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 14 (issue 24), one device call, files in one archive in $OUT:
+#   bash benchmarks/device_s14.sh rows   the push backward's GPU tests; bwd_sweep.py at 16K-256K (bf16, both ops):
+#                                        the committed table (new) against the cluster backward with the barrier
+#                                        exchange (cl) and the push exchange (cl-p), oracle-checked; then Nsight
+#                                        Compute of the LayerNorm cluster backward at 256K (both exchanges) and of
+#                                        the GroupNorm kernels and a same-size copy at 8x320x64x64 bf16, both layouts
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh" env.txt
+export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
+NCU_SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats
+    --section LaunchStats --section SchedulerStats"
+case "${1:-rows}" in
+rows)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_cuda_backend.py \
+        -k "push_backward or cluster_launches or cluster_plans or cluster_kernels_match" 2>&1 | grep -v '^USDT' \
+        > "$OUT/tests-push-bwd.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-push-bwd.log" | cut -c1-300 | head -12; tail -1 "$OUT/tests-push-bwd.log"
+    timeout 170 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
+        --widths 16384,32768,65536,131072,262144 --variants new,cl,cl-p --check-variants "" --check-wide cl-p \
+        > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    # shellcheck disable=SC2086
+    timeout 100 ncu --kernel-name regex:'row_bwd_cluster' --launch-count 4 $NCU_SECTIONS \
+        python3 benchmarks/bwd_sweep.py --ncu ln:262144:cl,ln:262144:cl-p > "$OUT/ncu-row-bwd.txt" 2>&1
+    echo "ncu rows rc $?"; grep -E "row_bwd_cluster|DRAM Throughput|Duration|Achieved Occupancy|Stall" \
+        "$OUT/ncu-row-bwd.txt" | cut -c1-150 | head -24
+    for layout in "" --cl; do
+        # shellcheck disable=SC2086
+        timeout 100 ncu --kernel-name regex:'gn_|group_norm|col_sum|elementwise|copy' $NCU_SECTIONS \
+            python3 benchmarks/gn_ncu.py 8x320x64x64 $layout --copy > "$OUT/ncu-gn${layout/--/-}.txt" 2>&1
+        echo "ncu gn $layout rc $?"; grep -E "gn_ncu|DRAM Throughput|Duration|Achieved Occupancy" \
+            "$OUT/ncu-gn${layout/--/-}.txt" | cut -c1-150 | head -30
+    done
+    ;;
+esac
+tar czf "/tmp/s14-${1:-rows}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s14-${1:-rows}.tgz" "$OUT/"
