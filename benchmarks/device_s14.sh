@@ -4,7 +4,8 @@
 #                                        the committed table (new) against the cluster backward with the barrier
 #                                        exchange (cl) and the push exchange (cl-p), oracle-checked; then Nsight
 #                                        Compute of the LayerNorm cluster backward at 256K (both exchanges) and of
-#                                        the GroupNorm kernels and a same-size copy at 8x320x64x64 bf16, both layouts
+#                                        the GroupNorm kernels and a same-size copy at 8x320x64x64 bf16, both layouts;
+#                                        between them the LayerNorm push forward's shapes at 128K-256K (widefwd_sweep.py)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
@@ -20,6 +21,20 @@ rows)
         --widths 16384,32768,65536,131072,262144 --variants new,cl,cl-p --check-variants "" --check-wide cl-p \
         > "$OUT/bwd.log" 2>&1
     echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    # the LayerNorm forward at 128K-256K: ONE_PASS on 16 CTAs (of 8 warps, or of 16 warps x 4 packs), with and
+    # without MERGE, against the shipped 8 CTAs of 16 warps (session 10's next step)
+    timeout 90 python3 benchmarks/widefwd_sweep.py --out "$OUT/fwd" --budget 75 --parts time --dtypes bf16 \
+        --widths 131072,262144 --ops ln,rms --variants normkit,256x8+1,256x8+m1,512x4+1 --repeat 2 > "$OUT/fwd.log" 2>&1
+    echo "fwd rc $?"; python3 - "$OUT/fwd/rows.csv" <<'PY'
+import csv, sys
+from collections import defaultdict
+cells = defaultdict(list)
+for r in csv.DictReader(open(sys.argv[1])):
+    if r.get("frac"):
+        cells[(r["op"], int(r["N"]), r["impl"])].append(r["frac"])
+for key, v in sorted(cells.items()):
+    print(*key, *v)
+PY
     # shellcheck disable=SC2086
     timeout 100 ncu --kernel-name regex:'row_bwd_cluster' --launch-count 4 $NCU_SECTIONS \
         python3 benchmarks/bwd_sweep.py --ncu ln:262144:cl,ln:262144:cl-p > "$OUT/ncu-row-bwd.txt" 2>&1
