@@ -303,7 +303,7 @@ def profile(dtypes, vs, path, widths=(1024, 8192)):
 
 def ncu_cases(cases):
     """One backward per case after a warm-up call (ncu --launch-skip/-count picks)."""
-    vs = variants(2)
+    vs = variants(2, tuple(sorted({int(c.split(":")[1]) for c in cases.split(",")})))  # the cases' widths
     for case in cases.split(","):
         op, n, vname = case.split(":")
         N, rms = int(n), op == "rms"

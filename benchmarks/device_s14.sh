@@ -6,6 +6,8 @@
 #                                        Compute of the LayerNorm cluster backward at 256K (both exchanges) and of
 #                                        the GroupNorm kernels and a same-size copy at 8x320x64x64 bf16, both layouts;
 #                                        between them the LayerNorm push forward's shapes at 128K-256K (widefwd_sweep.py)
+#   bash benchmarks/device_s14.sh probe  the push tests in full, the GroupNorm push backward (gn_sweep.py cluster-p vs
+#                                        cluster-b vs default), ncu of the row backward at 16K, sync_probe.py (SD-1.5)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
@@ -47,6 +49,25 @@ PY
         echo "ncu gn $layout rc $?"; grep -E "gn_ncu|DRAM Throughput|Duration|Achieved Occupancy" \
             "$OUT/ncu-gn${layout/--/-}.txt" | cut -c1-150 | head -30
     done
+    ;;
+probe)
+    # after S14-3: the push tests in full (S14-3 cut them at 48% with two failures unnamed), the GroupNorm backward with
+    # the push exchange against the barrier one, ncu of the row backward at 16K (barrier vs push), and where the
+    # SD-1.5 UNet's step synchronizes (sync_probe.py)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE --tb=short tests/test_cuda_backend.py \
+        -k "push_backward" 2>&1 | grep -v '^USDT' > "$OUT/tests-push.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-push.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-push.log"
+    grep -E "^E " "$OUT/tests-push.log" | head -20 | cut -c1-300
+    timeout 170 python3 benchmarks/gn_sweep.py --out "$OUT/gn" --dtypes bf16,fp32 --acts - --peers copy --dirs bwd \
+        --layouts nchw --variants default,cluster-b,cluster-p --budget 150 > "$OUT/gn.log" 2>&1
+    echo "gn rc $?"; grep -E "^(bf16|fp32|copy|budget)" "$OUT/gn.log" | cut -c1-300
+    # shellcheck disable=SC2086
+    timeout 90 ncu --kernel-name regex:'row_bwd_cluster' --launch-count 4 --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python3 benchmarks/bwd_sweep.py --ncu ln:16384:cl,ln:16384:cl-p > "$OUT/ncu-row-bwd.txt" 2>&1
+    echo "ncu rows rc $?"; grep -E "row_bwd_cluster|DRAM Throughput|Duration|Achieved Occupancy" \
+        "$OUT/ncu-row-bwd.txt" | cut -c1-150 | head -16
+    timeout 100 python3 benchmarks/sync_probe.py --model sd15-unet --batch 1 2>&1 | grep -v Warning | tail -30
     ;;
 esac
 tar czf "/tmp/s14-${1:-rows}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s14-${1:-rows}.tgz" "$OUT/"

@@ -126,6 +126,12 @@ VARIANTS.update({
     # up to 64K bf16 elements in one CTA's shared memory (2 CTAs per SM), no exchange between CTAs
     "cluster-32": {**ALL_ROUTED, **_gn_shapes((256, 32, 1, True, True, False, True), (128, 8, 2, False))},
     "cluster-128r": {**ALL_ROUTED, **_gn_shapes((128, 16, 1, True, True, False, True), (128, 8, 2, True))},
+    # session 14: the backward's group sums by the push exchange (st.async onto mbarriers, a group per cluster, many
+    # clusters) instead of a cluster barrier per group; the forward as committed (cluster-p routes only the backward)
+    "cluster-p": {"GN_CLUSTER_ROUTE": {"sm_90": {("bwd", b): (0, 1 << 40) for b in (2, 4)}},
+                  "cuda.GN_CLUSTER_KERNELS": {**cuda_configs.GN_CLUSTER_KERNELS,
+                                              ("bwd", 2): (128, 8, 2, False, True), ("bwd", 4): (128, 8, 2, False, True)}},
+    "cluster-b": {"GN_CLUSTER_ROUTE": {"sm_90": {("bwd", b): (0, 1 << 40) for b in (2, 4)}}},  # the same, barrier
 })
 # session 13 (issue 24): channels_last groups on a cluster per (sample, channel block of whole groups), its CTAs
 # holding [positions, channels] tiles in shared memory (row_cluster.cu gn_cl_fwd_cluster / gn_cl_bwd_cluster).

@@ -478,6 +478,8 @@ def test_gn_cluster_plans():
     assert configs.plan_gn_cluster("bwd", 4, 16384, 2, True, shape).threads == 512  # 8 CTAs of 256 do not divide 4
     assert configs.plan_gn_cluster("bwd", 4, 16384, 4, True, shape) is None  # 4 CTAs of 512 x 4 fp32 packs: too few
     assert configs.plan_gn_cluster("fwd", 40, 64, 2, shape=(256, 8, 1, True, True)).threads == 128  # small: small CTAs
+    p = configs.plan_gn_cluster("bwd", 10, 4096, 2, True, (128, 8, 2, False, True, False, True))  # push backward
+    assert p.push and not p.one_pass and 10 % p.cluster == 0
 
 
 def test_gn_cl_cluster_plans():
@@ -1328,6 +1330,33 @@ def test_gn_cluster_kernels_match_oracle(shape, groups, dtype, act, gn_cluster_r
         assert (p is not None) == (planned is not None), f"{shape} G={groups} {direction}: {planned}"
         assert planned is not None or (dtype == torch.float32 and direction == "bwd")
     _check_gn_cluster_route(x, groups, dtype, act, f"cluster GN {shape} G={groups} {dtype} {act}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape,groups", [((2, 320, 64, 64), 32), ((3, 60, 12, 12), 6), ((3, 128, 64, 64), 32),
+                                          ((5, 48, 56, 56), 3), ((2, 1280, 8, 8), 32)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"g{v}")
+def test_gn_push_backward_matches_oracle(shape, groups, dtype, gn_cluster_route, cuda_poison, monkeypatch):
+    """The GroupNorm cluster backward with the push exchange (session 14; many clusters, a group each):
+    the checks of the cluster kernels (oracle, offset, NaN confined, bitwise weight gradients)."""
+    from normkit.backends import triton as tb
+    from normkit.backends.cuda import cluster
+    eb = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setitem(configs.GN_CLUSTER_KERNELS, ("bwd", eb), (128, 8, 2, False, True))
+    cluster.prepare_gn.cache_clear()
+    tb.clear_caches()
+    B, C = shape[:2]
+    x = randn(*shape, dtype=dtype, device=DEVICE) * 2 + 0.5
+    x3 = x.view(B, C, -1)
+    try:
+        p = tb._gn_on_clusters("bwd", x3, (x3,), groups, None, None, "silu", True)
+        assert p is not None and p.plan.push
+        _check_gn_cluster_route(x, groups, dtype, "silu", f"push GN backward {shape} G={groups} {dtype}")
+    finally:
+        cluster.prepare_gn.cache_clear()
+        tb.clear_caches()
 
 
 GN_CL_CLUSTER_CASES = [((2, 320, 64, 64), 32), ((3, 64, 12, 12), 8), ((1, 32, 8, 8), 32), ((3, 128, 64, 64), 32),

@@ -296,9 +296,9 @@ def plan_gn_cluster(direction: str, cg: int, spatial: int, elem_bytes: int, want
     too big). shape: as GN_CLUSTER_KERNELS' values (the default)."""
     threads, items, stages, *rest = shape or GN_CLUSTER_KERNELS[(direction, elem_bytes)]
     recompute = bool(rest and rest[0])
-    push = direction == "fwd" and len(rest) > 1 and bool(rest[1])
+    push = len(rest) > 1 and bool(rest[1])  # the backward's: the exchange alone (its partials are per sample)
     merge = len(rest) > 2 and bool(rest[2])
-    one_pass = push and len(rest) > 3 and bool(rest[3])
+    one_pass = push and direction == "fwd" and len(rest) > 3 and bool(rest[3])
     pack = 16 // elem_bytes
     if cg < 1 or spatial < 1 or spatial % pack:
         return None

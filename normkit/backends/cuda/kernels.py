@@ -126,7 +126,8 @@ def gn_cluster(direction: str, dtype, wdtype, activation, plan: configs.ClusterP
         return KernelSpec("row_cluster.cu", f"nk::gn_fwd_cluster<{t}, {w}, {a}, {shape}, {flags}>",
                           GN_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
-                      f"nk::gn_bwd_cluster<{t}, {w}, {a}, {shape}, {_b(want_params)}, {_b(plan.recompute)}>",
+                      f"nk::gn_bwd_cluster<{t}, {w}, {a}, {shape}, {_b(want_params)}, {_b(plan.recompute)}, "
+                      f"{_b(plan.push)}>",
                       GN_BWD_CLUSTER_PARAMS)
 
 
@@ -309,6 +310,8 @@ def catalog() -> list[KernelSpec]:
                 specs.append(gn_cluster(direction, dtype, wd, act, plan, params))
         specs.append(gn_cluster(direction, torch.float16, torch.float16, "gelu",
                                 dataclasses.replace(plan, recompute=not plan.recompute), direction == "bwd"))
+        if direction == "bwd":  # the push exchange (session 14)
+            specs.append(gn_cluster(direction, dtype, torch.float32, "silu", dataclasses.replace(plan, push=True), True))
     for (direction, elem_bytes), shape in configs.GN_CL_CLUSTER_KERNELS.items():  # GroupNorm channels_last
         dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
         plan = configs.GnClPlan(shape[0], cluster=1, slice=0, block_c=0, smem=0)

@@ -619,8 +619,11 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
 // channel)'s sums of dz * xhat and dz, written to row n of the [B, C] partials dw_part / db_part, which
 // col_sum adds over the samples: a thread leaves each pack's two sums in shared memory, and after the
 // exchange's barrier warp j adds channel j's packs of the slice in a fixed order (lane-strided, then
-// shuffles): the same bits every run. Each CTA's slice is whole channels (the host's plan).
-template <typename T, typename W, typename ACT, int THREADS, int ITEMS, int STAGES, bool PARAMS, bool RECOMPUTE>
+// shuffles): the same bits every run. Each CTA's slice is whole channels (the host's plan). PUSH: the group
+// sums go to the peers by st.async onto a per-row-parity mbarrier (as row_bwd_cluster's PUSH), and a CTA
+// barrier makes the pack sums visible instead of the cluster barrier.
+template <typename T, typename W, typename ACT, int THREADS, int ITEMS, int STAGES, bool PARAMS, bool RECOMPUTE,
+          bool PUSH = false>
 __global__ void __launch_bounds__(THREADS, 1)
     gn_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
                    const W* __restrict__ b, const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -633,11 +636,17 @@ __global__ void __launch_bounds__(THREADS, 1)
   __shared__ cl::Barrier bars[STAGES];
   __shared__ Sum2 slots[2][cl::kMaxCluster * WARPS];
   __shared__ Sum2 pack_sums[PARAMS ? THREADS * ITEMS : 1];  // PARAMS: (sum dz * xhat, sum dz) per pack
+  __shared__ cl::Barrier xbars[2];                          // PUSH: the exchange's, per row parity
   const cl::Slice s(cols, slice);
   const cl::Stream<T, STAGES, 2> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int cg = cols / spatial, packs_per_channel = spatial / P;
-  stream.start(s, rows, x, i64(cols), dy, i64(cols));
+  if (PUSH && tid == 0) {
+    cl::barrier_init(&xbars[0], 1);
+    cl::barrier_init(&xbars[1], 1);
+  }
+  stream.start(s, rows, x, i64(cols), dy, i64(cols));  // its fence and __syncthreads cover xbars too
+  if (PUSH) cl::cluster_arrive_relaxed();               // peers may push once every CTA has arrived
   const float inv_cols = 1.f / float(cols);
   int valid = 0;
 #pragma unroll
@@ -692,8 +701,16 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (PARAMS) pack_sums[p] = q;
       }
     }
-    // the cluster barrier of the exchange also makes every pack's sums visible to the CTA
-    const Sum2 sums = cl::cluster_allreduce<WARPS>(part, slots, it, s);
+    // the cluster barrier of the exchange also makes every pack's sums visible to the CTA (PUSH: a CTA barrier)
+    Sum2 sums;
+    if constexpr (PUSH) {
+      if (it == 0) cl::cluster_wait();
+      sums = cl::exchange<WARPS, true>(group_allreduce<kWarpSize>(part), slots[it & 1], &xbars[it & 1],
+                                       unsigned(it >> 1) & 1u, s);
+      if (PARAMS) __syncthreads();
+    } else {
+      sums = cl::cluster_allreduce<WARPS>(part, slots, it, s);
+    }
     if (!RECOMPUTE && tid == 0) {
       cl::fence_proxy_async();
       stream.issue(s, rows, it + STAGES, x, i64(cols), dy, i64(cols));
