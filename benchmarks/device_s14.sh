@@ -8,6 +8,9 @@
 #                                        between them the LayerNorm push forward's shapes at 128K-256K (widefwd_sweep.py)
 #   bash benchmarks/device_s14.sh probe  the push tests in full, the GroupNorm push backward (gn_sweep.py cluster-p vs
 #                                        cluster-b vs default), ncu of the row backward at 16K, sync_probe.py (SD-1.5)
+#   bash benchmarks/device_s14.sh final  the adopted routes: CUDA-backend and GPU tests, normkit bench's rows (bwd at
+#                                        1K-256K, fwd at 128K-256K) with torch and torch.compile, the GroupNorm push
+#                                        backward on one persistent wave
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
@@ -68,6 +71,23 @@ probe)
     echo "ncu rows rc $?"; grep -E "row_bwd_cluster|DRAM Throughput|Duration|Achieved Occupancy" \
         "$OUT/ncu-row-bwd.txt" | cut -c1-150 | head -16
     timeout 100 python3 benchmarks/sync_probe.py --model sd15-unet --batch 1 2>&1 | grep -v Warning | tail -30
+    ;;
+final)
+    # the adopted routes (the 16-bit row backward on the push clusters at 16K-128K, the 256K forward's 16 CTAs): the CUDA
+    # backend's and the GPU row tests, normkit bench's rows against torch and torch.compile, and the GroupNorm push
+    # backward on one persistent wave (cluster-p) against the barrier one (cluster-b)
+    timeout 220 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE --tb=short tests/test_cuda_backend.py tests/test_gpu.py \
+        2>&1 | grep -v '^USDT' > "$OUT/tests.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests.log"
+    grep -E "^E " "$OUT/tests.log" | head -12 | cut -c1-300
+    timeout 170 python3 -m normkit bench --no-plots --ops ln,rms --dirs bwd --dtypes bf16 \
+        --widths 1024,4096,8192,16384,32768,65536,131072,262144 --peers torch,compile --no-host --time-budget 150 \
+        --out "$OUT/rows-bwd" 2>&1 | grep -E "^\[|wrote" | cut -c1-160 | tail -5
+    timeout 80 python3 -m normkit bench --no-plots --ops ln,rms --dirs fwd --dtypes bf16 --widths 131072,262144 \
+        --peers torch,compile --no-host --time-budget 60 --out "$OUT/rows-fwd" 2>&1 | grep -E "^\[|wrote" | cut -c1-160 | tail -3
+    timeout 100 python3 benchmarks/gn_sweep.py --out "$OUT/gn" --dtypes bf16 --acts - --peers copy --dirs bwd \
+        --layouts nchw --variants default,cluster-b,cluster-p --budget 85 > "$OUT/gn.log" 2>&1
+    echo "gn rc $?"; grep -E "^(bf16|fp32|copy|budget)" "$OUT/gn.log" | cut -c1-300
     ;;
 esac
 tar czf "/tmp/s14-${1:-rows}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s14-${1:-rows}.tgz" "$OUT/"

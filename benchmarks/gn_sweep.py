@@ -126,8 +126,9 @@ VARIANTS.update({
     # up to 64K bf16 elements in one CTA's shared memory (2 CTAs per SM), no exchange between CTAs
     "cluster-32": {**ALL_ROUTED, **_gn_shapes((256, 32, 1, True, True, False, True), (128, 8, 2, False))},
     "cluster-128r": {**ALL_ROUTED, **_gn_shapes((128, 16, 1, True, True, False, True), (128, 8, 2, True))},
-    # session 14: the backward's group sums by the push exchange (st.async onto mbarriers, a group per cluster, many
-    # clusters) instead of a cluster barrier per group; the forward as committed (cluster-p routes only the backward)
+    # session 14: the backward's group sums by the push exchange (st.async onto mbarriers) instead of a cluster barrier
+    # per group; the forward as committed (cluster-p routes only the backward). Run S14-4 launched it on many clusters,
+    # a group each (slower than cluster-b nearly everywhere); since then it keeps the barrier kernel's persistent wave
     "cluster-p": {"GN_CLUSTER_ROUTE": {"sm_90": {("bwd", b): (0, 1 << 40) for b in (2, 4)}},
                   "cuda.GN_CLUSTER_KERNELS": {**cuda_configs.GN_CLUSTER_KERNELS,
                                               ("bwd", 2): (128, 8, 2, False, True), ("bwd", 4): (128, 8, 2, False, True)}},

@@ -107,7 +107,8 @@ def prepare(direction: str, cols: int, dtype, wdtype, activation, rms: bool, wan
 def _prepared(plan, spec, index: int, waves: int | None = None) -> Prepared | None:
     """The plan with its kernel loaded and the clusters resident at once (times `waves`: default
     CLUSTER_PUSH_WAVES for push plans, whose clusters each take few rows; a backward stays one persistent
-    wave, its weight-gradient partials being one row per cluster); None if it cannot launch here."""
+    wave: the rows' weight-gradient partials are one row per cluster, and GroupNorm's push backward measured
+    slower on many waves, run S14-4); None if it cannot launch here."""
     kernel = _load(spec, index)
     if not kernel.smem_fits(plan.smem):
         return None
@@ -172,7 +173,8 @@ def prepare_gn(direction: str, cg: int, spatial: int, dtype, wdtype, activation,
                                    want_params, shape)
     if plan is None:
         return None
-    return _prepared(plan, kernels.gn_cluster(direction, dtype, wdtype, activation, plan, want_params), index)
+    return _prepared(plan, kernels.gn_cluster(direction, dtype, wdtype, activation, plan, want_params), index,
+                     waves=configs.CLUSTER_PUSH_WAVES if plan.push and direction == "fwd" else 1)
 
 
 def launch_gn_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, eps: float) -> None:

@@ -59,13 +59,17 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 # 0.89 / 0.83 at 64K, 0.87 / 0.79 at 128K, 0.83 / 0.71 at 256K, where the persistent barrier
 # kernel made 0.71 / 0.58, 0.68 / 0.53, 0.67 / 0.53. Session 10 (run R10, 16-bit): LayerNorm's moments in
 # one read (ONE_PASS, 7th value) 0.82 -> 0.85 at 64K, 0.80 -> 0.82 at 128K, 0.72 -> 0.75 at 256K (RMSNorm
-# ignores it); 32K and fp32 are left as measured in S9-w.
+# ignores it); 32K and fp32 are left as measured in S9-w. Session 14 (H200, run S14-3): 256K on 16 CTAs of 8
+# warps with MERGE and ONE_PASS, LN 0.575 -> 0.60, RMS 0.69 -> 0.71 (H100, R10: LN 0.75 -> 0.76, RMS 0.83 -> 0.82).
+# The 16-bit backward with the push exchange (5th value; run S14-3, H200, bf16 LN / RMS): 0.60 / 0.62 -> 0.75 /
+# 0.78 at 16K, 0.56 / 0.58 -> 0.71 / 0.72 at 32K, 0.53 / 0.56 -> 0.63 / 0.65 at 64K, 0.44 / 0.47 -> 0.47 / 0.50
+# at 128K, 0.38 / 0.43 -> 0.40 / 0.45 at 256K against the barrier exchange; fp32 not measured with it.
 CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (256, 8, 1, True, True),
-                   ("bwd", 2): (512, 2, 2), ("bwd", 4): (512, 4, 2)}
+                   ("bwd", 2): (512, 2, 2, False, True), ("bwd", 4): (512, 4, 2)}
 CLUSTER_SHAPES = {
     ("fwd", 2, 32768): (128, 8, 1, True, True), ("fwd", 2, 65536): (128, 8, 1, True, True, False, True),
-    ("fwd", 2, 262144): (512, 8, 1, True, True, False, True), ("fwd", 4, 32768): (128, 8, 1, True, True),
-    ("bwd", 2, 131072): (256, 4, 3, True), ("bwd", 2, 262144): (256, 4, 3, True),
+    ("fwd", 2, 262144): (256, 8, 1, True, True, True, True), ("fwd", 4, 32768): (128, 8, 1, True, True),
+    ("bwd", 2, 131072): (256, 4, 3, True, True), ("bwd", 2, 262144): (256, 4, 3, True, True),
     ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
     # fp32 backward at 256K: 16 CTAs of 512 x 8 packs (16K columns), one stage of 128 KB, dx from the
     # stage again (121 registers, no spills). Run S7-3 (H100): LN 0.59 / RMS 0.61 of copy, where the
