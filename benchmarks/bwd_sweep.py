@@ -87,13 +87,14 @@ def variants(eb: int, widths=WIDTHS) -> dict:
     # row at 128K-256K instead of 128-256)
     # session 14: cl-p, the row sums pushed by st.async onto the peers' mbarriers (the push forward's
     # exchange, PUSH) instead of remote stores and a cluster barrier per row
+    # (cl-p also from 2K: rows of one CTA, no exchange, the row's tiles loaded by bulk copies; run S14-6)
     for name, merge, push in (("cl", False, False), ("cl-m", True, False), ("cl-p", False, True)):
         shapes = {}
-        for n in wide:
+        at = [n for n in widths if n >= 2048] if push else wide
+        for n in at:
             base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])[:4]
             shapes[("bwd", eb, n)] = base + (False,) * (4 - len(base)) + (push, merge)
-        out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(wide), cuda=tuple(wide),
-                         cluster_shapes=shapes)
+        out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(at), cuda=tuple(at), cluster_shapes=shapes)
     return out
 
 

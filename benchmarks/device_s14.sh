@@ -11,6 +11,7 @@
 #   bash benchmarks/device_s14.sh final  the adopted routes: CUDA-backend and GPU tests, normkit bench's rows (bwd at
 #                                        1K-256K, fwd at 128K-256K) with torch and torch.compile, the GroupNorm push
 #                                        backward on one persistent wave
+#   bash benchmarks/device_s14.sh last   the CUDA backend's tests in full; the row backward's push clusters at 2K-8K
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
@@ -88,6 +89,17 @@ final)
     timeout 100 python3 benchmarks/gn_sweep.py --out "$OUT/gn" --dtypes bf16 --acts - --peers copy --dirs bwd \
         --layouts nchw --variants default,cluster-b,cluster-p --budget 85 > "$OUT/gn.log" 2>&1
     echo "gn rc $?"; grep -E "^(bf16|fp32|copy|budget)" "$OUT/gn.log" | cut -c1-300
+    ;;
+last)
+    # after S14-5: the CUDA backend's test file in full (S14-5's tests were cut at ~51%) with the GroupNorm bf16 push
+    # backward adopted, and the row backward's push clusters at 2K-8K (rows of one CTA) against the committed table
+    timeout 250 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE --tb=short tests/test_cuda_backend.py \
+        2>&1 | grep -v '^USDT' > "$OUT/tests.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests.log"
+    grep -E "^E " "$OUT/tests.log" | head -12 | cut -c1-300
+    timeout 120 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
+        --widths 2048,4096,8192,16384 --variants new,cl-p --check-variants cl-p --check-dtypes bf16 --check-wide cl-p > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
     ;;
 esac
 tar czf "/tmp/s14-${1:-rows}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s14-${1:-rows}.tgz" "$OUT/"

@@ -289,8 +289,11 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
 # the CTAs per group divide Cg. Runs S12-1 / S12-2 (H200, gn_sweep.py's cluster variants): CTAs of 128
 # threads (more of them per SM) won the routed points (triton/configs.py GN_CLUSTER_ROUTE); the bf16 forward,
 # not routed, keeps the row forward's shape.
+# Session 14 (run S14-5, H200): the bf16 backward with the push exchange (5th value) on one persistent wave, at the
+# routed groups 0.335 -> 0.343 (8x640x32x32), 0.393 -> 0.427 (16x640x32x32), 0.544 -> 0.570 (32x256x56x56); fp32 not
+# measured with it (S14-4 measured both dtypes on many waves, slower).
 GN_CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (128, 8, 1, True, True, False, True),
-                      ("bwd", 2): (128, 8, 2, False), ("bwd", 4): (128, 8, 2, False)}
+                      ("bwd", 2): (128, 8, 2, False, True), ("bwd", 4): (128, 8, 2, False)}
 
 
 def plan_gn_cluster(direction: str, cg: int, spatial: int, elem_bytes: int, want_params: bool = False,
