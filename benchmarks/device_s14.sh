@@ -12,6 +12,7 @@
 #                                        1K-256K, fwd at 128K-256K) with torch and torch.compile, the GroupNorm push
 #                                        backward on one persistent wave
 #   bash benchmarks/device_s14.sh last   the CUDA backend's tests in full; the row backward's push clusters at 2K-8K
+#   bash benchmarks/device_s14.sh tests  the CUDA backend's and the GPU test files, 560 s
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
@@ -100,6 +101,13 @@ last)
     timeout 120 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
         --widths 2048,4096,8192,16384 --variants new,cl-p --check-variants cl-p --check-dtypes bf16 --check-wide cl-p > "$OUT/bwd.log" 2>&1
     echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    ;;
+tests)
+    # the adopted routes' GPU tests in full (S14-5 and S14-6 cut theirs at 51-60%): the CUDA backend's and the GPU files
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py tests/test_gpu.py \
+        2>&1 | grep -v '^USDT' > "$OUT/tests.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests.log"
+    grep -E "^E " "$OUT/tests.log" | head -12 | cut -c1-300
     ;;
 esac
 tar czf "/tmp/s14-${1:-rows}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s14-${1:-rows}.tgz" "$OUT/"

@@ -702,18 +702,24 @@ def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
 def test_cluster_routes_are_data():
     """The Triton backend's table says which widths and ops run on the cluster kernels (measured
     on the H200, the 16-bit backward again on the H100 in sessions 8-10, the forward in session
-    9): the 16-bit backward of both ops at 16K-128K (session 14: the push exchange won there against
-    the register-capped and two-row split rows, which keep 256K), the fp32 RMSNorm backward at 8K-32K;
+    9): the 16-bit backward of both ops at 16K-128K and LayerNorm's at 2K and 8K (session 14: the push
+    exchange won there against the register-capped and two-row split rows, which keep 256K, and against
+    the Triton tiles, which keep RMSNorm below 16K and LayerNorm at 4K), the fp32 RMSNorm backward at 8K-32K;
     never under the interpreter; the bench's overrides win."""
     from normkit.backends.triton import configs as tc
     tc.row_config.cache_clear()
     try:
         assert all(tc.row_config("bwd", n, 2, "sm_90", False, op).cuda for n in (16384, 32768, 65536, 131072)
                    for op in ("ln", "rms"))
+        # and the LayerNorm backward at 2K and 8K (run S14-6: one CTA a row, no exchange), not at 4K
+        assert tc.row_config("bwd", 2048, 2, "sm_90", False, "ln").cuda
+        assert not tc.row_config("bwd", 4096, 2, "sm_90", False, "ln").cuda
+        assert not tc.row_config("bwd", 2048, 2, "sm_90", False, "rms").cuda
         capped = tc.row_config("bwd", 262144, 2, "sm_90", False, "ln")
         assert not capped.cuda and capped.reg_cap == 128 and capped.programs_per_sm == 2
         assert not tc.row_config("bwd", 262144, 2, "sm_90", False, "rms").cuda
-        assert not tc.row_config("bwd", 8192, 2, "sm_90", False, "ln").cuda
+        assert tc.row_config("bwd", 8192, 2, "sm_90", False, "ln").cuda
+        assert not tc.row_config("bwd", 8192, 2, "sm_90", False, "rms").cuda
         assert tc.row_config("bwd", 8192, 4, "sm_90", False, "rms").cuda
         assert not tc.row_config("bwd", 8192, 4, "sm_90", False, "ln").cuda
         # the push forward (session 9): 16-bit 64K-256K both ops, Triton's one program per row below

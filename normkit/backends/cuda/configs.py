@@ -63,7 +63,8 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 # warps with MERGE and ONE_PASS, LN 0.575 -> 0.60, RMS 0.69 -> 0.71 (H100, R10: LN 0.75 -> 0.76, RMS 0.83 -> 0.82).
 # The 16-bit backward with the push exchange (5th value; run S14-3, H200, bf16 LN / RMS): 0.60 / 0.62 -> 0.75 /
 # 0.78 at 16K, 0.56 / 0.58 -> 0.71 / 0.72 at 32K, 0.53 / 0.56 -> 0.63 / 0.65 at 64K, 0.44 / 0.47 -> 0.47 / 0.50
-# at 128K, 0.38 / 0.43 -> 0.40 / 0.45 at 256K against the barrier exchange; fp32 not measured with it.
+# at 128K, 0.38 / 0.43 -> 0.40 / 0.45 at 256K against the barrier exchange; fp32 not measured with it. Rows of one
+# CTA (run S14-6, the Triton backend's route): LN 0.73 -> 0.82 at 2K, 0.69 -> 0.78 at 8K (4K and RMSNorm: Triton's).
 CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (256, 8, 1, True, True),
                    ("bwd", 2): (512, 2, 2, False, True), ("bwd", 4): (512, 4, 2)}
 CLUSTER_SHAPES = {
