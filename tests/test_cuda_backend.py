@@ -1351,11 +1351,12 @@ def test_gn_cluster_kernels_match_oracle(shape, groups, dtype, act, gn_cluster_r
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape,groups", [((2, 320, 64, 64), 32), ((3, 60, 12, 12), 6), ((3, 128, 64, 64), 32),
-                                          ((5, 48, 56, 56), 3), ((2, 1280, 8, 8), 32)],
+                                          ((5, 48, 56, 56), 3), ((2, 1280, 8, 8), 32), ((24, 320, 32, 32), 32)],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"g{v}")
 def test_gn_push_backward_matches_oracle(shape, groups, dtype, gn_cluster_route, cuda_poison, monkeypatch):
-    """The GroupNorm cluster backward with the push exchange (session 14; many clusters, a group each):
-    the checks of the cluster kernels (oracle, offset, NaN confined, bitwise weight gradients)."""
+    """The GroupNorm cluster backward with the push exchange (session 14; one persistent wave, whose clusters
+    walk several groups at 24x320x32x32's 768): the checks of the cluster kernels (oracle, offset, NaN confined,
+    bitwise weight gradients)."""
     from normkit.backends import triton as tb
     from normkit.backends.cuda import cluster
     eb = torch.empty((), dtype=dtype).element_size()

@@ -21,7 +21,7 @@ class Prepared:
     plan: configs.ClusterPlan | configs.GnClPlan
     kernel: object  # driver.Kernel
     clusters: int  # the grid's clusters before capping by rows: those resident at once (persistent),
-    #                 times configs.CLUSTER_PUSH_WAVES for push kernels
+    #                 times configs.CLUSTER_PUSH_WAVES for push forwards
 
     def grid_clusters(self, rows: int) -> int:
         """Clusters a launch over `rows` rows uses; in the backward, also its partial rows."""

@@ -301,6 +301,8 @@ def catalog() -> list[KernelSpec]:
             for rms, recompute in ((False, False), (True, True)):
                 p = dataclasses.replace(plan, recompute=recompute, push=True)
                 specs.append(row_cluster(direction, dtype, torch.float32, None, rms, p, True))
+            specs.append(row_cluster(direction, dtype, dtype, "silu", False,
+                                     dataclasses.replace(plan, push=True, merge=True), True))
     for (direction, elem_bytes), shape in configs.GN_CLUSTER_KERNELS.items():  # GroupNorm NCHW on clusters
         dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
         plan = configs.ClusterPlan(*shape[:3], cluster=1, slice=0, smem=0, recompute=bool(shape[3]),
@@ -310,8 +312,9 @@ def catalog() -> list[KernelSpec]:
                 specs.append(gn_cluster(direction, dtype, wd, act, plan, params))
         specs.append(gn_cluster(direction, torch.float16, torch.float16, "gelu",
                                 dataclasses.replace(plan, recompute=not plan.recompute), direction == "bwd"))
-        if direction == "bwd":  # the push exchange (session 14)
+        if direction == "bwd":  # the push exchange (session 14; the bf16 default: covered above)
             specs.append(gn_cluster(direction, dtype, torch.float32, "silu", dataclasses.replace(plan, push=True), True))
+            specs.append(gn_cluster(direction, dtype, dtype, None, dataclasses.replace(plan, push=True), False))
     for (direction, elem_bytes), shape in configs.GN_CL_CLUSTER_KERNELS.items():  # GroupNorm channels_last
         dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
         plan = configs.GnClPlan(shape[0], cluster=1, slice=0, block_c=0, smem=0)

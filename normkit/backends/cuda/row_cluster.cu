@@ -19,11 +19,14 @@
 // Partial slots alternate between two buffers by row parity: a CTA writes row i + 2's partials only
 // after the barrier of row i + 1, which every CTA reaches after merging row i's.
 //
-// PUSH (forward; issue 24, quack's exchange): no cluster barrier per row. Each warp's partial goes
+// PUSH (issue 24, quack's exchange): no cluster barrier per row. Each warp's partial goes
 // into every peer's slot by st.async, which completes bytes on that peer's exchange mbarrier (one
 // per row parity, armed by its own thread 0 with the bytes it will receive); a CTA waits only for
-// the bytes it needs. The grid is many clusters (about a row each) instead of one persistent wave,
-// so other clusters' loads cover a cluster's wait. Parity reuse is safe: a peer pushes row i + 2
+// the bytes it needs, and no thread pays the release fence of barrier.cluster.arrive (session 14's
+// ncu: 1.05 stall cycles per instruction in the barrier backward at 16K). The forward's grid is many
+// clusters (about a row each) instead of one persistent wave, so other clusters' loads cover a
+// cluster's wait; the backwards keep their persistent wave (their partials are per cluster or per
+// sample, and a group per cluster measured slower). Parity reuse is safe: a peer pushes row i + 2
 // only after this CTA pushed row i + 1, which it does after its warps merged row i's slots.
 // LayerNorm then needs one exchange: each warp's (count, sum, squared deviations from the warp's
 // mean), merged exactly (Chan) in a fixed order. RELOAD (forward): the passes read the stage again
@@ -615,7 +618,7 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
 }
 
 // The backward: dx = rstd * (g - xhat * mean(xhat * g) - mean(g)) over the group, g = dz * w[c], the two
-// group sums exchanged over the cluster (barrier exchange, slots by row parity). PARAMS: each (sample,
+// group sums exchanged over the cluster (barrier or push exchange, slots by row parity). PARAMS: each (sample,
 // channel)'s sums of dz * xhat and dz, written to row n of the [B, C] partials dw_part / db_part, which
 // col_sum adds over the samples: a thread leaves each pack's two sums in shared memory, and after the
 // exchange's barrier warp j adds channel j's packs of the slice in a fixed order (lane-strided, then
