@@ -478,8 +478,8 @@ def test_gn_cluster_plans():
     assert configs.plan_gn_cluster("bwd", 4, 16384, 2, True, shape).threads == 512  # 8 CTAs of 256 do not divide 4
     assert configs.plan_gn_cluster("bwd", 4, 16384, 4, True, shape) is None  # 4 CTAs of 512 x 4 fp32 packs: too few
     assert configs.plan_gn_cluster("fwd", 40, 64, 2, shape=(256, 8, 1, True, True)).threads == 128  # small: small CTAs
-    p = configs.plan_gn_cluster("bwd", 10, 4096, 2, True, (128, 8, 2, False, True, False, True))  # push backward
-    assert p.push and not p.one_pass and 10 % p.cluster == 0
+    p = configs.plan_gn_cluster("bwd", 10, 4096, 2, True, (128, 8, 2, False, True, True, True))  # push backward
+    assert p.push and not p.one_pass and not p.merge and 10 % p.cluster == 0  # merge, one_pass: forward flags here
 
 
 def test_gn_cl_cluster_plans():

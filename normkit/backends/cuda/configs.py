@@ -305,7 +305,7 @@ def plan_gn_cluster(direction: str, cg: int, spatial: int, elem_bytes: int, want
     threads, items, stages, *rest = shape or GN_CLUSTER_KERNELS[(direction, elem_bytes)]
     recompute = bool(rest and rest[0])
     push = len(rest) > 1 and bool(rest[1])  # the backward's: the exchange alone (its partials are per sample)
-    merge = len(rest) > 2 and bool(rest[2])
+    merge = direction == "fwd" and len(rest) > 2 and bool(rest[2])  # gn_bwd_cluster has no MERGE
     one_pass = push and direction == "fwd" and len(rest) > 3 and bool(rest[3])
     pack = 16 // elem_bytes
     if cg < 1 or spatial < 1 or spatial % pack:
