@@ -101,20 +101,19 @@ def prepare(direction: str, cols: int, dtype, wdtype, activation, rms: bool, wan
     if plan is None:
         return None
     return _prepared(plan, kernels.row_cluster(direction, dtype, wdtype, activation, rms, plan, want_params), index,
-                     waves=configs.CLUSTER_PUSH_WAVES if plan.push and direction == "fwd" else 1)
+                     direction)
 
 
-def _prepared(plan, spec, index: int, waves: int | None = None) -> Prepared | None:
-    """The plan with its kernel loaded and the clusters resident at once (times `waves`: default
-    CLUSTER_PUSH_WAVES for push plans, whose clusters each take few rows; a backward stays one persistent
-    wave: the rows' weight-gradient partials are one row per cluster, and GroupNorm's push backward measured
-    slower on many waves, run S14-4); None if it cannot launch here."""
+def _prepared(plan, spec, index: int, direction: str) -> Prepared | None:
+    """The plan with its kernel loaded and the clusters resident at once (push forwards: times
+    CLUSTER_PUSH_WAVES, their clusters each taking few rows; a backward stays one persistent wave: the rows'
+    weight-gradient partials are one row per cluster, and GroupNorm's push backward measured slower on many
+    waves, run S14-4); None if it cannot launch here."""
     kernel = _load(spec, index)
     if not kernel.smem_fits(plan.smem):
         return None
     clusters = kernel.max_active_clusters(plan.threads, plan.smem, plan.cluster)
-    if waves is None:
-        waves = configs.CLUSTER_PUSH_WAVES if plan.push else 1
+    waves = configs.CLUSTER_PUSH_WAVES if plan.push and direction == "fwd" else 1
     return Prepared(plan, kernel, clusters * waves) if clusters > 0 else None
 
 
@@ -174,7 +173,7 @@ def prepare_gn(direction: str, cg: int, spatial: int, dtype, wdtype, activation,
     if plan is None:
         return None
     return _prepared(plan, kernels.gn_cluster(direction, dtype, wdtype, activation, plan, want_params), index,
-                     waves=configs.CLUSTER_PUSH_WAVES if plan.push and direction == "fwd" else 1)
+                     direction)
 
 
 def launch_gn_fwd(p: Prepared, x, y, weight, bias, mean, rstd, groups: int, eps: float) -> None:
@@ -230,7 +229,8 @@ def prepare_gn_cl(direction: str, batch: int, C: int, S: int, cg: int, dtype, wd
                                       _sms(index), shape)
     if plan is None:
         return None
-    return _prepared(plan, kernels.gn_cl_cluster(direction, dtype, wdtype, activation, plan, want_params), index)
+    return _prepared(plan, kernels.gn_cl_cluster(direction, dtype, wdtype, activation, plan, want_params), index,
+                     direction)
 
 
 def _gn_cl_grid(p: Prepared, x) -> tuple:
