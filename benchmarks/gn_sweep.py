@@ -109,7 +109,7 @@ VARIANTS.update({
 # the forward with the push exchange, the backward's weight gradients per (sample, channel) from slices of
 # whole channels). "cuda.NAME" keys set normkit.backends.cuda.configs.NAME. Shapes as GN_CLUSTER_KERNELS':
 # (threads, items, stages, reload/recompute, push, merge, one_pass).
-ALL_ROUTED = {"GN_CLUSTER_ROUTE": {"sm_90": {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}}}
+ALL_ROUTED = {"GN_CLUSTER_ROUTE": {"sm_90": {(d, b): ((0, 1 << 40),) for d in ("fwd", "bwd") for b in (2, 4)}}}
 
 
 def _gn_shapes(fwd, bwd):
@@ -129,10 +129,10 @@ VARIANTS.update({
     # session 14: the backward's group sums by the push exchange (st.async onto mbarriers) instead of a cluster barrier
     # per group; the forward as committed (cluster-p routes only the backward). Run S14-4 launched it on many clusters,
     # a group each (slower than cluster-b nearly everywhere); since then it keeps the barrier kernel's persistent wave
-    "cluster-p": {"GN_CLUSTER_ROUTE": {"sm_90": {("bwd", b): (0, 1 << 40) for b in (2, 4)}},
+    "cluster-p": {"GN_CLUSTER_ROUTE": {"sm_90": {("bwd", b): ((0, 1 << 40),) for b in (2, 4)}},
                   "cuda.GN_CLUSTER_KERNELS": {**cuda_configs.GN_CLUSTER_KERNELS,
                                               ("bwd", 2): (128, 8, 2, False, True), ("bwd", 4): (128, 8, 2, False, True)}},
-    "cluster-b": {"GN_CLUSTER_ROUTE": {"sm_90": {("bwd", b): (0, 1 << 40) for b in (2, 4)}}},  # the same, barrier
+    "cluster-b": {"GN_CLUSTER_ROUTE": {"sm_90": {("bwd", b): ((0, 1 << 40),) for b in (2, 4)}}},  # the same, barrier
 })
 # session 13 (issue 24): channels_last groups on a cluster per (sample, channel block of whole groups), its CTAs
 # holding [positions, channels] tiles in shared memory (row_cluster.cu gn_cl_fwd_cluster / gn_cl_bwd_cluster).

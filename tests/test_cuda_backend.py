@@ -525,7 +525,7 @@ def test_gn_cluster_route_is_data(monkeypatch):
     assert tc.gn_cluster_routed("fwd", 40, 256, 4, "sm_90") and not tc.gn_cluster_routed("bwd", 40, 256, 4, "sm_90")
     assert tc.gn_cluster_routed("bwd", 8, 3136, 2, "sm_90") and not tc.gn_cluster_routed("bwd", 10, 4096, 2, "sm_90")
     assert not tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_90") and not tc.gn_cluster_routed("fwd", 4, 16384, 4, "sm_90")
-    monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {"sm_90": {("fwd", 2): (8192, 65536)}})
+    monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {"sm_90": {("fwd", 2): ((8192, 65536),)}})
     assert tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_90")
     assert not tc.gn_cluster_routed("fwd", 10, 4096, 4, "sm_90")
     assert not tc.gn_cluster_routed("bwd", 10, 4096, 2, "sm_90")
@@ -534,7 +534,8 @@ def test_gn_cluster_route_is_data(monkeypatch):
     assert not tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_100")
     assert tb._gn_on_clusters("fwd", torch.empty(2, 320, 4096, dtype=torch.bfloat16), (), 32, None, None, None) is None
     # channels_last (S13-1 / S13-2, H200): ranges of group sizes per (direction, element bytes)
-    cl = tc.gn_cl_cluster_routed
+    def cl(*args):
+        return tc.gn_cluster_routed(*args, channels_last=True)
     assert cl("fwd", 20, 1024, 2, "sm_90") and cl("fwd", 4, 16384, 2, "sm_90") and not cl("fwd", 10, 4096, 2, "sm_90")
     assert cl("fwd", 10, 4096, 4, "sm_90") and not cl("fwd", 40, 256, 4, "sm_90")
     assert cl("bwd", 40, 256, 2, "sm_90") and not cl("bwd", 8, 3136, 2, "sm_90") and cl("bwd", 8, 3136, 4, "sm_90")
@@ -558,7 +559,7 @@ def test_gn_cluster_route_picks_the_layouts_kernels(monkeypatch):
                            prepare_gn_cl=lambda *a: calls.append(("cl",) + a) or "cl")
     monkeypatch.setattr(tb, "_cuda_cluster", lambda: fake)
     monkeypatch.setattr(tb, "_device_facts", lambda device: (0, "sm_90", 132))
-    monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {"sm_90": {("fwd", 2): (0, 1 << 40)}})
+    monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {"sm_90": {("fwd", 2): ((0, 1 << 40),)}})
     monkeypatch.setattr(tc, "GN_CL_CLUSTER_ROUTE", {"sm_90": {("bwd", 2): ((0, 1 << 40),)}})
     nchw = torch.empty(2, 64, 100, dtype=torch.bfloat16)
     cl = nchw.transpose(1, 2).contiguous().transpose(1, 2)
@@ -1290,7 +1291,7 @@ def gn_cluster_route(monkeypatch):
     from normkit.backends import triton as tb
     from normkit.backends.triton import configs as tc
     arch = "sm_%d%d" % torch.cuda.get_device_capability()
-    monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {arch: {(d, b): (0, 1 << 40) for d in ("fwd", "bwd") for b in (2, 4)}})
+    monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {arch: {(d, b): ((0, 1 << 40),) for d in ("fwd", "bwd") for b in (2, 4)}})
     monkeypatch.setattr(tc, "GN_CL_CLUSTER_ROUTE", {arch: {(d, b): ((0, 1 << 40),) for d in ("fwd", "bwd") for b in (2, 4)}})
     tb.clear_caches()
     yield

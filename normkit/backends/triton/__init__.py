@@ -546,8 +546,7 @@ def _gn_on_clusters(direction, x, rows_like, num_groups, weight, bias, activatio
     cg = C // num_groups
     device_index, arch, _ = _device_facts(x.device)
     cl = _is_cl(x)
-    routed = configs.gn_cl_cluster_routed if cl else configs.gn_cluster_routed
-    if not routed(direction, cg, S, x.element_size(), arch):
+    if not configs.gn_cluster_routed(direction, cg, S, x.element_size(), arch, cl):
         return None
     cluster = _cuda_cluster()
     if (cluster.gn_cl_why_not if cl else cluster.gn_why_not)(x, rows_like, weight, bias) is not None:

@@ -225,22 +225,16 @@ GN_SPLIT2_MAX_GROUPS_PER_SM = {"fwd": 1.5, "bwd": float("inf")}
 GN_COL_SUM = (32, 128, 4)
 # Dense NCHW groups that run on the CUDA backend's Hopper cluster kernels (cuda/cluster.py prepare_gn: the
 # group held on chip across a cluster's CTAs and read once) when the call can take them (positions a whole
-# number of 16-byte packs): arch -> (direction, element bytes) -> (fewest, most) elements per group (Cg x S);
-# absent: not routed. Runs S12-1 / S12-2 (H200, benchmarks/results/2026-11-27-h200-session12-gn/), with the
+# number of 16-byte packs): arch -> (direction, element bytes) -> ((fewest, most) elements per group (Cg x S),
+# ...), the same shape as GN_CL_CLUSTER_ROUTE's; absent: not routed. Runs S12-1 / S12-2 (H200, benchmarks/results/2026-11-27-h200-session12-gn/), with the
 # GN_CLUSTER_KERNELS shapes of cuda/configs.py, fraction of copy before -> after (both runs):
 # fp32 fwd 32x256x56x56 0.59 -> 0.72, 8x320x64x64 0.51 -> 0.56, 16x640x32x32 0.58 -> 0.62, 8x1280x16x16 0.36 -> 0.39;
 # fp32 bwd 32x256x56x56 0.57 -> 0.69, 8x320x64x64 0.53 -> 0.56, 16x640x32x32 0.52 -> 0.56; bf16 bwd 32x256x56x56
 # 0.48 -> 0.54, 16x640x32x32 0.37 -> 0.39 (8x640x32x32 a tie). Not routed where they lost: the bf16 forward
 # (8x320x64x64 0.49 -> 0.42-0.47), groups of 64K (4x128x128x128) and small groups (8x1280x16x16's backward,
 # 32x1280x8x8: Triton's one-tile path is faster).
-GN_CLUSTER_ROUTE: dict = {"sm_90": {("fwd", 4): (8192, 49152), ("bwd", 4): (16384, 49152), ("bwd", 2): (16384, 32768)}}
-
-
-def gn_cluster_routed(direction: str, cg: int, s: int, elem_bytes: int, arch: str) -> bool:
-    """Whether dense NCHW groups of cg x s elements go to the CUDA cluster kernels on `arch`
-    (GN_CLUSTER_ROUTE; "" under the interpreter)."""
-    bounds = GN_CLUSTER_ROUTE.get(arch, {}).get((direction, 2 if elem_bytes <= 2 else 4))
-    return bounds is not None and bounds[0] <= cg * s <= bounds[1]
+GN_CLUSTER_ROUTE: dict = {"sm_90": {("fwd", 4): ((8192, 49152),), ("bwd", 4): ((16384, 49152),),
+                                    ("bwd", 2): ((16384, 32768),)}}
 
 
 # channels_last groups that run on the CUDA backend's cluster kernels (cuda/cluster.py prepare_gn_cl: a cluster per
@@ -258,10 +252,11 @@ GN_CL_CLUSTER_ROUTE: dict = {"sm_90": {("fwd", 2): ((16384, 32768), (49152, 6553
                                        ("bwd", 2): ((8192, 20480),), ("bwd", 4): ((8192, 65536),)}}
 
 
-def gn_cl_cluster_routed(direction: str, cg: int, s: int, elem_bytes: int, arch: str) -> bool:
-    """Whether channels_last groups of cg x s elements go to the CUDA cluster kernels on `arch`
-    (GN_CL_CLUSTER_ROUTE)."""
-    ranges = GN_CL_CLUSTER_ROUTE.get(arch, {}).get((direction, 2 if elem_bytes <= 2 else 4), ())
+def gn_cluster_routed(direction: str, cg: int, s: int, elem_bytes: int, arch: str, channels_last: bool = False) -> bool:
+    """Whether groups of cg x s elements in this layout go to the CUDA cluster kernels on `arch`
+    (GN_CL_CLUSTER_ROUTE for channels_last, else GN_CLUSTER_ROUTE; arch "" under the interpreter)."""
+    table = GN_CL_CLUSTER_ROUTE if channels_last else GN_CLUSTER_ROUTE
+    ranges = table.get(arch, {}).get((direction, 2 if elem_bytes <= 2 else 4), ())
     return any(lo <= cg * s <= hi for lo, hi in ranges)
 
 
