@@ -247,11 +247,17 @@ __device__ __forceinline__ V exchange(const V& v, V* slots, Barrier* bar, unsign
   return merge_slots(slots, int(s.size) * SENT);
 }
 
-// The barrier exchange of a value summed over the cluster; slots alternate by row parity.
-template <int WARPS, bool MERGE = false, typename V>
+// A value summed over the cluster for row `it` of this CTA's walk; slots (and, PUSH, the exchange
+// barriers xbars) alternate by row parity. PUSH: the peers' barriers are initialised before anyone
+// pushes, so the first row waits for the cluster arrive that followed their initialisation (issued
+// by the caller after it initialised its own: cluster_arrive_relaxed); every later row waits on the
+// exchange barrier alone. Else the barrier exchange.
+template <int WARPS, bool MERGE = false, bool PUSH = false, typename V>
 __device__ __forceinline__ V cluster_allreduce(V v, V (*slots)[kMaxCluster * WARPS], int it, const Slice& s,
-                                               V* local = nullptr) {
-  return exchange<WARPS, false, MERGE>(group_allreduce<kWarpSize>(v), slots[it & 1], nullptr, 0, s, local);
+                                               V* local = nullptr, Barrier* xbars = nullptr) {
+  if (PUSH && it == 0) cluster_wait();
+  return exchange<WARPS, PUSH, MERGE>(group_allreduce<kWarpSize>(v), slots[it & 1], PUSH ? &xbars[it & 1] : nullptr,
+                                      unsigned(it >> 1) & 1u, s, local);
 }
 
 // This thread's packs of a stage, shifted, into registers (packs past the slice hold 0).
@@ -526,14 +532,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-    Sum2 sums;
-    if constexpr (PUSH) {
-      if (it == 0) cl::cluster_wait();
-      sums = cl::exchange<WARPS, true, MERGE>(group_allreduce<kWarpSize>(part), slots[it & 1], &xbars[it & 1],
-                                              unsigned(it >> 1) & 1u, s, local);
-    } else {
-      sums = cl::cluster_allreduce<WARPS, MERGE>(part, slots, it, s, local);
-    }
+    const Sum2 sums = cl::cluster_allreduce<WARPS, MERGE, PUSH>(part, slots, it, s, local, xbars);
     if (!RECOMPUTE && tid == 0) {
       cl::fence_proxy_async();
       stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);
@@ -705,15 +704,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     // the cluster barrier of the exchange also makes every pack's sums visible to the CTA (PUSH: a CTA barrier)
-    Sum2 sums;
-    if constexpr (PUSH) {
-      if (it == 0) cl::cluster_wait();
-      sums = cl::exchange<WARPS, true>(group_allreduce<kWarpSize>(part), slots[it & 1], &xbars[it & 1],
-                                       unsigned(it >> 1) & 1u, s);
-      if (PARAMS) __syncthreads();
-    } else {
-      sums = cl::cluster_allreduce<WARPS>(part, slots, it, s);
-    }
+    const Sum2 sums = cl::cluster_allreduce<WARPS, false, PUSH>(part, slots, it, s, static_cast<Sum2*>(nullptr), xbars);
+    if (PUSH && PARAMS) __syncthreads();
     if (!RECOMPUTE && tid == 0) {
       cl::fence_proxy_async();
       stream.issue(s, rows, it + STAGES, x, i64(cols), dy, i64(cols));
