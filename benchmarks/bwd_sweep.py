@@ -95,6 +95,15 @@ def variants(eb: int, widths=WIDTHS) -> dict:
             base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])[:4]
             shapes[("bwd", eb, n)] = base + (False,) * (4 - len(base)) + (push, merge)
         out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(at), cuda=tuple(at), cluster_shapes=shapes)
+    # session 15: cl-o{stages}, two rows in flight (OVERLAP: the next row's first pass while this row's sums travel;
+    # the push exchange, the stage read again), at the committed shapes' threads and items
+    for stages in (3, 4):
+        shapes = {}
+        for n in wide:
+            base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])
+            shapes[("bwd", eb, n)] = base[:2] + (max(stages, base[2]), True, True, False, True)
+        out[f"cl-o{stages}"] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(wide), cuda=tuple(wide),
+                                    cluster_shapes=shapes)
     return out
 
 

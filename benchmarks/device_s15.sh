@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
 # Session 15 (issues 22, 24), one device call, files in one archive in $OUT (carry .whl):
 # (issue 22's eager model cases on this tree: `bash benchmarks/device_lead.sh models`)
-#   bash benchmarks/device_s15.sh compile   the push backward's tests (cl::cluster_allreduce now holds the push
-#                                           exchange), then the compiled cases: Llama decode and training, UNet2DModel
+#   bash benchmarks/device_s15.sh overlap   the push backward's tests (cl::cluster_allreduce now holds the push
+#                                           exchange; OVERLAP: two rows in flight), bwd_sweep.py at 16K-256K (bf16,
+#                                           both ops): the committed table against cl-o3 / cl-o4 (OVERLAP on 3 / 4
+#                                           stages), oracle-checked; then compiled Llama decode
+#   bash benchmarks/device_s15.sh compile   the compiled cases: Llama decode and training, UNet2DModel
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-compile}" in
-compile)
-    timeout 110 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
-        -k "push_backward or cluster_kernels_match or gn_cluster" > "$OUT/tests-push.log" 2>&1
+overlap)
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
+        -k "push_backward or cluster_kernels_match or gn_cluster or cluster_launches" > "$OUT/tests-push.log" 2>&1
     grep -E "^(FAILED|ERROR)" "$OUT/tests-push.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-push.log"
+    grep -E "^E " "$OUT/tests-push.log" | head -12 | cut -c1-300
+    timeout 190 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
+        --widths 16384,32768,65536,131072,262144 --variants new,cl-o3,cl-o4 --check-variants "" \
+        --check-wide cl-o3,cl-o4 > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    bench 170 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 150 --out "$OUT/llama"
+    ;;
+compile)
     bench 200 --models llama --modes decode,train --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 175 --out "$OUT/llama"
     bench 200 --models unet2d --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \

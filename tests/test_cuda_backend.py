@@ -662,7 +662,8 @@ def test_cluster_launches(cluster_recorded):
     assert cluster.launch_bwd(p, xs, xs, w, None, None, rstd[:3], torch.empty_like(xs), dw_part, None) == parts
     name, grid, block, smem, args, cl = cluster_recorded[-1]
     assert name.startswith("nk::row_bwd_cluster<__nv_bfloat16, float, nk::Identity, true,") and \
-        name.endswith(f"{plan_b.stages}, true, {str(plan_b.recompute).lower()}, false, {str(plan_b.push).lower()}>")
+        name.endswith(f"{plan_b.stages}, true, {str(plan_b.recompute).lower()}, false, {str(plan_b.push).lower()}, "
+                      f"{str(plan_b.overlap).lower()}>")
     assert plan_b.push  # the 16-bit backward's default exchange (session 14)
     assert grid == (3 * cl, 1, 1) and args[10] is dw_part and args[11] is None
 
@@ -680,7 +681,16 @@ def test_push_backward_stays_one_persistent_wave(cluster_recorded, monkeypatch):
     assert cluster.launch_bwd(p, x, x, None, None, None, torch.empty(5000), torch.empty_like(x), parts, None) == \
         barrier.clusters
     name = cluster_recorded[-1][0]
-    assert name.endswith(", 512, 2, 2, true, false, false, true>")
+    assert name.endswith(", 512, 2, 2, true, false, false, true, false>")
+    # two rows in flight: the same grid, its own flag
+    o = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0,
+                        shape=(512, 2, 3, True, True, False, True))
+    assert o.plan.overlap and o.clusters == cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True,
+                                                            True, 0, shape=(512, 2, 3, True)).clusters
+    cluster.launch_bwd(o, x, x, None, None, None, torch.empty(5000), torch.empty_like(x), parts, None)
+    assert cluster_recorded[-1][0].endswith(", 512, 2, 3, true, true, false, true, true>")
+    with pytest.raises(ValueError, match="3 stages"):
+        configs.plan_cluster("bwd", 65536, 2, (512, 2, 2, True, True, False, True))
 
 
 def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
@@ -1204,14 +1214,17 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
         cluster.prepare.cache_clear()
 
 
-# the push backward (session 14): the row sums' exchange by st.async (registers or recompute, merge)
-PUSH_BWD_SHAPES = [(512, 2, 2, False, True), (256, 4, 3, True, True), (256, 4, 3, True, True, True)]
+# the push backward (session 14): the row sums' exchange by st.async (registers or recompute, merge); two rows in
+# flight (session 15, OVERLAP: four slot buffers reused along each cluster's walk), with and without merge
+PUSH_BWD_SHAPES = [(512, 2, 2, False, True), (256, 4, 3, True, True), (256, 4, 3, True, True, True),
+                   (256, 4, 3, True, True, False, True), (512, 2, 4, True, True, True, True)]
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("shape", PUSH_BWD_SHAPES, ids=lambda s: "x".join(map(str, s[:3])) +
-                         ("-recompute" if s[3] else "") + ("-merge" if s[5:6] == (True,) else ""))
+                         ("-recompute" if s[3] else "") + ("-merge" if s[5:6] == (True,) else "") +
+                         ("-overlap" if s[6:7] == (True,) else ""))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("op", OPS)
 def test_push_backward_matches_oracle(op, dtype, shape, cuda_poison, monkeypatch):
@@ -1235,7 +1248,7 @@ def test_push_backward_matches_oracle(op, dtype, shape, cuda_poison, monkeypatch
             p = cb._on_clusters("bwd", x, (x,), w, None, None, rms, True)
             if p is None:  # a plan too big for this width (fp32 stages): the shape does not apply
                 continue
-            assert p.plan.push and p.plan.recompute == shape[3]
+            assert p.plan.push and p.plan.recompute == shape[3] and p.plan.overlap == (shape[6:7] == (True,))
             dy = randn(m, n, dtype=dtype, device=DEVICE)
             if offset and dtype == torch.float32 and not rms:
                 # the forward's fp32 mean of rows at 1e4 is rounded by up to ulp(1e4) / 2 against a spread of 2:

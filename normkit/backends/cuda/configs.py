@@ -250,13 +250,14 @@ class ClusterPlan:
     push: bool = False  # partials pushed by st.async to mbarriers (PUSH); the forward's: many clusters
     merge: bool = False  # the CTA's warps merged first, one value per CTA in each exchange (MERGE)
     one_pass: bool = False  # push LayerNorm: moments from one read of the slice (ONE_PASS)
+    overlap: bool = False  # push backward with the stage read again: two rows in flight (OVERLAP)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> ClusterPlan | None:
     """The cluster kernel's plan for rows of `cols` columns, or None when they cannot take it
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
-    shape: (threads, items, stages[, recompute[, push[, merge[, one_pass]]]]); default: CLUSTER_SHAPES' for
-    the width, else CLUSTER_KERNELS'."""
+    shape: (threads, items, stages[, recompute[, push[, merge[, one_pass (forward) / overlap (backward)]]]]);
+    default: CLUSTER_SHAPES' for the width, else CLUSTER_KERNELS'."""
     shape = shape or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
         or CLUSTER_KERNELS[(direction, elem_bytes)]
     threads, items, stages, *rest = shape
@@ -264,6 +265,10 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
     push = len(rest) > 1 and bool(rest[1])  # the backward's: the exchange alone (one persistent wave)
     merge = len(rest) > 2 and bool(rest[2])
     one_pass = push and direction == "fwd" and len(rest) > 3 and bool(rest[3])
+    # the backward's two rows in flight: the push exchange, the stage read again, rows it and it + 1 on chip
+    overlap = push and recompute and direction == "bwd" and len(rest) > 3 and bool(rest[3])
+    if overlap and stages < 3:
+        raise ValueError(f"cluster shape {shape}: the backward's overlap needs 3 stages or more")
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:
         return None
@@ -280,7 +285,7 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
     smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
     if smem > CLUSTER_SMEM_MAX:
         return None
-    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass)
+    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass, overlap)
 
 
 # GroupNorm over dense NCHW groups on the same cluster kernels (row_cluster.cu gn_*_cluster; issue 24): a group

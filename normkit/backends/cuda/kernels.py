@@ -113,7 +113,7 @@ def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: conf
                           ROW_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
                       f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}, "
-                      f"{_b(plan.merge)}, {_b(plan.push)}>",
+                      f"{_b(plan.merge)}, {_b(plan.push)}, {_b(plan.overlap)}>",
                       ROW_BWD_CLUSTER_PARAMS)
 
 
@@ -303,6 +303,11 @@ def catalog() -> list[KernelSpec]:
                 specs.append(row_cluster(direction, dtype, torch.float32, None, rms, p, True))
             specs.append(row_cluster(direction, dtype, dtype, "silu", False,
                                      dataclasses.replace(plan, push=True, merge=True), True))
+            # two rows in flight (session 15): three stages, the stage read again; with MERGE and without weights
+            p = dataclasses.replace(plan, stages=3, recompute=True, push=True, overlap=True)
+            for rms in (False, True):
+                specs.append(row_cluster(direction, dtype, torch.float32, "silu" if rms else None, rms, p, True))
+            specs.append(row_cluster(direction, dtype, dtype, None, False, dataclasses.replace(p, merge=True), False))
     for (direction, elem_bytes), shape in configs.GN_CLUSTER_KERNELS.items():  # GroupNorm NCHW on clusters
         dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
         plan = configs.ClusterPlan(*shape[:3], cluster=1, slice=0, smem=0, recompute=bool(shape[3]),

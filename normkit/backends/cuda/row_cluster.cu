@@ -221,9 +221,10 @@ __device__ __forceinline__ Moments merge_slots(const Moments* slots, int count) 
 // MERGE: the CTA's warps' values are merged first (in `local`, one CTA barrier) and warp 0 sends the
 // CTA's one value to slot [rank]: C values to merge per row instead of C x WARPS, and 1/WARPS of the
 // remote stores. `local` is written again only after every CTA's warp 0 pushed (this CTA's included).
+// exchange_send and exchange_take are its two halves, for a caller that works between them (the
+// backward's OVERLAP: the next row's first pass while this row's values travel).
 template <int WARPS, bool PUSH, bool MERGE = false, typename V>
-__device__ __forceinline__ V exchange(const V& v, V* slots, Barrier* bar, unsigned phase, const Slice& s,
-                                      V* local = nullptr) {
+__device__ __forceinline__ void exchange_send(const V& v, V* slots, Barrier* bar, const Slice& s, V* local = nullptr) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   constexpr int SENT = MERGE ? 1 : WARPS;  // values each CTA sends
   V mine = v;
@@ -242,9 +243,20 @@ __device__ __forceinline__ V exchange(const V& v, V* slots, Barrier* bar, unsign
       else store_remote(slot + i, lane, f[i]);
     }
   }
+}
+
+template <int WARPS, bool PUSH, bool MERGE = false, typename V>
+__device__ __forceinline__ V exchange_take(const V* slots, Barrier* bar, unsigned phase, const Slice& s) {
   if (PUSH) barrier_wait(bar, phase);
   else cluster_sync();
-  return merge_slots(slots, int(s.size) * SENT);
+  return merge_slots(slots, int(s.size) * (MERGE ? 1 : WARPS));
+}
+
+template <int WARPS, bool PUSH, bool MERGE = false, typename V>
+__device__ __forceinline__ V exchange(const V& v, V* slots, Barrier* bar, unsigned phase, const Slice& s,
+                                      V* local = nullptr) {
+  exchange_send<WARPS, PUSH, MERGE>(v, slots, bar, s, local);
+  return exchange_take<WARPS, PUSH, MERGE, V>(slots, bar, phase, s);
 }
 
 // A value summed over the cluster for row `it` of this CTA's walk; slots (and, PUSH, the exchange
@@ -459,28 +471,36 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
 // PUSH: the row sums go to the peers by st.async onto a per-row-parity mbarrier (the forward's
 // exchange) instead of remote stores and a cluster barrier; the grid stays one persistent wave (the
 // weight-gradient partials are one row per cluster).
+// OVERLAP (PUSH and RECOMPUTE): two rows in flight. Row it's sums are sent, then row it + 1's first
+// pass runs and its sums are sent, and only then does the CTA wait for row it's sums and take its dx
+// step: the exchange's latency (and the wait for the cluster's slowest CTA) hides behind a row's
+// first pass. Four slot buffers and exchange barriers, by row mod 4: a peer sends row it + 4 only
+// after this CTA sent row it + 2, which it does after it took row it's sums (one buffer fewer would
+// let a fast peer overwrite row it's slots before they are read). Needs STAGES >= 3: rows it and
+// it + 1 on chip, the next in flight.
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool PARAMS,
-          bool RECOMPUTE, bool MERGE = false, bool PUSH = false>
+          bool RECOMPUTE, bool MERGE = false, bool PUSH = false, bool OVERLAP = false>
 __global__ void __launch_bounds__(THREADS, 1)
     row_bwd_cluster(const T* __restrict__ dy, i64 dy_stride, const T* __restrict__ x, i64 x_stride,
                     const W* __restrict__ w, const W* __restrict__ b, const float* __restrict__ mean,
                     const float* __restrict__ rstd, T* __restrict__ dx, i64 dx_stride, float* __restrict__ dw_part,
                     float* __restrict__ db_part, i64 rows, int cols, int slice) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(!OVERLAP || (PUSH && RECOMPUTE && STAGES >= 3), "OVERLAP needs PUSH, RECOMPUTE and 3 stages");
   constexpr int P = 16 / int(sizeof(T));
   constexpr int WARPS = THREADS / kWarpSize;
   constexpr int ACC = PARAMS ? ITEMS : 1;
+  constexpr int BUFS = OVERLAP ? 4 : 2;  // slot buffers and exchange barriers, by row (see OVERLAP)
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ cl::Barrier bars[STAGES];
-  __shared__ Sum2 slots[2][cl::kMaxCluster * WARPS];
+  __shared__ Sum2 slots[BUFS][cl::kMaxCluster * WARPS];
   __shared__ Sum2 local[MERGE ? WARPS : 1];
-  __shared__ cl::Barrier xbars[2];  // PUSH: the exchange's, per row parity
+  __shared__ cl::Barrier xbars[BUFS];  // PUSH: the exchange's, per slot buffer
   const cl::Slice s(cols, slice);
   const cl::Stream<T, STAGES, 2> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x;
   if (PUSH && tid == 0) {
-    cl::barrier_init(&xbars[0], 1);
-    cl::barrier_init(&xbars[1], 1);
+    for (int i = 0; i < BUFS; ++i) cl::barrier_init(&xbars[i], 1);
   }
   stream.start(s, rows, x, x_stride, dy, dy_stride);  // its fence and __syncthreads cover xbars too
   if (PUSH) cl::cluster_arrive_relaxed();             // peers may push once every CTA has arrived
@@ -493,24 +513,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int k = 0; k < ACC; ++k)
 #pragma unroll
     for (int i = 0; i < P; ++i) dw_acc[k][i] = db_acc[k][i] = 0.f;
-  // the next row's statistics, loaded a row ahead
-  float mu_next = 0.f, rs_next = 0.f;
-  if (s.cluster < rows) {
-    mu_next = RMS ? 0.f : mean[s.cluster];
-    rs_next = rstd[s.cluster];
-  }
-  int it = 0;
-  for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
-    const float mu = mu_next, rs = rs_next;
-    if (row + s.clusters < rows) {
-      mu_next = RMS ? 0.f : mean[row + s.clusters];
-      rs_next = rstd[row + s.clusters];
-    }
-    stream.wait(s, it);
+  constexpr int HELD = RECOMPUTE ? 1 : ITEMS;
+  float xhat[HELD][P], g[HELD][P];
+  // the first pass over row `it`'s stage: the row sums' partial (and the weight gradients'); xhat and g
+  // kept unless RECOMPUTE
+  auto first_pass = [&](int it, float mu, float rs) {
     const T* xs = stream.slice_at(it % STAGES, 0);
     const T* dys = stream.slice_at(it % STAGES, 1);
-    constexpr int HELD = RECOMPUTE ? 1 : ITEMS;
-    float xhat[HELD][P], g[HELD][P];
     Sum2 part = Sum2::zero();
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
@@ -532,11 +541,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-    const Sum2 sums = cl::cluster_allreduce<WARPS, MERGE, PUSH>(part, slots, it, s, local, xbars);
-    if (!RECOMPUTE && tid == 0) {
-      cl::fence_proxy_async();
-      stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);
-    }
+    return part;
+  };
+  // the dx step of row `it` (global row `row`) from the row sums
+  auto dx_step = [&](int it, i64 row, float mu, float rs, const Sum2& sums) {
+    const T* xs = stream.slice_at(it % STAGES, 0);
+    const T* dys = stream.slice_at(it % STAGES, 1);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       if (k < valid) {
@@ -553,12 +563,79 @@ __global__ void __launch_bounds__(THREADS, 1)
         store_floats<P>(dx + row * dx_stride + s.c0 + p * P, d);
       }
     }
-    if (RECOMPUTE) {
-      __syncthreads();  // every thread is done with the stage
-      if (tid == 0) {
+  };
+  // after the dx step of row `it`: every thread is done with its stage, which takes row it + STAGES
+  auto refill = [&](int it) {
+    __syncthreads();
+    if (tid == 0) {
+      cl::fence_proxy_async();
+      stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);
+    }
+  };
+  if constexpr (OVERLAP) {
+    auto send = [&](int it, const Sum2& part) {
+      cl::exchange_send<WARPS, true, MERGE>(group_allreduce<kWarpSize>(part), slots[it % BUFS], &xbars[it % BUFS], s,
+                                            local);
+    };
+    // the statistics of this row and the next (loaded a row before their first pass)
+    float mu = 0.f, rs = 0.f, mu_next = 0.f, rs_next = 0.f;
+    if (s.cluster < rows) {
+      mu = RMS ? 0.f : mean[s.cluster];
+      rs = rstd[s.cluster];
+      if (s.cluster + s.clusters < rows) {
+        mu_next = RMS ? 0.f : mean[s.cluster + s.clusters];
+        rs_next = rstd[s.cluster + s.clusters];
+      }
+      stream.wait(s, 0);
+      const Sum2 part = first_pass(0, mu, rs);
+      cl::cluster_wait();  // the peers' exchange barriers are initialised
+      send(0, part);
+      if (MERGE) __syncthreads();  // warp 0 has read `local` before row 1's send writes it
+    }
+    int it = 0;
+    for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
+      const i64 next = row + s.clusters, after = next + s.clusters;
+      if (next < rows) {
+        stream.wait(s, it + 1);
+        send(it + 1, first_pass(it + 1, mu_next, rs_next));
+      }
+      float mu_after = 0.f, rs_after = 0.f;
+      if (after < rows) {
+        mu_after = RMS ? 0.f : mean[after];
+        rs_after = rstd[after];
+      }
+      const Sum2 sums = cl::exchange_take<WARPS, true, MERGE, Sum2>(slots[it % BUFS], &xbars[it % BUFS],
+                                                                    unsigned(it / BUFS) & 1u, s);
+      dx_step(it, row, mu, rs, sums);
+      refill(it);
+      mu = mu_next;
+      rs = rs_next;
+      mu_next = mu_after;
+      rs_next = rs_after;
+    }
+  } else {
+    // the next row's statistics, loaded a row ahead
+    float mu_next = 0.f, rs_next = 0.f;
+    if (s.cluster < rows) {
+      mu_next = RMS ? 0.f : mean[s.cluster];
+      rs_next = rstd[s.cluster];
+    }
+    int it = 0;
+    for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
+      const float mu = mu_next, rs = rs_next;
+      if (row + s.clusters < rows) {
+        mu_next = RMS ? 0.f : mean[row + s.clusters];
+        rs_next = rstd[row + s.clusters];
+      }
+      stream.wait(s, it);
+      const Sum2 part = first_pass(it, mu, rs);
+      const Sum2 sums = cl::cluster_allreduce<WARPS, MERGE, PUSH>(part, slots, it, s, local, xbars);
+      if (!RECOMPUTE && tid == 0) {
         cl::fence_proxy_async();
         stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);
       }
+      dx_step(it, row, mu, rs, sums);
+      if (RECOMPUTE) refill(it);
     }
   }
   if (PARAMS) {  // partial row `cluster`: this CTA's columns
