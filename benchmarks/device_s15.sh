@@ -6,6 +6,8 @@
 #                                           both ops): the committed table against cl-o3 / cl-o4 (OVERLAP on 3 / 4
 #                                           stages), oracle-checked; then compiled Llama decode
 #   bash benchmarks/device_s15.sh compile   the compiled cases: Llama decode and training, UNet2DModel
+#   bash benchmarks/device_s15.sh tests-a   the CUDA backend's GPU test file (510 s; the set-up takes ~55 s of the call)
+#   bash benchmarks/device_s15.sh tests-b   the other GPU test files (GPU_TEST_FILES without it)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -27,6 +29,19 @@ compile)
         --time-budget 175 --out "$OUT/llama"
     bench 200 --models unet2d --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 175 --out "$OUT/unet2d"
+    ;;
+tests-a)
+    timeout 510 python3 -m pytest -q -p no:cacheprovider -n 15 -rfE --tb=short --durations=25 \
+        tests/test_cuda_backend.py > "$OUT/tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests.log"
+    grep -E "^E " "$OUT/tests.log" | head -12 | cut -c1-300
+    ;;
+tests-b)
+    # shellcheck disable=SC2086
+    timeout 510 python3 -m pytest -q -p no:cacheprovider -n 15 -rfE --tb=short --durations=25 \
+        $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend) > "$OUT/tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests.log"
+    grep -E "^E " "$OUT/tests.log" | head -12 | cut -c1-300
     ;;
 esac
 tar czf "/tmp/s15-${1:-compile}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s15-${1:-compile}.tgz" "$OUT/"

@@ -65,12 +65,15 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 # 0.78 at 16K, 0.56 / 0.58 -> 0.71 / 0.72 at 32K, 0.53 / 0.56 -> 0.63 / 0.65 at 64K, 0.44 / 0.47 -> 0.47 / 0.50
 # at 128K, 0.38 / 0.43 -> 0.40 / 0.45 at 256K against the barrier exchange; fp32 not measured with it. Rows of one
 # CTA (run S14-6, the Triton backend's route): LN 0.73 -> 0.82 at 2K, 0.69 -> 0.78 at 8K (4K and RMSNorm: Triton's).
+# Two rows in flight at 128K-256K (OVERLAP, 7th value of a backward shape; run S15-3, H200, bf16 LN / RMS): 0.47 /
+# 0.50 -> 0.58 / 0.63 at 128K, 0.41 / 0.45 (Triton's capped split rows) -> 0.48 / 0.54 at 256K; on four stages
+# 0.50 / 0.52 and 0.41 / 0.45; at 16K-64K (with the stage read again) 0.02-0.08 slower than the registers' push.
 CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (256, 8, 1, True, True),
                    ("bwd", 2): (512, 2, 2, False, True), ("bwd", 4): (512, 4, 2)}
 CLUSTER_SHAPES = {
     ("fwd", 2, 32768): (128, 8, 1, True, True), ("fwd", 2, 65536): (128, 8, 1, True, True, False, True),
     ("fwd", 2, 262144): (256, 8, 1, True, True, True, True), ("fwd", 4, 32768): (128, 8, 1, True, True),
-    ("bwd", 2, 131072): (256, 4, 3, True, True), ("bwd", 2, 262144): (256, 4, 3, True, True),
+    ("bwd", 2, 131072): (256, 4, 3, True, True, False, True), ("bwd", 2, 262144): (256, 4, 3, True, True, False, True),
     ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
     # fp32 backward at 256K: 16 CTAs of 512 x 8 packs (16K columns), one stage of 128 KB, dx from the
     # stage again (121 registers, no spills). Run S7-3 (H100): LN 0.59 / RMS 0.61 of copy, where the
