@@ -104,6 +104,16 @@ def variants(eb: int, widths=WIDTHS) -> dict:
             shapes[("bwd", eb, n)] = base[:2] + (max(stages, base[2]), True, True, False, True)
         out[f"cl-o{stages}"] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(wide), cuda=tuple(wide),
                                     cluster_shapes=shapes)
+    # and cl-or{stages}: the two rows' xhat and g in two register sets instead (no recompute; a stage refilled once
+    # its row's sums are taken), at the 16K-64K shape (512 threads x 2 packs) and 128K's (256 x 4)
+    regs = [n for n in wide if n <= 131072]
+    for stages in (2, 3):
+        shapes = {}
+        for n in regs:
+            base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])
+            shapes[("bwd", eb, n)] = base[:2] + (stages, False, True, False, True)
+        out[f"cl-or{stages}"] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(regs), cuda=tuple(regs),
+                                     cluster_shapes=shapes)
     return out
 
 

@@ -122,6 +122,19 @@ def test_no_register_spills_in_the_routed_groupnorm_cluster_kernels():
         assert spills and all(int(n) == 0 for n in spills), f"{spec}: {log}"
 
 
+def test_no_register_spills_in_the_row_cluster_backward():
+    """The 16-bit row backward's cluster kernels at their committed shapes (16K-64K: the push exchange with xhat
+    and g in registers; 128K-256K: two rows in flight, OVERLAP) keep their per-thread state in registers."""
+    for n in (16384, 131072, 262144):
+        plan = configs.plan_cluster("bwd", n, 2)
+        for rms in (False, True):
+            spec = kernels.row_cluster("bwd", torch.bfloat16, torch.float32, None, rms, plan, True)
+            _, _, _, log = nvrtc._nvrtc_compile(nvrtc.read_source(spec.source), spec.source, [spec.name],
+                                                 nvrtc.options("sm_90") + ["--ptxas-options=-v"])
+            spills = re.findall(r"(\d+) bytes spill stores", log)
+            assert spills and all(int(k) == 0 for k in spills), f"{spec}: {log}"
+
+
 def test_compile_error_names_the_kernel_and_shows_the_log(tmp_path, monkeypatch):
     (tmp_path / "broken.cu").write_text(
         "namespace nk {\ntemplate <typename T> __global__ void scale(T* x) { x[0] = undeclared_name; }\n}\n")
@@ -691,6 +704,8 @@ def test_push_backward_stays_one_persistent_wave(cluster_recorded, monkeypatch):
     assert cluster_recorded[-1][0].endswith(", 512, 2, 3, true, true, false, true, true>")
     with pytest.raises(ValueError, match="3 stages"):
         configs.plan_cluster("bwd", 65536, 2, (512, 2, 2, True, True, False, True))
+    with pytest.raises(ValueError, match="2 stages"):  # two register sets: two stages are enough
+        configs.plan_cluster("bwd", 65536, 2, (512, 2, 1, False, True, False, True))
 
 
 def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
@@ -1217,7 +1232,8 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
 # the push backward (session 14): the row sums' exchange by st.async (registers or recompute, merge); two rows in
 # flight (session 15, OVERLAP: four slot buffers reused along each cluster's walk), with and without merge
 PUSH_BWD_SHAPES = [(512, 2, 2, False, True), (256, 4, 3, True, True), (256, 4, 3, True, True, True),
-                   (256, 4, 3, True, True, False, True), (512, 2, 4, True, True, True, True)]
+                   (256, 4, 3, True, True, False, True), (512, 2, 4, True, True, True, True),
+                   (512, 2, 2, False, True, False, True), (512, 2, 3, False, True, True, True)]
 
 
 @pytest.mark.gpu

@@ -253,7 +253,7 @@ class ClusterPlan:
     push: bool = False  # partials pushed by st.async to mbarriers (PUSH); the forward's: many clusters
     merge: bool = False  # the CTA's warps merged first, one value per CTA in each exchange (MERGE)
     one_pass: bool = False  # push LayerNorm: moments from one read of the slice (ONE_PASS)
-    overlap: bool = False  # push backward with the stage read again: two rows in flight (OVERLAP)
+    overlap: bool = False  # push backward: two rows in flight (OVERLAP)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> ClusterPlan | None:
@@ -268,10 +268,11 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
     push = len(rest) > 1 and bool(rest[1])  # the backward's: the exchange alone (one persistent wave)
     merge = len(rest) > 2 and bool(rest[2])
     one_pass = push and direction == "fwd" and len(rest) > 3 and bool(rest[3])
-    # the backward's two rows in flight: the push exchange, the stage read again, rows it and it + 1 on chip
-    overlap = push and recompute and direction == "bwd" and len(rest) > 3 and bool(rest[3])
-    if overlap and stages < 3:
-        raise ValueError(f"cluster shape {shape}: the backward's overlap needs 3 stages or more")
+    # the backward's two rows in flight (push exchange): with the stage read again, rows it and it + 1 stay in
+    # their stages (3 stages or more), else in two register sets (2 or more)
+    overlap = push and direction == "bwd" and len(rest) > 3 and bool(rest[3])
+    if overlap and stages < (3 if recompute else 2):
+        raise ValueError(f"cluster shape {shape}: the backward's overlap needs {3 if recompute else 2} stages or more")
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:
         return None

@@ -308,6 +308,9 @@ def catalog() -> list[KernelSpec]:
             for rms in (False, True):
                 specs.append(row_cluster(direction, dtype, torch.float32, "silu" if rms else None, rms, p, True))
             specs.append(row_cluster(direction, dtype, dtype, None, False, dataclasses.replace(p, merge=True), False))
+            p = dataclasses.replace(p, stages=2, recompute=False)  # the two rows in two register sets
+            specs.append(row_cluster(direction, dtype, torch.float32, None, False, p, True))
+            specs.append(row_cluster(direction, dtype, dtype, "silu", True, dataclasses.replace(p, merge=True), False))
     for (direction, elem_bytes), shape in configs.GN_CLUSTER_KERNELS.items():  # GroupNorm NCHW on clusters
         dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
         plan = configs.ClusterPlan(*shape[:3], cluster=1, slice=0, smem=0, recompute=bool(shape[3]),

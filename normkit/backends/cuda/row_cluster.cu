@@ -471,13 +471,15 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
 // PUSH: the row sums go to the peers by st.async onto a per-row-parity mbarrier (the forward's
 // exchange) instead of remote stores and a cluster barrier; the grid stays one persistent wave (the
 // weight-gradient partials are one row per cluster).
-// OVERLAP (PUSH and RECOMPUTE): two rows in flight. Row it's sums are sent, then row it + 1's first
-// pass runs and its sums are sent, and only then does the CTA wait for row it's sums and take its dx
-// step: the exchange's latency (and the wait for the cluster's slowest CTA) hides behind a row's
-// first pass. Four slot buffers and exchange barriers, by row mod 4: a peer sends row it + 4 only
-// after this CTA sent row it + 2, which it does after it took row it's sums (one buffer fewer would
-// let a fast peer overwrite row it's slots before they are read). Needs STAGES >= 3: rows it and
-// it + 1 on chip, the next in flight.
+// OVERLAP (PUSH): two rows in flight. Row it's sums are sent, then row it + 1's first pass runs and
+// its sums are sent, and only then does the CTA wait for row it's sums and take its dx step: the
+// exchange's latency (and the wait for the cluster's slowest CTA) hides behind a row's first pass.
+// Four slot buffers and exchange barriers, by row mod 4: a peer sends row it + 4 only after this CTA
+// sent row it + 2, which it does after it took row it's sums (one buffer fewer would let a fast peer
+// overwrite row it's slots before they are read). With RECOMPUTE rows it and it + 1 stay in their
+// stages until their dx steps (STAGES >= 3: the next in flight); else the two rows' xhat and g are
+// held in two register sets (the loop unrolled by two) and a row's stage is refilled once its sums
+// are taken (STAGES >= 2).
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool PARAMS,
           bool RECOMPUTE, bool MERGE = false, bool PUSH = false, bool OVERLAP = false>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -486,7 +488,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const float* __restrict__ rstd, T* __restrict__ dx, i64 dx_stride, float* __restrict__ dw_part,
                     float* __restrict__ db_part, i64 rows, int cols, int slice) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(!OVERLAP || (PUSH && RECOMPUTE && STAGES >= 3), "OVERLAP needs PUSH, RECOMPUTE and 3 stages");
+  static_assert(!OVERLAP || (PUSH && STAGES >= (RECOMPUTE ? 3 : 2)), "OVERLAP needs PUSH and 2 stages (3: RECOMPUTE)");
   constexpr int P = 16 / int(sizeof(T));
   constexpr int WARPS = THREADS / kWarpSize;
   constexpr int ACC = PARAMS ? ITEMS : 1;
@@ -514,10 +516,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int i = 0; i < P; ++i) dw_acc[k][i] = db_acc[k][i] = 0.f;
   constexpr int HELD = RECOMPUTE ? 1 : ITEMS;
-  float xhat[HELD][P], g[HELD][P];
+  using Held = float[HELD][P];
+  Held xhat_a, g_a, xhat_b, g_b;  // a row's xhat and g (b: OVERLAP's other row)
   // the first pass over row `it`'s stage: the row sums' partial (and the weight gradients'); xhat and g
   // kept unless RECOMPUTE
-  auto first_pass = [&](int it, float mu, float rs) {
+  auto first_pass = [&](int it, float mu, float rs, Held& xhat, Held& g) {
     const T* xs = stream.slice_at(it % STAGES, 0);
     const T* dys = stream.slice_at(it % STAGES, 1);
     Sum2 part = Sum2::zero();
@@ -544,7 +547,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     return part;
   };
   // the dx step of row `it` (global row `row`) from the row sums
-  auto dx_step = [&](int it, i64 row, float mu, float rs, const Sum2& sums) {
+  auto dx_step = [&](int it, i64 row, float mu, float rs, const Sum2& sums, Held& xhat, Held& g) {
     const T* xs = stream.slice_at(it % STAGES, 0);
     const T* dys = stream.slice_at(it % STAGES, 1);
 #pragma unroll
@@ -564,9 +567,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
   };
-  // after the dx step of row `it`: every thread is done with its stage, which takes row it + STAGES
+  // row it + STAGES into row it's stage, once every thread is done with it: after the dx step (RECOMPUTE:
+  // a CTA barrier), else once row it's sums are taken (every warp pushed its partial after its first pass)
   auto refill = [&](int it) {
-    __syncthreads();
+    if (RECOMPUTE) __syncthreads();
     if (tid == 0) {
       cl::fence_proxy_async();
       stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);
@@ -587,17 +591,17 @@ __global__ void __launch_bounds__(THREADS, 1)
         rs_next = rstd[s.cluster + s.clusters];
       }
       stream.wait(s, 0);
-      const Sum2 part = first_pass(0, mu, rs);
+      const Sum2 part = first_pass(0, mu, rs, xhat_a, g_a);
       cl::cluster_wait();  // the peers' exchange barriers are initialised
       send(0, part);
       if (MERGE) __syncthreads();  // warp 0 has read `local` before row 1's send writes it
     }
-    int it = 0;
-    for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
+    // row it (its xhat and g in cur) and the next one's first pass (into next)
+    auto step = [&](int it, i64 row, Held& xhat_cur, Held& g_cur, Held& xhat_next, Held& g_next) {
       const i64 next = row + s.clusters, after = next + s.clusters;
       if (next < rows) {
         stream.wait(s, it + 1);
-        send(it + 1, first_pass(it + 1, mu_next, rs_next));
+        send(it + 1, first_pass(it + 1, mu_next, rs_next, xhat_next, g_next));
       }
       float mu_after = 0.f, rs_after = 0.f;
       if (after < rows) {
@@ -606,12 +610,18 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       const Sum2 sums = cl::exchange_take<WARPS, true, MERGE, Sum2>(slots[it % BUFS], &xbars[it % BUFS],
                                                                     unsigned(it / BUFS) & 1u, s);
-      dx_step(it, row, mu, rs, sums);
-      refill(it);
+      if (!RECOMPUTE) refill(it);
+      dx_step(it, row, mu, rs, sums, xhat_cur, g_cur);
+      if (RECOMPUTE) refill(it);
       mu = mu_next;
       rs = rs_next;
       mu_next = mu_after;
       rs_next = rs_after;
+    };
+    int it = 0;
+    for (i64 row = s.cluster; row < rows; row += 2 * s.clusters, it += 2) {  // the register sets alternate
+      step(it, row, xhat_a, g_a, xhat_b, g_b);
+      if (row + s.clusters < rows) step(it + 1, row + s.clusters, xhat_b, g_b, xhat_a, g_a);
     }
   } else {
     // the next row's statistics, loaded a row ahead
@@ -628,13 +638,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         rs_next = rstd[row + s.clusters];
       }
       stream.wait(s, it);
-      const Sum2 part = first_pass(it, mu, rs);
+      const Sum2 part = first_pass(it, mu, rs, xhat_a, g_a);
       const Sum2 sums = cl::cluster_allreduce<WARPS, MERGE, PUSH>(part, slots, it, s, local, xbars);
-      if (!RECOMPUTE && tid == 0) {
-        cl::fence_proxy_async();
-        stream.issue(s, rows, it + STAGES, x, x_stride, dy, dy_stride);
-      }
-      dx_step(it, row, mu, rs, sums);
+      if (!RECOMPUTE) refill(it);  // the exchange waited for every warp's first pass
+      dx_step(it, row, mu, rs, sums, xhat_a, g_a);
       if (RECOMPUTE) refill(it);
     }
   }
