@@ -5,6 +5,9 @@
 #                                           exchange; OVERLAP: two rows in flight), bwd_sweep.py at 16K-256K (bf16,
 #                                           both ops): the committed table against cl-o3 / cl-o4 (OVERLAP on 3 / 4
 #                                           stages), oracle-checked; then compiled Llama decode
+#   bash benchmarks/device_s15.sh regs      the two-rows-in-flight tests (both kinds), bwd_sweep.py at 16K-128K: the committed
+#                                           table against cl-or2 / cl-or3 (the two rows' xhat and g in registers, 2 / 3
+#                                           stages), oracle-checked; then compiled UNet2DModel
 #   bash benchmarks/device_s15.sh compile   the compiled cases: Llama decode and training, UNet2DModel
 #   bash benchmarks/device_s15.sh tests-a   the CUDA backend's GPU test file (510 s; the set-up takes ~55 s of the call)
 #   bash benchmarks/device_s15.sh tests-b   the other GPU test files (GPU_TEST_FILES without it)
@@ -23,6 +26,18 @@ overlap)
     echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
     bench 170 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 150 --out "$OUT/llama"
+    ;;
+regs)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
+        -k "push_backward and (overlap or persistent)" > "$OUT/tests-overlap.log" 2>&1
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-overlap.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-overlap.log"
+    grep -E "^E " "$OUT/tests-overlap.log" | head -12 | cut -c1-300
+    timeout 160 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
+        --widths 16384,32768,65536,131072 --variants new,cl-or2,cl-or3 --check-variants "" \
+        --check-wide cl-or2,cl-or3 > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    bench 190 --models unet2d --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 170 --out "$OUT/unet2d"
     ;;
 compile)
     bench 200 --models llama --modes decode,train --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
