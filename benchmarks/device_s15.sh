@@ -30,6 +30,7 @@ overlap)
 regs)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
         -k "push_backward and (overlap or persistent)" > "$OUT/tests-overlap.log" 2>&1
+    echo "pytest rc $? (124: cut by the time limit)"
     grep -E "^(FAILED|ERROR)" "$OUT/tests-overlap.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-overlap.log"
     grep -E "^E " "$OUT/tests-overlap.log" | head -12 | cut -c1-300
     timeout 160 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
@@ -48,6 +49,7 @@ compile)
 tests-a)
     timeout 510 python3 -m pytest -q -p no:cacheprovider -n 15 -rfE --tb=short --durations=25 \
         tests/test_cuda_backend.py > "$OUT/tests.log" 2>&1
+    echo "pytest rc $? (124: cut by the time limit)"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests.log"
     grep -E "^E " "$OUT/tests.log" | head -12 | cut -c1-300
     ;;
@@ -55,6 +57,7 @@ tests-b)
     # shellcheck disable=SC2086
     timeout 510 python3 -m pytest -q -p no:cacheprovider -n 15 -rfE --tb=short --durations=25 \
         $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend) > "$OUT/tests.log" 2>&1
+    echo "pytest rc $? (124: cut by the time limit)"
     grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests.log"
     grep -E "^E " "$OUT/tests.log" | head -12 | cut -c1-300
     ;;
