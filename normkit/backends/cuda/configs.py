@@ -68,12 +68,17 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 # Two rows in flight at 128K-256K (OVERLAP, 7th value of a backward shape; run S15-3, H200, bf16 LN / RMS): 0.47 /
 # 0.50 -> 0.58 / 0.63 at 128K, 0.41 / 0.45 (Triton's capped split rows) -> 0.48 / 0.54 at 256K; on four stages
 # 0.50 / 0.52 and 0.41 / 0.45; at 16K-64K (with the stage read again) 0.02-0.08 slower than the registers' push.
+# Then with the two rows' xhat and g in two register sets (recompute off, 3 stages; run S15-5): 64K 0.62 / 0.65 ->
+# 0.64 / 0.70, 128K 0.57 / 0.62 (the stage read again, as adopted from S15-3) -> 0.63 / 0.69; 16K-32K 0.02-0.06 slower
+# than one row in flight; on 2 stages 0.47-0.54 everywhere (a stage refilled only once its row's sums are taken
+# leaves the next row's loads exposed). 256K keeps the stage read again (512 threads: no registers for two sets).
 CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (256, 8, 1, True, True),
                    ("bwd", 2): (512, 2, 2, False, True), ("bwd", 4): (512, 4, 2)}
 CLUSTER_SHAPES = {
     ("fwd", 2, 32768): (128, 8, 1, True, True), ("fwd", 2, 65536): (128, 8, 1, True, True, False, True),
     ("fwd", 2, 262144): (256, 8, 1, True, True, True, True), ("fwd", 4, 32768): (128, 8, 1, True, True),
-    ("bwd", 2, 131072): (256, 4, 3, True, True, False, True), ("bwd", 2, 262144): (256, 4, 3, True, True, False, True),
+    ("bwd", 2, 65536): (512, 2, 3, False, True, False, True), ("bwd", 2, 131072): (256, 4, 3, False, True, False, True),
+    ("bwd", 2, 262144): (256, 4, 3, True, True, False, True),
     ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
     # fp32 backward at 256K: 16 CTAs of 512 x 8 packs (16K columns), one stage of 128 KB, dx from the
     # stage again (121 registers, no spills). Run S7-3 (H100): LN 0.59 / RMS 0.61 of copy, where the
