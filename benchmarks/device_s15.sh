@@ -8,6 +8,8 @@
 #   bash benchmarks/device_s15.sh regs      the two-rows-in-flight tests (both kinds), bwd_sweep.py at 16K-128K: the committed
 #                                           table against cl-or2 / cl-or3 (the two rows' xhat and g in registers, 2 / 3
 #                                           stages), oracle-checked; then compiled UNet2DModel
+#   bash benchmarks/device_s15.sh final     the adopted routes: the push and overlap tests, then normkit bench's rows
+#                                           (bwd 1K-256K, bf16, both ops) with torch and torch.compile in the run
 #   bash benchmarks/device_s15.sh compile   the compiled cases: Llama decode and training, UNet2DModel
 #   bash benchmarks/device_s15.sh tests-a   the CUDA backend's GPU test file (510 s; the set-up takes ~55 s of the call)
 #   bash benchmarks/device_s15.sh tests-b   the other GPU test files (GPU_TEST_FILES without it)
@@ -39,6 +41,15 @@ regs)
     echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
     bench 190 --models unet2d --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 170 --out "$OUT/unet2d"
+    ;;
+final)
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
+        -k "push_backward or cluster_launches or cluster_routes or spills" > "$OUT/tests-final.log" 2>&1
+    echo "pytest rc $? (124: cut by the time limit)"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-final.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-final.log"
+    grep -E "^E " "$OUT/tests-final.log" | head -12 | cut -c1-300
+    bench 200 --ops ln,rms --dirs bwd --dtypes bf16 --widths 1024,4096,8192,16384,32768,65536,131072,262144 \
+        --peers torch,compile --no-host --time-budget 180 --out "$OUT/rows-bwd"
     ;;
 compile)
     bench 200 --models llama --modes decode,train --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
