@@ -43,7 +43,7 @@ regs)
         --time-budget 170 --out "$OUT/unet2d"
     ;;
 final)
-    timeout 130 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
+    timeout 160 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
         -k "push_backward_matches_oracle or persistent_wave or cluster_launches or cluster_routes or spills" > "$OUT/tests-final.log" 2>&1
     echo "pytest rc $? (124: cut by the time limit)"
     grep -E "^(FAILED|ERROR)" "$OUT/tests-final.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-final.log"
