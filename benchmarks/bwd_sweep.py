@@ -114,6 +114,13 @@ def variants(eb: int, widths=WIDTHS) -> dict:
             shapes[("bwd", eb, n)] = base[:2] + (stages, False, True, False, True)
         out[f"cl-or{stages}"] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(regs), cuda=tuple(regs),
                                      cluster_shapes=shapes)
+    # after S15-5, at 32K-64K (LN 0.70 / 0.64 against 0.75 / 0.65): one row in flight on 3 stages (p3), with MERGE
+    # (pm), and the register-set overlap on 256-thread CTAs (or3-256) or on 4 stages (or4)
+    mid = [n for n in wide if n in (32768, 65536)]
+    for name, shape in (("p3", (512, 2, 3, False, True)), ("pm", (512, 2, 2, False, True, True)),
+                        ("or3-256", (256, 4, 3, False, True, False, True)), ("or4", (512, 2, 4, False, True, False, True))):
+        out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(mid), cuda=tuple(mid),
+                         cluster_shapes={("bwd", eb, n): shape for n in mid})
     return out
 
 

@@ -10,6 +10,7 @@
 #                                           stages), oracle-checked; then compiled UNet2DModel
 #   bash benchmarks/device_s15.sh final     the adopted routes: the push and overlap tests, then normkit bench's rows
 #                                           (bwd 1K-256K, bf16, both ops) with torch and torch.compile in the run
+#   bash benchmarks/device_s15.sh mid       bwd_sweep.py at 32K-64K: the committed table against p3, pm, or3-256, or4
 #   bash benchmarks/device_s15.sh compile   the compiled cases: Llama decode and training, UNet2DModel
 #   bash benchmarks/device_s15.sh tests-a   the CUDA backend's GPU test file (510 s; the set-up takes ~55 s of the call)
 #   bash benchmarks/device_s15.sh tests-b   the other GPU test files (GPU_TEST_FILES without it)
@@ -50,6 +51,12 @@ final)
     grep -E "^E " "$OUT/tests-final.log" | head -12 | cut -c1-300
     bench 200 --ops ln,rms --dirs bwd --dtypes bf16 --widths 1024,4096,8192,16384,32768,65536,131072,262144 \
         --peers torch,compile --no-host --time-budget 180 --out "$OUT/rows-bwd"
+    ;;
+mid)
+    timeout 200 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
+        --widths 32768,65536 --variants new,p3,pm,or3-256,or4 --check-variants "" \
+        --check-wide p3,pm,or3-256,or4 > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
     ;;
 compile)
     bench 200 --models llama --modes decode,train --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
