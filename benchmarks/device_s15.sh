@@ -11,6 +11,8 @@
 #   bash benchmarks/device_s15.sh final     the adopted routes: the push and overlap tests, then normkit bench's rows
 #                                           (bwd 1K-256K, bf16, both ops) with torch and torch.compile in the run
 #   bash benchmarks/device_s15.sh mid       bwd_sweep.py at 32K-64K: the committed table against p3, pm, or3-256, or4
+#   bash benchmarks/device_s15.sh confirm   after S15-8's adoption at 32K-64K: the route / launch / no-spill / overlap tests and
+#                                           normkit bench's backward rows at 32K-64K with torch and torch.compile
 #   bash benchmarks/device_s15.sh compile   the compiled cases: Llama decode and training, UNet2DModel
 #   bash benchmarks/device_s15.sh tests-a   the CUDA backend's GPU test file (510 s; the set-up takes ~55 s of the call)
 #   bash benchmarks/device_s15.sh tests-b   the other GPU test files (GPU_TEST_FILES without it)
@@ -57,6 +59,16 @@ mid)
         --widths 32768,65536 --variants new,p3,pm,or3-256,or4 --check-variants "" \
         --check-wide p3,pm,or3-256,or4 > "$OUT/bwd.log" 2>&1
     echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    ;;
+confirm)
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
+        -k "cluster_routes or spills or cluster_launches or persistent_wave or (push_backward_matches_oracle and bf16)" \
+        > "$OUT/tests-confirm.log" 2>&1
+    echo "pytest rc $? (124: cut by the time limit)"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-confirm.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-confirm.log"
+    grep -E "^E " "$OUT/tests-confirm.log" | head -12 | cut -c1-300
+    bench 90 --ops ln,rms --dirs bwd --dtypes bf16 --widths 16384,32768,65536 --peers torch,compile --no-host \
+        --time-budget 75 --out "$OUT/rows-bwd"
     ;;
 compile)
     bench 200 --models llama --modes decode,train --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \

@@ -126,7 +126,7 @@ def test_no_register_spills_in_the_row_cluster_backward():
     """The 16-bit row backward's cluster kernels at their committed shapes (16K-32K: the push exchange with xhat
     and g in registers; 64K-128K: two rows in flight, OVERLAP, in two register sets; 256K: two rows in flight,
     the stage read again) keep their per-thread state in registers."""
-    for n in (16384, 65536, 131072, 262144):
+    for n in (16384, 32768, 65536, 131072, 262144):
         plan = configs.plan_cluster("bwd", n, 2)
         for rms in (False, True):
             spec = kernels.row_cluster("bwd", torch.bfloat16, torch.float32, None, rms, plan, True)

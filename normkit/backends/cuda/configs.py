@@ -72,12 +72,15 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 # 0.64 / 0.70, 128K 0.57 / 0.62 (the stage read again, as adopted from S15-3) -> 0.63 / 0.69; 16K-32K 0.02-0.06 slower
 # than one row in flight; on 2 stages 0.47-0.54 everywhere (a stage refilled only once its row's sums are taken
 # leaves the next row's loads exposed). 256K keeps the stage read again (512 threads: no registers for two sets).
+# Run S15-8 (bwd_sweep at 32K-64K, LN / RMS): 32K one row in flight on 3 stages 0.69 / 0.73 -> 0.71 / 0.77; 64K the
+# register sets on 256-thread CTAs (4 packs a thread) 0.64 / 0.70 -> 0.68 / 0.71; MERGE 0.61-0.66, 4 stages 0.63-0.74.
 CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (256, 8, 1, True, True),
                    ("bwd", 2): (512, 2, 2, False, True), ("bwd", 4): (512, 4, 2)}
 CLUSTER_SHAPES = {
     ("fwd", 2, 32768): (128, 8, 1, True, True), ("fwd", 2, 65536): (128, 8, 1, True, True, False, True),
     ("fwd", 2, 262144): (256, 8, 1, True, True, True, True), ("fwd", 4, 32768): (128, 8, 1, True, True),
-    ("bwd", 2, 65536): (512, 2, 3, False, True, False, True), ("bwd", 2, 131072): (256, 4, 3, False, True, False, True),
+    ("bwd", 2, 32768): (512, 2, 3, False, True), ("bwd", 2, 65536): (256, 4, 3, False, True, False, True),
+    ("bwd", 2, 131072): (256, 4, 3, False, True, False, True),
     ("bwd", 2, 262144): (256, 4, 3, True, True, False, True),
     ("bwd", 4, 8192): (512, 2, 3), ("bwd", 4, 16384): (512, 2, 3), ("bwd", 4, 32768): (512, 2, 3),
     # fp32 backward at 256K: 16 CTAs of 512 x 8 packs (16K columns), one stage of 128 KB, dx from the
