@@ -46,6 +46,19 @@ def _rows(eb, table):
     return {("bwd", eb, n): row for n, row in table.items()}
 
 
+def _committed(eb: int, n: int) -> tuple:
+    """The library's cluster shape for the backward at width n (CLUSTER_SHAPES', else CLUSTER_KERNELS')."""
+    return tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])
+
+
+def _on_clusters(eb: int, shapes: dict) -> dict:
+    """A variant that routes the widths of `shapes` (width -> cluster shape) to the cluster kernels with those shapes
+    and is timed at them only."""
+    at = tuple(shapes)
+    return dict(rows={}, col_sum=None, cuda_off=False, only=at, cuda=at,
+                cluster_shapes={("bwd", eb, n): shape for n, shape in shapes.items()})
+
+
 def variants(eb: int, widths=WIDTHS) -> dict:
     """name -> dict(rows=OVERRIDES, col_sum=block or None (configs.col_sum_block), cuda=routes or None,
     cuda_off=bool (the cluster route off), only=widths the variant is timed at (None: all)).
@@ -89,38 +102,23 @@ def variants(eb: int, widths=WIDTHS) -> dict:
     # exchange, PUSH) instead of remote stores and a cluster barrier per row
     # (cl-p also from 2K: rows of one CTA, no exchange, the row's tiles loaded by bulk copies; run S14-6)
     for name, merge, push in (("cl", False, False), ("cl-m", True, False), ("cl-p", False, True)):
-        shapes = {}
         at = [n for n in widths if n >= 2048] if push else wide
-        for n in at:
-            base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])[:4]
-            shapes[("bwd", eb, n)] = base + (False,) * (4 - len(base)) + (push, merge)
-        out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(at), cuda=tuple(at), cluster_shapes=shapes)
+        out[name] = _on_clusters(eb, {n: (_committed(eb, n) + (False,) * 4)[:4] + (push, merge) for n in at})
     # session 15: cl-o{stages}, two rows in flight (OVERLAP: the next row's first pass while this row's sums travel;
     # the push exchange, the stage read again), at the committed shapes' threads and items
     for stages in (3, 4):
-        shapes = {}
-        for n in wide:
-            base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])
-            shapes[("bwd", eb, n)] = base[:2] + (max(stages, base[2]), True, True, False, True)
-        out[f"cl-o{stages}"] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(wide), cuda=tuple(wide),
-                                    cluster_shapes=shapes)
+        out[f"cl-o{stages}"] = _on_clusters(eb, {n: _committed(eb, n)[:2] + (max(stages, _committed(eb, n)[2]), True,
+                                                                           True, False, True) for n in wide})
     # and cl-or{stages}: the two rows' xhat and g in two register sets instead (no recompute; a stage refilled once
-    # its row's sums are taken), at the 16K-64K shape (512 threads x 2 packs) and 128K's (256 x 4)
-    regs = [n for n in wide if n <= 131072]
+    # its row's sums are taken), at the committed shapes' threads and items, 16K-128K
     for stages in (2, 3):
-        shapes = {}
-        for n in regs:
-            base = tuple(cc.CLUSTER_SHAPES.get(("bwd", eb, n)) or cc.CLUSTER_KERNELS[("bwd", eb)])
-            shapes[("bwd", eb, n)] = base[:2] + (stages, False, True, False, True)
-        out[f"cl-or{stages}"] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(regs), cuda=tuple(regs),
-                                     cluster_shapes=shapes)
+        out[f"cl-or{stages}"] = _on_clusters(eb, {n: _committed(eb, n)[:2] + (stages, False, True, False, True)
+                                                  for n in wide if n <= 131072})
     # after S15-5, at 32K-64K (LN 0.70 / 0.64 against 0.75 / 0.65): one row in flight on 3 stages (p3), with MERGE
     # (pm), and the register-set overlap on 256-thread CTAs (or3-256) or on 4 stages (or4)
-    mid = [n for n in wide if n in (32768, 65536)]
     for name, shape in (("p3", (512, 2, 3, False, True)), ("pm", (512, 2, 2, False, True, True)),
                         ("or3-256", (256, 4, 3, False, True, False, True)), ("or4", (512, 2, 4, False, True, False, True))):
-        out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(mid), cuda=tuple(mid),
-                         cluster_shapes={("bwd", eb, n): shape for n in mid})
+        out[name] = _on_clusters(eb, {n: shape for n in wide if n in (32768, 65536)})
     return out
 
 

@@ -19,54 +19,48 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
+# gpu_tests SECONDS LOG ARGS...: pytest (quiet, no cache, failures reported) under a time limit into $OUT/LOG, then its
+# exit status, its failures and its last line
+gpu_tests() {
+    local t=$1 log=$2; shift 2
+    timeout "$t" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short "$@" > "$OUT/$log" 2>&1
+    echo "pytest rc $? (124: cut by the time limit)"
+    grep -E "^(FAILED|ERROR)" "$OUT/$log" | cut -c1-300 | head -20; tail -1 "$OUT/$log"
+    grep -E "^E " "$OUT/$log" | head -12 | cut -c1-300
+}
+# sweep SECONDS ARGS...: benchmarks/bwd_sweep.py (bf16, checked and timed) under a time limit into $OUT/bwd, its table
+sweep() {
+    local t=$1; shift
+    timeout "$t" python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 --check-variants "" \
+        "$@" > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+}
 case "${1:-compile}" in
 overlap)
-    timeout 130 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
-        -k "push_backward or cluster_kernels_match or gn_cluster or cluster_launches" > "$OUT/tests-push.log" 2>&1
-    grep -E "^(FAILED|ERROR)" "$OUT/tests-push.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-push.log"
-    grep -E "^E " "$OUT/tests-push.log" | head -12 | cut -c1-300
-    timeout 190 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
-        --widths 16384,32768,65536,131072,262144 --variants new,cl-o3,cl-o4 --check-variants "" \
-        --check-wide cl-o3,cl-o4 > "$OUT/bwd.log" 2>&1
-    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    gpu_tests 130 tests-push.log -n 14 tests/test_cuda_backend.py \
+        -k "push_backward or cluster_kernels_match or gn_cluster or cluster_launches"
+    sweep 190 --widths 16384,32768,65536,131072,262144 --variants new,cl-o3,cl-o4 --check-wide cl-o3,cl-o4
     bench 170 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 150 --out "$OUT/llama"
     ;;
 regs)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
-        -k "push_backward and (overlap or persistent)" > "$OUT/tests-overlap.log" 2>&1
-    echo "pytest rc $? (124: cut by the time limit)"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests-overlap.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-overlap.log"
-    grep -E "^E " "$OUT/tests-overlap.log" | head -12 | cut -c1-300
-    timeout 160 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
-        --widths 16384,32768,65536,131072 --variants new,cl-or2,cl-or3 --check-variants "" \
-        --check-wide cl-or2,cl-or3 > "$OUT/bwd.log" 2>&1
-    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    gpu_tests 150 tests-overlap.log -n 14 tests/test_cuda_backend.py -k "push_backward and (overlap or persistent)"
+    sweep 160 --widths 16384,32768,65536,131072 --variants new,cl-or2,cl-or3 --check-wide cl-or2,cl-or3
     bench 190 --models unet2d --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 170 --out "$OUT/unet2d"
     ;;
 final)
-    timeout 160 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
-        -k "push_backward_matches_oracle or persistent_wave or cluster_launches or cluster_routes or spills" > "$OUT/tests-final.log" 2>&1
-    echo "pytest rc $? (124: cut by the time limit)"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests-final.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-final.log"
-    grep -E "^E " "$OUT/tests-final.log" | head -12 | cut -c1-300
+    gpu_tests 160 tests-final.log -n 14 tests/test_cuda_backend.py \
+        -k "push_backward_matches_oracle or persistent_wave or cluster_launches or cluster_routes or spills"
     bench 200 --ops ln,rms --dirs bwd --dtypes bf16 --widths 1024,4096,8192,16384,32768,65536,131072,262144 \
         --peers torch,compile --no-host --time-budget 180 --out "$OUT/rows-bwd"
     ;;
 mid)
-    timeout 200 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
-        --widths 32768,65536 --variants new,p3,pm,or3-256,or4 --check-variants "" \
-        --check-wide p3,pm,or3-256,or4 > "$OUT/bwd.log" 2>&1
-    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    sweep 200 --widths 32768,65536 --variants new,p3,pm,or3-256,or4 --check-wide p3,pm,or3-256,or4
     ;;
 confirm)
-    timeout 130 python3 -m pytest -q -p no:cacheprovider -n 14 -rfE --tb=short tests/test_cuda_backend.py \
-        -k "cluster_routes or spills or cluster_launches or persistent_wave or (push_backward_matches_oracle and bf16)" \
-        > "$OUT/tests-confirm.log" 2>&1
-    echo "pytest rc $? (124: cut by the time limit)"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests-confirm.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests-confirm.log"
-    grep -E "^E " "$OUT/tests-confirm.log" | head -12 | cut -c1-300
+    gpu_tests 130 tests-confirm.log -n 14 tests/test_cuda_backend.py \
+        -k "cluster_routes or spills or cluster_launches or persistent_wave or (push_backward_matches_oracle and bf16)"
     bench 90 --ops ln,rms --dirs bwd --dtypes bf16 --widths 16384,32768,65536 --peers torch,compile --no-host \
         --time-budget 75 --out "$OUT/rows-bwd"
     ;;
@@ -77,19 +71,11 @@ compile)
         --time-budget 175 --out "$OUT/unet2d"
     ;;
 tests-a)
-    timeout 510 python3 -m pytest -q -p no:cacheprovider -n 15 -rfE --tb=short --durations=25 \
-        tests/test_cuda_backend.py > "$OUT/tests.log" 2>&1
-    echo "pytest rc $? (124: cut by the time limit)"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests.log"
-    grep -E "^E " "$OUT/tests.log" | head -12 | cut -c1-300
+    gpu_tests 510 tests.log -n 15 --durations=25 tests/test_cuda_backend.py
     ;;
 tests-b)
     # shellcheck disable=SC2086
-    timeout 510 python3 -m pytest -q -p no:cacheprovider -n 15 -rfE --tb=short --durations=25 \
-        $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend) > "$OUT/tests.log" 2>&1
-    echo "pytest rc $? (124: cut by the time limit)"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20; tail -1 "$OUT/tests.log"
-    grep -E "^E " "$OUT/tests.log" | head -12 | cut -c1-300
+    gpu_tests 510 tests.log -n 15 --durations=25 $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend)
     ;;
 esac
 tar czf "/tmp/s15-${1:-compile}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s15-${1:-compile}.tgz" "$OUT/"
