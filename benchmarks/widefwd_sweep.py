@@ -11,7 +11,9 @@ starts past the budget (a cut run keeps what it measured). Helpers are speed_swe
 Session 10 (helper rows10): the push kernel's MERGE (one value per CTA in the exchange) and ONE_PASS
 (LayerNorm's moments from one read of the slice) flags. `--variants normkit,push+m,push+1,push+m1`
 times the shipped shape of each width with those flags (or `256x8+m1`: that shape, reload, push);
-`--checks flags` checks only the flagged shapes; `--parts check,time` skips the rest.
+`--checks flags` checks only the flagged shapes (`--checks variants`: the TxI[xS] variants' shapes);
+`--parts check,time` skips the rest. Session 16: `TxIxS@W` names a shape with S stages on W waves of resident
+clusters (each walks rows: its next rows load while it works on this one); `TxIxSr`: registers, no reload.
 """
 from __future__ import annotations
 
@@ -74,13 +76,15 @@ def name(shape, waves=None):
 
 
 def variant_shape(variant, eb, N):
-    """push+FLAGS: the width's shipped shape with FLAGS; TxI+FLAGS: that shape (reload, push, 1 stage)."""
+    """push+FLAGS: the width's shipped shape with FLAGS; TxI[xS]+FLAGS: that shape (reload, push, S stages: 1
+    unless given)."""
     base, _, suffix = variant.partition("+")
+    base = base.partition("@")[0]
     if base == "push":
         shape = cc.CLUSTER_SHAPES.get(("fwd", eb, triton_key(N))) or cc.CLUSTER_KERNELS[("fwd", eb)]
-    else:
-        t, i = map(int, base.split("x"))
-        shape = (t, i, 1, True, True)
+    else:  # a trailing r: the slice held in registers (no reload)
+        t, i, *stages = map(int, base.rstrip("r").split("x"))
+        shape = (t, i, stages[0] if stages else 1, not base.endswith("r"), True)
     return tuple(shape[:5]) + FLAGS[suffix]
 
 
@@ -149,8 +153,10 @@ def impls(eb, N, rms, compiled, variants=None):
         for v in variants:
             if v == "normkit":
                 yield v, contextlib.nullcontext(), nk
-            else:
-                yield v, Routing(cuda_rows=routed, shapes={("fwd", eb): variant_shape(v, eb, N)}), nk
+            else:  # TxI[xS][@W]+FLAGS: W waves of resident clusters (walking rows), else CLUSTER_PUSH_WAVES
+                waves = v.partition("+")[0].partition("@")[2]
+                yield v, _both(Routing(cuda_rows=routed, shapes={("fwd", eb): variant_shape(v, eb, N)}),
+                               push_waves(int(waves) if waves else None)), nk
         return
     yield "normkit", contextlib.nullcontext(), nk  # the shipped table
     yield "triton", Routing(cuda_rows={("fwd", eb): NEVER}), nk
@@ -234,7 +240,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=240)
     ap.add_argument("--parts", default="check,time,exchange,compile")
-    ap.add_argument("--checks", default="all", help="all, or flags: the flagged shapes only")
+    ap.add_argument("--checks", default="all",
+                    help="all, flags (the flagged shapes only) or variants (the timed TxI[xS] variants' shapes only)")
     ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
     ap.add_argument("--ops", default="rms,ln")
     ap.add_argument("--dtypes", default="bf16,fp32")
@@ -258,7 +265,12 @@ def main():
     prebuild(dtypes, variants)
     checks: list = []
     for dtype in dtypes if "check" in parts else ():
-        for shape in (PUSH[dtype.itemsize] if args.checks == "all" else []) + FLAGGED:
+        if args.checks == "variants":
+            shapes = list(dict.fromkeys(variant_shape(v, dtype.itemsize, 0) for v in variants
+                                        if v != "normkit" and not v.startswith("push")))
+        else:
+            shapes = (PUSH[dtype.itemsize] if args.checks == "all" else []) + FLAGGED
+        for shape in shapes:
             check(checks, dtype, shape, 1 if shape[2] > 1 else None)  # walking rows: the barriers' phases
         if args.checks == "all":
             check(checks, dtype, WALK, 1)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Session 16 (issues 22, 24), one device call, files in one archive in $OUT (carry .whl):
+#   bash benchmarks/device_s16.sh fwd       the wide forward's cluster shapes on the H200 (widefwd_sweep.py, bf16, 64K-256K,
+#                                           both ops, oracle-checked: 1-3 stages, clusters walking rows, 128-512 threads,
+#                                           registers), then the CUDA backend's test file without its cluster tests
+#   bash benchmarks/device_s16.sh tests-c   the CUDA backend's cluster and push tests (the rest of that file)
+#   bash benchmarks/device_s16.sh tests-b   the other GPU test files (GPU_TEST_FILES without the CUDA backend's)
+# (issue 22's eager model cases on this tree: `bash benchmarks/device_lead.sh models`)
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh" env.txt
+# gpu_tests SECONDS LOG ARGS...: pytest (quiet, no cache, failures reported) under a time limit into $OUT/LOG, then its
+# exit status, its failures and its last line
+gpu_tests() {
+    local t=$1 log=$2; shift 2
+    timeout "$t" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short "$@" > "$OUT/$log" 2>&1
+    echo "pytest rc $? (124: cut by the time limit)"
+    grep -E "^(FAILED|ERROR)" "$OUT/$log" | cut -c1-300 | head -20; tail -1 "$OUT/$log"
+    grep -E "^E " "$OUT/$log" | head -12 | cut -c1-300
+}
+CLUSTER_TESTS="cluster or push or spills"
+case "${1:-fwd}" in
+fwd)
+    timeout 290 python3 benchmarks/widefwd_sweep.py --out "$OUT/fwd" --parts check,time --checks variants \
+        --dtypes bf16 --widths 65536,131072,262144 --budget 270 --repeat 2 \
+        --variants normkit,256x8x2@1+1,256x8x2@2+1,256x8x2r@1+1,256x8x3@1+1,128x8+1,128x8x2@1+1,256x4+1,512x8x2@1+m1 \
+        > "$OUT/fwd.log" 2>&1
+    echo "fwd rc $?"; grep -E "CHECK|FAIL|total|copy ceiling|prebuilt" "$OUT/fwd.log" | cut -c1-160
+    gpu_tests 240 tests-nc.log -n 15 --durations=15 tests/test_cuda_backend.py -k "not ($CLUSTER_TESTS)"
+    ;;
+tests-c)
+    gpu_tests 520 tests-c.log -n 15 --durations=15 tests/test_cuda_backend.py -k "$CLUSTER_TESTS"
+    ;;
+tests-b)
+    # shellcheck disable=SC2086
+    gpu_tests 510 tests.log -n 15 --durations=25 $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend)
+    ;;
+esac
+tar czf "/tmp/s16-${1:-fwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s16-${1:-fwd}.tgz" "$OUT/"
