@@ -3,6 +3,9 @@
 #   bash benchmarks/device_s16.sh fwd       the wide forward's cluster shapes on the H200 (widefwd_sweep.py, bf16, 64K-256K,
 #                                           both ops, oracle-checked: 1-3 stages, clusters walking rows, 128-512 threads,
 #                                           registers), then the CUDA backend's test file without its cluster tests
+#   bash benchmarks/device_s16.sh fetch     the wide forward's affine parameters fetched ahead of the stores (widefwd_sweep.py
+#                                           %-variants: NK_FETCH_BYTES, the reload kernels' register cap, an L1 prefetch),
+#                                           bf16 64K-256K, both ops, oracle-checked; then the CUDA backend's cluster tests
 #   bash benchmarks/device_s16.sh tests-c   the CUDA backend's cluster and push tests (the rest of that file)
 #   bash benchmarks/device_s16.sh tests-b   the other GPU test files (GPU_TEST_FILES without the CUDA backend's)
 # (issue 22's eager model cases on this tree: `bash benchmarks/device_lead.sh models`)
@@ -26,6 +29,14 @@ fwd)
         > "$OUT/fwd.log" 2>&1
     echo "fwd rc $?"; grep -E "CHECK|FAIL|total|copy ceiling|prebuilt" "$OUT/fwd.log" | cut -c1-160
     gpu_tests 240 tests-nc.log -n 15 --durations=15 tests/test_cuda_backend.py -k "not ($CLUSTER_TESTS)"
+    ;;
+fetch)
+    timeout 300 python3 benchmarks/widefwd_sweep.py --out "$OUT/fetch" --parts check,time --checks variants \
+        --dtypes bf16 --widths 65536,131072,262144 --budget 280 --repeat 2 \
+        --variants normkit%f0,normkit,normkit%f128.t768,normkit%f128.t512,normkit%p1.f0,normkit%p1 \
+        > "$OUT/fetch.log" 2>&1
+    echo "fetch rc $?"; grep -E "CHECK|FAIL|total|copy ceiling|prebuilt" "$OUT/fetch.log" | cut -c1-160
+    gpu_tests 230 tests-c.log -n 15 tests/test_cuda_backend.py -k "push_forward or gn_cluster or gn_cl_cluster or spills"
     ;;
 tests-c)
     gpu_tests 520 tests-c.log -n 15 --durations=15 tests/test_cuda_backend.py -k "$CLUSTER_TESTS"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -75,10 +76,41 @@ def name(shape, waves=None):
         (f"-w{waves}" if waves else "")
 
 
+DEFINES = {"f": "NK_FETCH_BYTES", "t": "NK_RELOAD_THREADS_PER_SM", "p": "NK_PREFETCH_L1"}
+
+
+def variant_defines(variant) -> tuple:
+    """A variant's %-suffix (parts joined by dots) as compile-time defines: %f128 NK_FETCH_BYTES=128 (the affine parameters fetched
+    ahead of their stores; f0: each pack's next to its store, as before session 16), %t768
+    NK_RELOAD_THREADS_PER_SM=768 (the reload kernels' register cap: 768 threads resident per SM), %p1
+    NK_PREFETCH_L1=1 (a row's parameters prefetched into L1 before its loads land)."""
+    _, _, spec = variant.partition("%")
+    out = []
+    for part in filter(None, spec.split(".")):
+        out.append(f"{DEFINES[part[0]]}={int(part[1:])}")
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def compiled_with(defines: tuple):
+    """The cluster kernels built with these defines (kernels.row_cluster's specs gain them)."""
+    if not defines:
+        yield
+        return
+    saved = kernels.row_cluster
+    kernels.row_cluster = lambda *a, **k: dataclasses.replace(saved(*a, **k), defines=defines)
+    cluster.prepare.cache_clear()
+    try:
+        yield
+    finally:
+        kernels.row_cluster = saved
+        cluster.prepare.cache_clear()
+
+
 def variant_shape(variant, eb, N):
     """push+FLAGS: the width's shipped shape with FLAGS; TxI[xS]+FLAGS: that shape (reload, push, S stages: 1
     unless given)."""
-    base, _, suffix = variant.partition("+")
+    base, _, suffix = variant.partition("%")[0].partition("+")
     base = base.partition("@")[0]
     if base == "push":
         shape = cc.CLUSTER_SHAPES.get(("fwd", eb, triton_key(N))) or cc.CLUSTER_KERNELS[("fwd", eb)]
@@ -88,30 +120,39 @@ def variant_shape(variant, eb, N):
     return tuple(shape[:5]) + FLAGS[suffix]
 
 
-def prebuild(dtypes, variants=()):
+def prebuild(dtypes, variants=(), only_variants=False, widths=WIDTHS):
+    """Compiles (in parallel) the kernels the run will load: every shape timed or checked at the widths timed and
+    checked (only_variants: the variants' alone)."""
     specs = []
     for dtype in dtypes:
         eb = dtype.itemsize
-        for n in WIDTHS + [1024 * c for c in (4, 8, 16)] + [16392, 24576]:
-            timed = [variant_shape(v, eb, n) for v in variants if v != "normkit"]
-            for shape in PUSH[eb] + FLAGGED + timed + [WALK, (128, 1, 1, True, True), (128, 1, 1)] + [None]:
+        more = [n for _, n, _ in CHECK_CASES] if only_variants else [1024 * c for c in (4, 8, 16)] + [16392, 24576]
+        for n in dict.fromkeys(list(widths) + more):
+            timed = [(None if v.partition("%")[0] == "normkit" else variant_shape(v, eb, n), variant_defines(v))
+                     for v in variants]
+            fixed = [] if only_variants else PUSH[eb] + FLAGGED + [WALK, (128, 1, 1, True, True), (128, 1, 1)]
+            if only_variants:  # the checks run the committed 256K shape at every width
+                timed += [(cc.CLUSTER_SHAPES.get(("fwd", eb, 262144), cc.CLUSTER_KERNELS[("fwd", eb)]), d) for v, (sh, d) in zip(variants, timed) if sh is None]
+            for shape, defs in [(s, ()) for s in fixed] + timed + [(None, ())]:
                 plan = cc.plan_cluster("fwd", n, eb, shape)
                 if plan is not None:
                     for rms in (False, True):
-                        specs.append(kernels.row_cluster("fwd", dtype, dtype, None, rms, plan))
-                        specs.append(kernels.row_cluster("fwd", dtype, torch.float32, None, rms, plan))
+                        for wdtype in (dtype, torch.float32):
+                            spec = kernels.row_cluster("fwd", dtype, wdtype, None, rms, plan)
+                            specs.append(dataclasses.replace(spec, defines=defs) if defs else spec)
     t0 = time.time()
     cb.prebuild(list(dict.fromkeys(specs)))
     log(f"prebuilt {len(set(specs))} kernels in {time.time() - t0:.0f} s")
 
 
-def check(out, dtype, shape, waves):
+def check(out, dtype, shape, waves, defines=()):
     eb = dtype.itemsize
     tol = {torch.bfloat16: 1e-2, torch.float32: 2e-5}[dtype]
     for op in ("ln", "rms"):
         rms = op == "rms"
         for m, n, offset in CHECK_CASES:
-            label = dict(dtype=str(dtype)[6:], op=op, M=m, N=n, offset=offset, impl=name(shape, waves))
+            label = dict(dtype=str(dtype)[6:], op=op, M=m, N=n, offset=offset,
+                         impl=name(shape, waves) + "".join(f" {d}" for d in defines))
             try:
                 with Routing(cluster_widths={("fwd", op, eb): (16384, 262144)}, shapes={("fwd", eb): shape}), \
                         push_waves(waves):
@@ -151,12 +192,13 @@ def impls(eb, N, rms, compiled, variants=None):
     routed = all_routes("fwd", eb, N)
     if variants:
         for v in variants:
-            if v == "normkit":
-                yield v, contextlib.nullcontext(), nk
+            defs = compiled_with(variant_defines(v))
+            if v.partition("%")[0] == "normkit":
+                yield v, defs, nk
             else:  # TxI[xS][@W]+FLAGS: W waves of resident clusters (walking rows), else CLUSTER_PUSH_WAVES
-                waves = v.partition("+")[0].partition("@")[2]
-                yield v, _both(Routing(cuda_rows=routed, shapes={("fwd", eb): variant_shape(v, eb, N)}),
-                               push_waves(int(waves) if waves else None)), nk
+                waves = v.partition("%")[0].partition("+")[0].partition("@")[2]
+                yield v, _both(_both(Routing(cuda_rows=routed, shapes={("fwd", eb): variant_shape(v, eb, N)}),
+                                     push_waves(int(waves) if waves else None)), defs), nk
         return
     yield "normkit", contextlib.nullcontext(), nk  # the shipped table
     yield "triton", Routing(cuda_rows={("fwd", eb): NEVER}), nk
@@ -262,16 +304,19 @@ def main():
     log(text, f"\ncopy ceiling {copy:.0f} GB/s")
     with open(os.path.join(args.out, "env.txt"), "w") as f:
         f.write(text + f"\ncopy {copy:.1f} GB/s\n")
-    prebuild(dtypes, variants)
+    prebuild(dtypes, variants, only_variants=args.checks == "variants", widths=WIDTHS if args.checks != "variants" else widths)
     checks: list = []
     for dtype in dtypes if "check" in parts else ():
-        if args.checks == "variants":
-            shapes = list(dict.fromkeys(variant_shape(v, dtype.itemsize, 0) for v in variants
-                                        if v != "normkit" and not v.startswith("push")))
+        if args.checks == "variants":  # (shape, defines) of each variant (normkit: the committed 256K shape)
+            shapes = list(dict.fromkeys(
+                (variant_shape(v, dtype.itemsize, 0) if v.partition("%")[0] != "normkit" else
+                 cc.CLUSTER_SHAPES.get(("fwd", dtype.itemsize, 262144), cc.CLUSTER_KERNELS[("fwd", dtype.itemsize)]), variant_defines(v))
+                for v in variants if not v.startswith("push")))
         else:
-            shapes = (PUSH[dtype.itemsize] if args.checks == "all" else []) + FLAGGED
-        for shape in shapes:
-            check(checks, dtype, shape, 1 if shape[2] > 1 else None)  # walking rows: the barriers' phases
+            shapes = [(s, ()) for s in (PUSH[dtype.itemsize] if args.checks == "all" else []) + FLAGGED]
+        for shape, defs in shapes:
+            with compiled_with(defs):  # walking rows (stages): the barriers' phases
+                check(checks, dtype, shape, 1 if shape[2] > 1 else None, defs)
         if args.checks == "all":
             check(checks, dtype, WALK, 1)
     write_csv(os.path.join(args.out, "check.csv"), checks)

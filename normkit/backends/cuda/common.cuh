@@ -208,22 +208,60 @@ struct RowLoad {
   __device__ __forceinline__ float first(i64 row) const { return to_float(ptr[row * stride]); }
 };
 
-// OneFlow's AffineStore plus an activation: y = act(xhat * w + b), rounded to T.
+// A pack's weight and bias as loaded (a null pointer's is never read).
+template <typename W, int P>
+struct ParamPack {
+  Pack<W, P> w, b;
+};
+
+// OneFlow's AffineStore plus an activation: y = act(xhat * w + b), rounded to T. fetch loads a pack's
+// parameters and store(xhat, row, col, params) writes it: a loop that stores several packs fetches their
+// parameters first (fetch_chunk), since one that loads each pack's parameters next to its store waits a
+// memory round trip per pack (the loads stay behind the previous pack's store: the compiler cannot tell
+// the pointers apart).
 template <typename T, typename W, typename ACT>
 struct AffineActStore {
   T* ptr;
   i64 stride;
   const W* w;
   const W* b;
-  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
-    float wv[P], bv[P], y[P];
-    load_param<P>(w, col, 1.f, wv);
-    load_param<P>(b, col, 0.f, bv);
+  template <int P> using Params = ParamPack<W, P>;
+  template <int P> __device__ __forceinline__ Params<P> fetch(i64, int col) const {
+    Params<P> p{};
+    if (w != nullptr) p.w = load_pack<P>(w + col);
+    if (b != nullptr) p.b = load_pack<P>(b + col);
+    return p;
+  }
+  template <int P>
+  __device__ __forceinline__ void store(const float* xhat, i64 row, int col, const Params<P>& p) const {
+    float y[P];
 #pragma unroll
-    for (int i = 0; i < P; ++i) y[i] = ACT::fwd(xhat[i] * wv[i] + bv[i]);
+    for (int i = 0; i < P; ++i) {
+      const float wv = w != nullptr ? to_float(p.w.v[i]) : 1.f, bv = b != nullptr ? to_float(p.b.v[i]) : 0.f;
+      y[i] = ACT::fwd(xhat[i] * wv + bv);
+    }
     store_floats<P>(ptr + row * stride + col, y);
   }
+  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
+    store<P>(xhat, row, col, fetch<P>(row, col));
+  }
+  // the pack's parameters pulled into L1 (no registers held): issued while the row's loads are in flight
+  template <int P> __device__ __forceinline__ void prefetch(i64, int col) const {
+    if (w != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(w + col));
+    if (b != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(b + col));
+  }
 };
+
+// How many packs' parameters a store loop fetches ahead of their stores: NK_FETCH_BYTES of them, 4 packs at most
+// (more spilled in the register-capped cluster forward)
+#ifndef NK_FETCH_BYTES
+#define NK_FETCH_BYTES 64
+#endif
+template <typename PARAMS, int ITEMS>
+constexpr int fetch_chunk() {
+  constexpr int n = NK_FETCH_BYTES / int(sizeof(PARAMS)) < 4 ? NK_FETCH_BYTES / int(sizeof(PARAMS)) : 4;
+  return n < 1 ? 1 : (n > ITEMS ? ITEMS : n);
+}
 
 // ------------------------------------------------------------------ reduction values
 // Each has zero() and merge(a, b); merge is applied in a fixed order by the all-reduces below.
