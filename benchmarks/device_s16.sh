@@ -5,7 +5,8 @@
 #                                           registers), then the CUDA backend's test file without its cluster tests
 #   bash benchmarks/device_s16.sh fetch     the wide forward's affine parameters fetched ahead of the stores (widefwd_sweep.py
 #                                           %-variants: NK_FETCH_BYTES, the reload kernels' register cap, an L1 prefetch),
-#                                           bf16 64K-256K, both ops, oracle-checked; then the CUDA backend's cluster tests
+#                                           bf16 64K-256K, both ops, oracle-checked; the CUDA backend's forward (the
+#                                           same fetch in its warp and block kernels) next to torch at 1K-32K; its tests
 #   bash benchmarks/device_s16.sh tests-c   the CUDA backend's cluster and push tests (the rest of that file)
 #   bash benchmarks/device_s16.sh tests-b   the other GPU test files (GPU_TEST_FILES without the CUDA backend's)
 # (issue 22's eager model cases on this tree: `bash benchmarks/device_lead.sh models`)
@@ -36,7 +37,11 @@ fetch)
         --variants normkit%f0,normkit,normkit%f128.t768,normkit%f128.t512,normkit%p1.f0,normkit%p1 \
         > "$OUT/fetch.log" 2>&1
     echo "fetch rc $?"; grep -E "CHECK|FAIL|total|copy ceiling|prebuilt" "$OUT/fetch.log" | cut -c1-160
-    gpu_tests 230 tests-c.log -n 15 tests/test_cuda_backend.py -k "push_forward or gn_cluster or gn_cl_cluster or spills"
+    timeout 120 python3 -m normkit bench --no-plots --ops ln,rms --dirs fwd --dtypes bf16,fp32 \
+        --widths 1024,2048,4096,8192,16384,32768 --normkit auto,cuda --peers torch --no-host --time-budget 105 \
+        --out "$OUT/cuda-fwd" 2>&1 | grep -E "^\[|wrote" | cut -c1-160
+    gpu_tests 200 tests-c.log -n 15 tests/test_cuda_backend.py \
+        -k "push_forward or gn_cluster or gn_cl_cluster or spills or matches_oracle or every_forward or activations"
     ;;
 tests-c)
     gpu_tests 520 tests-c.log -n 15 --durations=15 tests/test_cuda_backend.py -k "$CLUSTER_TESTS"
