@@ -3,10 +3,15 @@
 #   bash benchmarks/device_s16.sh fwd       the wide forward's cluster shapes on the H200 (widefwd_sweep.py, bf16, 64K-256K,
 #                                           both ops, oracle-checked: 1-3 stages, clusters walking rows, 128-512 threads,
 #                                           registers), then the CUDA backend's test file without its cluster tests
-#   bash benchmarks/device_s16.sh fetch     the wide forward's affine parameters fetched ahead of the stores (widefwd_sweep.py
+#   bash benchmarks/device_s16.sh fetch     (run S16-2; its t and p variants named knobs since removed) the wide forward's
+#                                           affine parameters fetched ahead of the stores (widefwd_sweep.py
 #                                           %-variants: NK_FETCH_BYTES, the reload kernels' register cap, an L1 prefetch),
 #                                           bf16 64K-256K, both ops, oracle-checked; the CUDA backend's forward (the
 #                                           same fetch in its warp and block kernels) next to torch at 1K-32K; its tests
+#   bash benchmarks/device_s16.sh bwd-ab    the cluster backward's RECOMPUTE dx step with its parameters fetched ahead (default)
+#                                           against NORMKIT_CUDA_DEFINES=NK_FETCH_BYTES=0 (each pack's next to its store):
+#                                           normkit bench bwd 64K-256K bf16, A B A B; the CUDA backend's LayerNorm forward
+#                                           (code as before session 16) next to torch; the backward cluster tests
 #   bash benchmarks/device_s16.sh tests-c   the CUDA backend's cluster and push tests (the rest of that file)
 #   bash benchmarks/device_s16.sh tests-b   the other GPU test files (GPU_TEST_FILES without the CUDA backend's)
 # (issue 22's eager model cases on this tree: `bash benchmarks/device_lead.sh models`)
@@ -42,6 +47,21 @@ fetch)
         --out "$OUT/cuda-fwd" 2>&1 | grep -E "^\[|wrote" | cut -c1-160
     gpu_tests 200 tests-c.log -n 15 tests/test_cuda_backend.py \
         -k "push_forward or gn_cluster or gn_cl_cluster or spills or matches_oracle or every_forward or activations"
+    ;;
+bwd-ab)
+    for r in 1 2; do
+        for d in "" "NK_FETCH_BYTES=0"; do
+            echo "== round $r defines '$d'"
+            NORMKIT_CUDA_DEFINES="$d" timeout 110 python3 -m normkit bench --no-plots --ops ln,rms --dirs bwd \
+                --dtypes bf16 --widths 65536,131072,262144 --peers none --no-host --time-budget 95 \
+                --out "$OUT/bwd-r$r${d:+-f0}" 2>&1 | grep -E "^\[|wrote" | cut -c1-160
+        done
+    done
+    timeout 80 python3 -m normkit bench --no-plots --ops ln --dirs fwd --dtypes bf16 --widths 2048,4096,8192,16384 \
+        --normkit auto,cuda --peers torch --no-host --time-budget 65 --out "$OUT/cuda-ln-fwd" 2>&1 \
+        | grep -E "^\[|wrote" | cut -c1-160
+    gpu_tests 150 tests-bwd.log -n 15 tests/test_cuda_backend.py \
+        -k "push_backward or spills or cluster_routes or persistent_wave or cluster_weight_gradients"
     ;;
 tests-c)
     gpu_tests 520 tests-c.log -n 15 --durations=15 tests/test_cuda_backend.py -k "$CLUSTER_TESTS"

@@ -76,14 +76,14 @@ def name(shape, waves=None):
         (f"-w{waves}" if waves else "")
 
 
-DEFINES = {"f": "NK_FETCH_BYTES", "t": "NK_RELOAD_THREADS_PER_SM", "p": "NK_PREFETCH_L1"}
+DEFINES = {"f": "NK_FETCH_BYTES"}  # (session 16's run S16-2 also had t: the reload register cap, p: an L1 prefetch)
 
 
 def variant_defines(variant) -> tuple:
-    """A variant's %-suffix (parts joined by dots) as compile-time defines: %f128 NK_FETCH_BYTES=128 (the affine parameters fetched
-    ahead of their stores; f0: each pack's next to its store, as before session 16), %t768
-    NK_RELOAD_THREADS_PER_SM=768 (the reload kernels' register cap: 768 threads resident per SM), %p1
-    NK_PREFETCH_L1=1 (a row's parameters prefetched into L1 before its loads land)."""
+    """A variant's %-suffix (parts joined by dots) as compile-time defines: %f0 NK_FETCH_BYTES=0 (no parameters
+    fetched ahead of the stores). Run S16-2 measured the forward's store loop with its affine parameters fetched
+    ahead (f64, f128), with the reload kernels' register cap raised (t768, t512: 768 / 512 threads per SM) and
+    with an L1 prefetch of the parameters (p1): none gained (notes/perf.md, session 16); the forward's knobs are gone."""
     _, _, spec = variant.partition("%")
     out = []
     for part in filter(None, spec.split(".")):

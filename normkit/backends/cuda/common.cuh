@@ -230,41 +230,28 @@ __device__ __forceinline__ void param_floats(const ParamPack<W, P>& p, const W* 
   }
 }
 
-// OneFlow's AffineStore plus an activation: y = act(xhat * w + b), rounded to T. fetch loads a pack's
-// parameters and store(xhat, row, col, params) writes it: a loop that stores several packs fetches their
-// parameters first (fetch_chunk), since one that loads each pack's parameters next to its store waits a
-// memory round trip per pack (the loads stay behind the previous pack's store: the compiler cannot tell
-// the pointers apart).
+// OneFlow's AffineStore plus an activation: y = act(xhat * w + b), rounded to T.
 template <typename T, typename W, typename ACT>
 struct AffineActStore {
   T* ptr;
   i64 stride;
   const W* w;
   const W* b;
-  template <int P> using Params = ParamPack<W, P>;
-  template <int P> __device__ __forceinline__ Params<P> fetch(i64, int col) const {
-    return fetch_params<P>(w, b, col);
-  }
-  template <int P>
-  __device__ __forceinline__ void store(const float* xhat, i64 row, int col, const Params<P>& p) const {
+  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
     float wv[P], bv[P], y[P];
-    param_floats<P>(p, w, b, wv, bv);
+    load_param<P>(w, col, 1.f, wv);
+    load_param<P>(b, col, 0.f, bv);
 #pragma unroll
     for (int i = 0; i < P; ++i) y[i] = ACT::fwd(xhat[i] * wv[i] + bv[i]);
     store_floats<P>(ptr + row * stride + col, y);
   }
-  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
-    store<P>(xhat, row, col, fetch<P>(row, col));
-  }
-  // the pack's parameters pulled into L1 (no registers held): issued while the row's loads are in flight
-  template <int P> __device__ __forceinline__ void prefetch(i64, int col) const {
-    if (w != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(w + col));
-    if (b != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(b + col));
-  }
 };
 
-// How many packs' parameters a store loop fetches ahead of their stores: NK_FETCH_BYTES of them, 4 packs at most
-// (more spilled in the register-capped cluster forward)
+// How many packs' parameters a store loop fetches ahead of their stores (a loop that loads each pack's
+// parameters next to its store waits a memory round trip per pack: the loads stay behind the previous pack's
+// store, the compiler cannot tell the pointers apart): NK_FETCH_BYTES of them, 4 packs at most. Used where one
+// CTA per SM leaves nothing else to hide those round trips (the cluster backward's RECOMPUTE dx step); in the
+// register-capped cluster forward, 4 CTAs per SM hid them and fetching ahead cost more than it saved (run S16-2).
 #ifndef NK_FETCH_BYTES
 #define NK_FETCH_BYTES 64
 #endif

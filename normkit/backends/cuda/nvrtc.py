@@ -5,7 +5,8 @@ instantiation such as "nk::row_fwd_warp<__half, float, nk::Identity, 8, 8, 4, fa
 parameter list (the C types the launcher packs). build() compiles a spec's name expressions for
 one architecture into a cubin, and caches the result in memory per (sources, arch, names,
 defines, NVRTC, headers) and on disk under ~/.cache/normkit/cuda (NORMKIT_CACHE_DIR overrides,
-NORMKIT_CUDA_DISK_CACHE=0 turns it off).
+NORMKIT_CUDA_DISK_CACHE=0 turns it off). NORMKIT_CUDA_DEFINES (space-separated NAME=VALUE) adds -D defines to
+every kernel: for measuring a compile-time knob against its default in one run.
 
 cuda_fp16.h / cuda_bf16.h come from the first of these that NVRTC can compile against:
 NORMKIT_CUDA_INCLUDE, the nvidia-cuda-runtime wheels, CUDA_HOME / CUDA_PATH, /usr/local/cuda,
@@ -296,7 +297,9 @@ _memory_lock = threading.Lock()
 def build(source: str, names, arch: str, defines=(), *, want_ptx: bool = False,
           use_disk_cache: bool | None = None, fast: bool = False) -> Compiled:
     """Compile the name expressions `names` of `source` for `arch` (cached). fast: see options()."""
-    names, defines = tuple(names), tuple(defines)
+    # NORMKIT_CUDA_DEFINES: more -D defines for every kernel (space-separated NAME=VALUE), for A/B measurements
+    # of the compile-time knobs (NK_FETCH_BYTES) in one process; part of both cache keys
+    names, defines = tuple(names), tuple(defines) + tuple(os.environ.get("NORMKIT_CUDA_DEFINES", "").split())
     mkey = (source, names, arch, defines, fast)
     with _memory_lock:
         hit = _memory.get(mkey)

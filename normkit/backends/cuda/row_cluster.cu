@@ -310,17 +310,8 @@ __device__ __forceinline__ float thread_sum(const PACK& pack, int valid, bool sq
 
 // ================================================================== forward
 
-// Compile-time knobs the sweeps vary (benchmarks/widefwd_sweep.py %-variants): the reload kernels' threads per SM
-// (their register cap), and whether a row's affine parameters are prefetched into L1 before its loads land.
-#ifndef NK_RELOAD_THREADS_PER_SM
-#define NK_RELOAD_THREADS_PER_SM 1024
-#endif
-#ifndef NK_PREFETCH_L1
-#define NK_PREFETCH_L1 0
-#endif
-
-// The forward's body; OUT fetches a pack's parameters (out.fetch<P>(row, col)) and stores the normalized pack
-// (out.store<P>(xhat, row, col, params)). MERGE: one value per CTA in the exchange (see exchange). ONE_PASS (PUSH LayerNorm): a thread's moments from one
+// The forward's body; OUT stores a normalized pack: out.store<P>(xhat, row, col). MERGE: one value
+// per CTA in the exchange (see exchange). ONE_PASS (PUSH LayerNorm): a thread's moments from one
 // read of its packs (each pack's sum and squared deviations from the pack's own mean, merged exactly
 // (Chan) over the thread's packs, then the warp's) instead of a pass for the warp's mean and a second
 // for the deviations from it: one read of the stage fewer, one warp reduction less on the row's path.
@@ -357,12 +348,6 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
     const float shift = shift_next;
     if (!RMS && row + s.clusters < rows) shift_next = to_float(x[(row + s.clusters) * x_stride]);
-#if NK_PREFETCH_L1
-    // the row's affine parameters into L1 while its loads are in flight (the stores read them)
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k)
-      if (k < valid) out.template prefetch<P>(row, s.c0 + (tid + k * THREADS) * P);
-#endif
     stream.wait(s, it);
     const T* src = stream.slice_at(it % STAGES, 0);
     // this thread's packs, shifted: held in registers, or (RELOAD) read from the stage at each use
@@ -445,25 +430,14 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
       if (rstd != nullptr) rstd[row] = r;
       if (!RMS && mean != nullptr) mean[row] = shift + mu;
     }
-    // the packs' parameters fetched a chunk at a time ahead of their stores (see AffineActStore)
-    using Params = typename OUT::template Params<P>;
-    constexpr int CHUNK = fetch_chunk<Params, ITEMS>();
 #pragma unroll
-    for (int k0 = 0; k0 < ITEMS; k0 += CHUNK) {
-      Params prm[CHUNK]{};
+    for (int k = 0; k < ITEMS; ++k) {
+      if (k < valid) {
+        float f[P];
+        pack(k, f);
 #pragma unroll
-      for (int j = 0; j < CHUNK; ++j)
-        if (k0 + j < ITEMS && k0 + j < valid) prm[j] = out.template fetch<P>(row, s.c0 + (tid + (k0 + j) * THREADS) * P);
-#pragma unroll
-      for (int j = 0; j < CHUNK; ++j) {
-        const int k = k0 + j;
-        if (k < ITEMS && k < valid) {
-          float f[P];
-          pack(k, f);
-#pragma unroll
-          for (int i = 0; i < P; ++i) f[i] = (f[i] - mu) * r;
-          out.template store<P>(f, row, s.c0 + (tid + k * THREADS) * P, prm[j]);
-        }
+        for (int i = 0; i < P; ++i) f[i] = (f[i] - mu) * r;
+        out.template store<P>(f, row, s.c0 + (tid + k * THREADS) * P);
       }
     }
     if (RELOAD) {
@@ -476,11 +450,10 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   }
 }
 
-// RELOAD kernels are compiled for several CTAs per SM (NK_RELOAD_THREADS_PER_SM threads: registers capped), the
-// others for one.
+// RELOAD kernels are compiled for several CTAs per SM (registers capped), the others for one.
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
           bool MERGE = false, bool ONE_PASS = false>
-__global__ void __launch_bounds__(THREADS, RELOAD ? NK_RELOAD_THREADS_PER_SM / THREADS : 1)
+__global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
     row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
@@ -707,27 +680,19 @@ __global__ void __launch_bounds__(THREADS, 1)
 // in one channel) and, for the weight gradients, that each CTA's slice is whole channels.
 namespace nk {
 
-// y = act(xhat * w[c] + b[c]), the channel's parameters for the whole pack (fetched ahead, as AffineActStore's)
-struct ChannelParams {
-  float w, b;
-};
+// y = act(xhat * w[c] + b[c]), the channel's parameters for the whole pack
 template <typename T, typename W, typename ACT>
 struct GroupAffineActStore {
   T* ptr;
   const W* w;
   const W* b;
   int cols, groups, spatial;
-  template <int P> using Params = ChannelParams;
-  template <int P> __device__ __forceinline__ ChannelParams fetch(i64 row, int col) const {
+  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
     const int ch = int(row % groups) * (cols / spatial) + col / spatial;
-    return ChannelParams{w != nullptr ? to_float(w[ch]) : 1.f, b != nullptr ? to_float(b[ch]) : 0.f};
-  }
-  template <int P> __device__ __forceinline__ void prefetch(i64, int) const {}
-  template <int P>
-  __device__ __forceinline__ void store(const float* xhat, i64 row, int col, const ChannelParams& p) const {
+    const float wv = w != nullptr ? to_float(w[ch]) : 1.f, bv = b != nullptr ? to_float(b[ch]) : 0.f;
     float y[P];
 #pragma unroll
-    for (int i = 0; i < P; ++i) y[i] = ACT::fwd(fmaf(xhat[i], p.w, p.b));
+    for (int i = 0; i < P; ++i) y[i] = ACT::fwd(fmaf(xhat[i], wv, bv));
     store_floats<P>(ptr + row * i64(cols) + col, y);
   }
 };
@@ -735,7 +700,7 @@ struct GroupAffineActStore {
 // The forward: fwd_cluster over the groups as rows (mean/rstd [B, G] are its per-row statistics).
 template <typename T, typename W, typename ACT, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
           bool MERGE = false, bool ONE_PASS = false>
-__global__ void __launch_bounds__(THREADS, RELOAD ? NK_RELOAD_THREADS_PER_SM / THREADS : 1)
+__global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
     gn_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const W* __restrict__ w, const W* __restrict__ b,
                    float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols, int slice, float eps,
                    int groups, int spatial) {

@@ -106,25 +106,13 @@ __device__ void layer_norm_warp(LOAD load, STORE store, float* mean_out, float* 
       if (!RMS) mean_out[row] = shift + mean;
       rstd_out[row] = rstd;
     }
-    // the packs' parameters fetched a chunk at a time ahead of their stores (see AffineActStore)
-    using Params = typename STORE::template Params<P>;
-    constexpr int CHUNK = fetch_chunk<Params, PACKS>();
 #pragma unroll
-    for (int p0 = 0; p0 < PACKS; p0 += CHUNK) {
-      Params prm[CHUNK]{};
+    for (int p = 0; p < PACKS; ++p) {
+      const int col = (p * WIDTH + lane) * P;
+      if (live && col < cols) {
 #pragma unroll
-      for (int j = 0; j < CHUNK; ++j) {
-        const int col = ((p0 + j) * WIDTH + lane) * P;
-        if (p0 + j < PACKS && live && col < cols) prm[j] = store.template fetch<P>(row, col);
-      }
-#pragma unroll
-      for (int j = 0; j < CHUNK; ++j) {
-        const int p = p0 + j, col = (p * WIDTH + lane) * P;
-        if (p < PACKS && live && col < cols) {
-#pragma unroll
-          for (int i = 0; i < P; ++i) buf[p * P + i] = (buf[p * P + i] - mean) * rstd;
-          store.template store<P>(buf + p * P, row, col, prm[j]);
-        }
+        for (int i = 0; i < P; ++i) buf[p * P + i] = (buf[p * P + i] - mean) * rstd;
+        store.template store<P>(buf + p * P, row, col);
       }
     }
   }
@@ -170,8 +158,6 @@ __device__ void layer_norm_block(RowLoad<T> load, STORE store, float* mean_out, 
       if (!RMS) mean_out[row] = shift + st.mean;
       rstd_out[row] = rstd;
     }
-    using Params = typename STORE::template Params<P>;
-    constexpr int CHUNK = fetch_chunk<Params, kBatch>();  // parameters fetched ahead of the stores
     for (int p0 = threadIdx.x; p0 < packs; p0 += kBatch * blockDim.x) {
       Pack<T, P> v[kBatch];
 #pragma unroll
@@ -180,23 +166,14 @@ __device__ void layer_norm_block(RowLoad<T> load, STORE store, float* mean_out, 
         if (p < packs) v[k] = CACHED ? cache[p] : load.template raw<P>(row, p * P);
       }
 #pragma unroll
-      for (int k0 = 0; k0 < kBatch; k0 += CHUNK) {
-        Params prm[CHUNK]{};
+      for (int k = 0; k < kBatch; ++k) {
+        const int p = p0 + k * blockDim.x;
+        if (p < packs) {
+          float f[P];
+          pack_to_floats<P>(v[k], f);
 #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) {
-          const int p = p0 + (k0 + j) * blockDim.x;
-          if (k0 + j < kBatch && p < packs) prm[j] = store.template fetch<P>(row, p * P);
-        }
-#pragma unroll
-        for (int j = 0; j < CHUNK; ++j) {
-          const int k = k0 + j, p = p0 + k * blockDim.x;
-          if (k < kBatch && p < packs) {
-            float f[P];
-            pack_to_floats<P>(v[k], f);
-#pragma unroll
-            for (int i = 0; i < P; ++i) f[i] = ((f[i] - shift) - st.mean) * rstd;
-            store.template store<P>(f, row, p * P, prm[j]);
-          }
+          for (int i = 0; i < P; ++i) f[i] = ((f[i] - shift) - st.mean) * rstd;
+          store.template store<P>(f, row, p * P);
         }
       }
     }
