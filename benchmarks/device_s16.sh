@@ -3,7 +3,9 @@
 #   bash benchmarks/device_s16.sh fwd       the wide forward's cluster shapes on the H200 (widefwd_sweep.py, bf16, 64K-256K,
 #                                           both ops, oracle-checked: 1-3 stages, clusters walking rows, 128-512 threads,
 #                                           registers), then the CUDA backend's test file without its cluster tests
-#   bash benchmarks/device_s16.sh fetch     (run S16-2; its t and p variants named knobs since removed) the wide forward's
+#   (fetch and bwd-ab: runs S16-2 / S16-3; the knobs their variants set were removed after them, so on this tree
+#   their variants time the same kernels)
+#   bash benchmarks/device_s16.sh fetch     the wide forward's
 #                                           affine parameters fetched ahead of the stores (widefwd_sweep.py
 #                                           %-variants: NK_FETCH_BYTES, the reload kernels' register cap, an L1 prefetch),
 #                                           bf16 64K-256K, both ops, oracle-checked; the CUDA backend's forward (the
@@ -12,7 +14,11 @@
 #                                           against NORMKIT_CUDA_DEFINES=NK_FETCH_BYTES=0 (each pack's next to its store):
 #                                           normkit bench bwd 64K-256K bf16, A B A B; the CUDA backend's LayerNorm forward
 #                                           (code as before session 16) next to torch; the backward cluster tests
-#   bash benchmarks/device_s16.sh tests-c   the CUDA backend's cluster and push tests (the rest of that file)
+#   bash benchmarks/device_s16.sh tests-c   the CUDA backend's cluster and push tests (the rest of that file; 480 s)
+#   bash benchmarks/device_s16.sh gn        GroupNorm's NCHW forward (bf16) on the Triton plans' H100-chosen thresholds
+#                                           against their alternatives (gn_sweep.py: split2 at more groups per SM, whole
+#                                           groups in one tile, smaller looped tiles, the staged path), torch in the run;
+#                                           then the GPU test files but the CUDA backend's
 #   bash benchmarks/device_s16.sh tests-b   the other GPU test files (GPU_TEST_FILES without the CUDA backend's)
 # (issue 22's eager model cases on this tree: `bash benchmarks/device_lead.sh models`)
 set -uo pipefail
@@ -64,7 +70,15 @@ bwd-ab)
         -k "push_backward or spills or cluster_routes or persistent_wave or cluster_weight_gradients"
     ;;
 tests-c)
-    gpu_tests 520 tests-c.log -n 15 --durations=15 tests/test_cuda_backend.py -k "$CLUSTER_TESTS"
+    gpu_tests 480 tests-c.log -n 15 --durations=15 tests/test_cuda_backend.py -k "$CLUSTER_TESTS"
+    ;;
+gn)
+    timeout 190 python3 benchmarks/gn_sweep.py --out "$OUT/gn" --dtypes bf16 --layouts nchw --dirs fwd --acts - \
+        --act-variants default --peers torch --budget 170 \
+        --variants default,s2-all,s2-4,s2-min1,one-32k,lt-4k,nchw-staged > "$OUT/gn.log" 2>&1
+    echo "gn rc $?"; tail -30 "$OUT/gn.log" | cut -c1-170
+    # shellcheck disable=SC2086
+    gpu_tests 300 tests-b.log -n 15 $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend)
     ;;
 tests-b)
     # shellcheck disable=SC2086

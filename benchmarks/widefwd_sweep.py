@@ -76,19 +76,14 @@ def name(shape, waves=None):
         (f"-w{waves}" if waves else "")
 
 
-DEFINES = {"f": "NK_FETCH_BYTES"}  # (session 16's run S16-2 also had t: the reload register cap, p: an L1 prefetch)
-
-
 def variant_defines(variant) -> tuple:
-    """A variant's %-suffix (parts joined by dots) as compile-time defines: %f0 NK_FETCH_BYTES=0 (no parameters
-    fetched ahead of the stores). Run S16-2 measured the forward's store loop with its affine parameters fetched
-    ahead (f64, f128), with the reload kernels' register cap raised (t768, t512: 768 / 512 threads per SM) and
-    with an L1 prefetch of the parameters (p1): none gained (notes/perf.md, session 16); the forward's knobs are gone."""
+    """A variant's %-suffix as compile-time defines for its kernels: NAME=VALUE pairs joined by dots
+    (`normkit%NK_X=1.NK_Y=2`). Run S16-2 measured the forward's store loop this way with knobs since removed:
+    its affine parameters fetched ahead of the stores (NK_FETCH_BYTES 64 / 128), the reload kernels' register
+    cap raised (768 / 512 threads per SM) and an L1 prefetch of the parameters: none gained (notes/perf.md,
+    session 16)."""
     _, _, spec = variant.partition("%")
-    out = []
-    for part in filter(None, spec.split(".")):
-        out.append(f"{DEFINES[part[0]]}={int(part[1:])}")
-    return tuple(out)
+    return tuple(part for part in spec.split(".") if part)
 
 
 @contextlib.contextmanager

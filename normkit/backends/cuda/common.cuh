@@ -208,28 +208,6 @@ struct RowLoad {
   __device__ __forceinline__ float first(i64 row) const { return to_float(ptr[row * stride]); }
 };
 
-// A pack's weight and bias as loaded (a null pointer's is never read), and as floats (the neutral 1 and 0 for
-// a null pointer)
-template <typename W, int P>
-struct ParamPack {
-  Pack<W, P> w, b;
-};
-template <int P, typename W>
-__device__ __forceinline__ ParamPack<W, P> fetch_params(const W* w, const W* b, int col) {
-  ParamPack<W, P> p{};
-  if (w != nullptr) p.w = load_pack<P>(w + col);
-  if (b != nullptr) p.b = load_pack<P>(b + col);
-  return p;
-}
-template <int P, typename W>
-__device__ __forceinline__ void param_floats(const ParamPack<W, P>& p, const W* w, const W* b, float* wv, float* bv) {
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    wv[i] = w != nullptr ? to_float(p.w.v[i]) : 1.f;
-    bv[i] = b != nullptr ? to_float(p.b.v[i]) : 0.f;
-  }
-}
-
 // OneFlow's AffineStore plus an activation: y = act(xhat * w + b), rounded to T.
 template <typename T, typename W, typename ACT>
 struct AffineActStore {
@@ -246,20 +224,6 @@ struct AffineActStore {
     store_floats<P>(ptr + row * stride + col, y);
   }
 };
-
-// How many packs' parameters a store loop fetches ahead of their stores (a loop that loads each pack's
-// parameters next to its store waits a memory round trip per pack: the loads stay behind the previous pack's
-// store, the compiler cannot tell the pointers apart): NK_FETCH_BYTES of them, 4 packs at most. Used where one
-// CTA per SM leaves nothing else to hide those round trips (the cluster backward's RECOMPUTE dx step); in the
-// register-capped cluster forward, 4 CTAs per SM hid them and fetching ahead cost more than it saved (run S16-2).
-#ifndef NK_FETCH_BYTES
-#define NK_FETCH_BYTES 64
-#endif
-template <typename PARAMS, int ITEMS>
-constexpr int fetch_chunk() {
-  constexpr int n = NK_FETCH_BYTES / int(sizeof(PARAMS)) < 4 ? NK_FETCH_BYTES / int(sizeof(PARAMS)) : 4;
-  return n < 1 ? 1 : (n > ITEMS ? ITEMS : n);
-}
 
 // ------------------------------------------------------------------ reduction values
 // Each has zero() and merge(a, b); merge is applied in a fixed order by the all-reduces below.
@@ -407,35 +371,19 @@ __device__ V block_allreduce(V v) {
 // ------------------------------------------------------------------ row backward, per pack
 // (g = dz * w, dz = dy * act'(z), z = xhat * w + b recomputed from x)
 
-// One pack of the backward's elementwise part: xhat, and the gradients reaching z and xhat, from the pack's
-// parameters as floats (wv, bv), as loaded by pack_grads (the bias is dead, and its load removed, unless ACT
-// needs z) or fetched ahead of a loop's stores (fetch_params).
-template <int P, typename ACT, bool RMS>
-__device__ __forceinline__ void pack_grads_with(const float* wv, const float* bv, float mean, float rstd,
-                                                const float* x, const float* dy, float* xhat, float* dz, float* g) {
+// One pack of the backward's elementwise part: xhat, and the gradients reaching z and xhat.
+template <int P, typename W, typename ACT, bool RMS>
+__device__ __forceinline__ void pack_grads(const W* w, const W* b, int col, float mean, float rstd, const float* x,
+                                           const float* dy, float* xhat, float* dz, float* g) {
+  float wv[P], bv[P];
+  load_param<P>(w, col, 1.f, wv);
+  load_param<P>(b, col, 0.f, bv);  // dead (and removed) unless ACT needs z
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     xhat[i] = RMS ? x[i] * rstd : (x[i] - mean) * rstd;
     dz[i] = dy[i] * ACT::grad(xhat[i] * wv[i] + bv[i]);
     g[i] = dz[i] * wv[i];
   }
-}
-
-template <int P, typename W, typename ACT, bool RMS>
-__device__ __forceinline__ void pack_grads(const ParamPack<W, P>& prm, const W* w, const W* b, float mean, float rstd,
-                                           const float* x, const float* dy, float* xhat, float* dz, float* g) {
-  float wv[P], bv[P];
-  param_floats<P>(prm, w, b, wv, bv);
-  pack_grads_with<P, ACT, RMS>(wv, bv, mean, rstd, x, dy, xhat, dz, g);
-}
-
-template <int P, typename W, typename ACT, bool RMS>
-__device__ __forceinline__ void pack_grads(const W* w, const W* b, int col, float mean, float rstd, const float* x,
-                                           const float* dy, float* xhat, float* dz, float* g) {
-  float wv[P], bv[P];
-  load_param<P>(w, col, 1.f, wv);
-  load_param<P>(b, col, 0.f, bv);
-  pack_grads_with<P, ACT, RMS>(wv, bv, mean, rstd, x, dy, xhat, dz, g);
 }
 
 // dx for one pack from the row sums s = (sum xhat*g, sum g)

@@ -298,7 +298,7 @@ def build(source: str, names, arch: str, defines=(), *, want_ptx: bool = False,
           use_disk_cache: bool | None = None, fast: bool = False) -> Compiled:
     """Compile the name expressions `names` of `source` for `arch` (cached). fast: see options()."""
     # NORMKIT_CUDA_DEFINES: more -D defines for every kernel (space-separated NAME=VALUE), for A/B measurements
-    # of the compile-time knobs (NK_FETCH_BYTES) in one process; part of both cache keys
+    # of a compile-time knob in one device call (run S16-3); part of both cache keys
     names, defines = tuple(names), tuple(defines) + tuple(os.environ.get("NORMKIT_CUDA_DEFINES", "").split())
     mkey = (source, names, arch, defines, fast)
     with _memory_lock:

@@ -547,34 +547,23 @@ __global__ void __launch_bounds__(THREADS, 1)
     return part;
   };
   // the dx step of row `it` (global row `row`) from the row sums
-  // (RECOMPUTE: the parameters of a chunk of packs fetched ahead of its stores, as the forward's)
   auto dx_step = [&](int it, i64 row, float mu, float rs, const Sum2& sums, Held& xhat, Held& g) {
     const T* xs = stream.slice_at(it % STAGES, 0);
     const T* dys = stream.slice_at(it % STAGES, 1);
-    constexpr int CHUNK = RECOMPUTE ? fetch_chunk<ParamPack<W, P>, ITEMS>() : ITEMS;
 #pragma unroll
-    for (int k0 = 0; k0 < ITEMS; k0 += CHUNK) {
-      ParamPack<W, P> prm[RECOMPUTE ? CHUNK : 1]{};
-#pragma unroll
-      for (int j = 0; j < CHUNK; ++j)
-        if (RECOMPUTE && k0 + j < ITEMS && k0 + j < valid)
-          prm[RECOMPUTE ? j : 0] = fetch_params<P>(w, b, s.c0 + (tid + (k0 + j) * THREADS) * P);
-#pragma unroll
-      for (int j = 0; j < CHUNK; ++j) {
-        const int k = k0 + j;
-        if (k < ITEMS && k < valid) {
-          const int p = tid + k * THREADS;
-          const int h = RECOMPUTE ? 0 : k;
-          if (RECOMPUTE) {
-            float xv[P], dyv[P], dz[P];
-            load_floats<P>(xs + p * P, xv);
-            load_floats<P>(dys + p * P, dyv);
-            pack_grads<P, W, ACT, RMS>(prm[RECOMPUTE ? j : 0], w, b, mu, rs, xv, dyv, xhat[h], dz, g[h]);
-          }
-          float d[P];
-          pack_dx<P, RMS>(xhat[h], g[h], sums, inv_cols, rs, d);
-          store_floats<P>(dx + row * dx_stride + s.c0 + p * P, d);
+    for (int k = 0; k < ITEMS; ++k) {
+      if (k < valid) {
+        const int p = tid + k * THREADS;
+        const int h = RECOMPUTE ? 0 : k;
+        if (RECOMPUTE) {
+          float xv[P], dyv[P], dz[P];
+          load_floats<P>(xs + p * P, xv);
+          load_floats<P>(dys + p * P, dyv);
+          pack_grads<P, W, ACT, RMS>(w, b, s.c0 + p * P, mu, rs, xv, dyv, xhat[h], dz, g[h]);
         }
+        float d[P];
+        pack_dx<P, RMS>(xhat[h], g[h], sums, inv_cols, rs, d);
+        store_floats<P>(dx + row * dx_stride + s.c0 + p * P, d);
       }
     }
   };
