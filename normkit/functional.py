@@ -377,10 +377,10 @@ def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, 
     normkit/_cpu.py) or of the C++ host path, or None where neither serves the call. The adaLN
     modulation (mod_scale, mod_shift) and the gate are passed only when given: the common call keeps
     the shorter argument list."""
-    if type(x) is torch.Tensor and x.is_cpu and mod_scale is None and mod_shift is None and gate is None and \
-            out_scale is None and return_amax is False:  # first: the host path serves no CPU call outside tests
+    if type(x) is torch.Tensor and x.is_cpu and gate is None and out_scale is None and return_amax is False:
+        # first: the host path serves no CPU call outside tests
         y = _cpu.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
-                          residual_dtype, weight_offset, out_dtype)
+                          residual_dtype, weight_offset, out_dtype, mod_scale, mod_shift)
         if y is not None:
             return y
     fast = _host.fast

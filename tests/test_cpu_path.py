@@ -191,9 +191,39 @@ def test_calls_it_does_not_serve_take_the_general_path(served):
     x, w = randn(4, 2, 16), randn(16)
     normkit.rms_norm(x, 16, w, return_amax=True)
     normkit.layer_norm(x, 16, randn(2, 16))  # per-head weight
-    normkit.layer_norm(x, 16, w, scale=randn(4, 16))
+    normkit.layer_norm(x, 16, w, scale=randn(4, 16).requires_grad_())  # modulation with autograd
+    normkit.layer_norm(x.view(4, 2, 4, 4), (4, 4), randn(4, 4), scale=randn(4, 4, 4))  # two normalized dims
     normkit.group_norm(randn(2, 8, 4, 4).permute(0, 1, 3, 2), 4)  # neither contiguous nor channels_last
     assert served == {"row": 0, "group": 0}
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4], ids=["centred", "offset1e4"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["scale+shift", "scale", "shift (B, 1, N)", "silu+residual"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_modulated_inference_is_served_as_the_general_path_computes_it(op, case, dtype, offset, served):
+    """adaLN modulation without autograd: torch's kernel for the norm, then the modulation in fp32 and one
+    rounding; the same bits as the general path (backend="torch": the same function on the same rows), and
+    within the oracle's bound."""
+    dt = DTYPES[dtype]
+    x = (offset + randn(3, 5, 32, dtype=torch.float64)).to(dt)
+    w = randn(32, dtype=torch.float32)
+    b = randn(32, dtype=torch.float32) if op == "layer_norm" else None
+    table = (3, 1, 32) if case.startswith("shift (B, 1") else (3, 32)
+    sc = None if case.startswith("shift") else randn(*table, dtype=dt)
+    sh = None if case == "scale" else randn(*table, dtype=dt)
+    r = randn(3, 5, 32, dtype=dt) if case == "silu+residual" else None
+    kw = dict(scale=sc, shift=sh, residual=r, activation="silu" if r is not None else None)
+    args = (x, 32, w, b) if op == "layer_norm" else (x, 32, w)
+    with torch.no_grad():
+        y = getattr(normkit, op)(*args, **kw)
+        assert served["row"] == 1
+        general = getattr(normkit, op)(*args, backend="torch", **kw)
+    assert torch.equal(y, general)
+    z = x if r is None else ref.residual_sum(x, r)
+    oracle = {"layer_norm": ref.layer_norm, "rms_norm": ref.rms_norm}[op]
+    y_ref = oracle(z, (32,), w, *((b,) if op == "layer_norm" else ()), 1e-5, kw["activation"], scale=sc, shift=sh)[0]
+    assert_close(y, y_ref, _tol(dt, offset), f"{op} {case} y")
 
 
 def _nodes(t) -> set:

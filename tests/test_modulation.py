@@ -351,11 +351,11 @@ def test_host_path_gets_the_modulation(host_path_calls):
     """Modulated calls reach the host path with their tables (its arguments 17 and 18, after the 16
     of a call without them); the Python path runs the calls it declines."""
     x, w, b, sc, sh = _inputs((2, 3, 16), (2, 16), (16,), grad=False)
-    y = normkit.layer_norm(x, 16, w, b, scale=sc, shift=sh)
+    # on a backend the CPU fast path (torch's own kernels, normkit/_cpu.py) leaves to the host path: a
+    # default-backend CPU call without autograd never reaches it, modulated or not
+    y = normkit.layer_norm(x, 16, w, b, scale=sc, shift=sh, backend="triton")
     assert ref.rel_err(y, ref.layer_norm(x, (16,), w, b, 1e-5, scale=sc, shift=sh)[0]) <= TOL[FP32]
-    normkit.rms_norm(x, 16, w, shift=sh)
-    # the plain call, on a backend the CPU fast path (torch's own kernels, normkit/_cpu.py) leaves to
-    # the host path: a plain default-backend CPU call never reaches it
+    normkit.rms_norm(x, 16, w, shift=sh, backend="triton")
     normkit.layer_norm(x, 16, w, b, backend="triton")
     first = host_path_calls[0]
     assert len(first) == 19 and first[16] is sc and first[17] is sh and first[18] is None

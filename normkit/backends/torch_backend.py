@@ -273,7 +273,9 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
         hs = _to(xf + _to(residual, acc), h_dtype or residual.dtype)
         h = hs.contiguous() if store_h else None
         xf = _to(hs, acc)
-    if gate is None and mod_scale is None and mod_shift is None and out_dtype not in FP8_MAX and not want_amax and \
+    # torch's CPU kernels where they compute the norm (the adaLN modulation then applied to their fp32 output, as
+    # the composite below applies it, before the one rounding)
+    if gate is None and out_dtype not in FP8_MAX and not want_amax and \
             (not rms or not store_stats or _fused_rms_norm is not None) and _native_cpu(xf, weight, bias):
         if rms:  # torch's rms_norm (with rstd: its _fused_rms_norm): the ops below, bitwise
             w = _to(weight, acc)
@@ -286,6 +288,7 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
                 y, rstd = torch.rms_norm(xf, (xf.shape[-1],), w, eps), None
         else:
             y, mean, rstd = _native_layer_norm(xf, weight, bias, eps, store_stats, weight_offset)
+        y = _modulate(y, mod_scale, mod_shift)
         if activation is not None:  # y in fp32: one rounding to the output's dtype
             y = _ACTIVATIONS[activation](y)
         return _to(y, out_dtype or x.dtype).contiguous(), mean, rstd, h, None
