@@ -20,7 +20,7 @@ import torch
 from normkit.bench import model_zoo
 from normkit.bench.models import Work, apply_variant
 
-MODELS = ("llama", "qwen3", "gemma", "unet2d", "unet1d")
+MODELS = ("llama", "qwen3", "gemma", "unet2d", "unet1d", "dit", "sd3")  # dit, sd3: the adaLN models (session 16)
 
 
 def build(name: str, mode: str, variant: str) -> Work:

@@ -16,8 +16,10 @@ own autograd nodes: their backward is the one those Functions and the custom op 
 below), without a Python backward.
 Only the default backend (backend=None) is served: backend="torch" names the general path to the
 same functions, which its tests exercise. Served: LayerNorm, RMSNorm with residual / prenorm /
-residual_dtype, weight_offset, activation, out_dtype (not float8); GroupNorm of contiguous or
-channels_last x with activation. Not served: float8 out, return_amax, scale/shift, gate, per-head
+residual_dtype, weight_offset, activation, out_dtype (not float8), and without autograd the adaLN
+modulation (scale / shift of one row per sample, over one normalized dim: torch's kernel for the
+norm, the modulation applied to its fp32 output); GroupNorm of contiguous or channels_last x with
+activation. Not served: float8 out, return_amax, modulation with autograd, gate, per-head
 weights, empty tensors, one-element rows (LayerNorm) and groups, a backend named, torch.compile,
 dispatch modes, tensor subclasses, torch.func transforms and forward AD, CPU autocast.
 """
