@@ -1,7 +1,7 @@
 # Sourced first by the benchmarks/device_session*.sh scripts, on the device: the repo root as the
 # working directory, the wheels carried in .whl installed under /tmp/site (on PYTHONPATH), $OUT
-# made, the GPU and library versions written to $OUT/${1:-env.txt}, the C++ host path built, and
-# GPU_TEST_FILES set.
+# made, the GPU and library versions written to $OUT/${1:-env.txt}, the C++ host path built, GPU_TEST_FILES set
+# and gpu_tests defined.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
 # the test files the session scripts run on the GPU (the model tests apart: their own time limit)
@@ -9,6 +9,15 @@ GPU_TEST_FILES="tests/test_modulation.py tests/test_gate.py tests/test_host_gpu.
     tests/test_group_norm.py tests/test_cuda_backend.py tests/test_gpu.py tests/test_recognize.py tests/test_blocks.py
     tests/test_compile.py tests/test_compile_fusion.py tests/test_api.py tests/test_edge_cases.py tests/test_autograd.py"
 mkdir -p "$OUT"
+# gpu_tests SECONDS LOG ARGS...: pytest (quiet, no cache, failures reported) under a time limit into $OUT/LOG, then its
+# exit status, its failures and its last line
+gpu_tests() {
+    local t=$1 log=$2; shift 2
+    timeout "$t" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short "$@" > "$OUT/$log" 2>&1
+    echo "pytest rc $? (124: cut by the time limit)"
+    grep -E "^(FAILED|ERROR)" "$OUT/$log" | cut -c1-300 | head -20; tail -1 "$OUT/$log"
+    grep -E "^E " "$OUT/$log" | head -12 | cut -c1-300
+}
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target /tmp/site .whl/*.whl
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

@@ -23,15 +23,6 @@
 # (issue 22's eager model cases on this tree: `bash benchmarks/device_lead.sh models`)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
-# gpu_tests SECONDS LOG ARGS...: pytest (quiet, no cache, failures reported) under a time limit into $OUT/LOG, then its
-# exit status, its failures and its last line
-gpu_tests() {
-    local t=$1 log=$2; shift 2
-    timeout "$t" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short "$@" > "$OUT/$log" 2>&1
-    echo "pytest rc $? (124: cut by the time limit)"
-    grep -E "^(FAILED|ERROR)" "$OUT/$log" | cut -c1-300 | head -20; tail -1 "$OUT/$log"
-    grep -E "^E " "$OUT/$log" | head -12 | cut -c1-300
-}
 CLUSTER_TESTS="cluster or push or spills"
 case "${1:-fwd}" in
 fwd)

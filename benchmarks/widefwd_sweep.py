@@ -58,15 +58,20 @@ def left(budget):
 
 
 @contextlib.contextmanager
-def push_waves(waves):
-    saved = cc.CLUSTER_PUSH_WAVES
-    cc.CLUSTER_PUSH_WAVES = waves if waves is not None else saved
+def _swapped(module, attr: str, value):
+    """module.attr = value for the block, the prepared cluster plans (cached by call kind) forgotten around it."""
+    saved = getattr(module, attr)
+    setattr(module, attr, value)
     cluster.prepare.cache_clear()
     try:
         yield
     finally:
-        cc.CLUSTER_PUSH_WAVES = saved
+        setattr(module, attr, saved)
         cluster.prepare.cache_clear()
+
+
+def push_waves(waves):
+    return _swapped(cc, "CLUSTER_PUSH_WAVES", waves if waves is not None else cc.CLUSTER_PUSH_WAVES)
 
 
 def name(shape, waves=None):
@@ -86,20 +91,12 @@ def variant_defines(variant) -> tuple:
     return tuple(part for part in spec.split(".") if part)
 
 
-@contextlib.contextmanager
 def compiled_with(defines: tuple):
     """The cluster kernels built with these defines (kernels.row_cluster's specs gain them)."""
     if not defines:
-        yield
-        return
-    saved = kernels.row_cluster
-    kernels.row_cluster = lambda *a, **k: dataclasses.replace(saved(*a, **k), defines=defines)
-    cluster.prepare.cache_clear()
-    try:
-        yield
-    finally:
-        kernels.row_cluster = saved
-        cluster.prepare.cache_clear()
+        return contextlib.nullcontext()
+    spec = kernels.row_cluster
+    return _swapped(kernels, "row_cluster", lambda *a, **k: dataclasses.replace(spec(*a, **k), defines=defines))
 
 
 def variant_shape(variant, eb, N):
