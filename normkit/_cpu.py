@@ -16,10 +16,10 @@ own autograd nodes: their backward is the one those Functions and the custom op 
 below), without a Python backward.
 Only the default backend (backend=None) is served: backend="torch" names the general path to the
 same functions, which its tests exercise. Served: LayerNorm, RMSNorm with residual / prenorm /
-residual_dtype, weight_offset, activation, out_dtype (not float8), and without autograd the adaLN
-modulation (scale / shift of one row per sample, over one normalized dim: torch's kernel for the
-norm, the modulation applied to its fp32 output); GroupNorm of contiguous or channels_last x with
-activation. Not served: float8 out, return_amax, modulation with autograd, gate, per-head
+residual_dtype, weight_offset, activation, out_dtype (not float8), and the adaLN modulation
+(scale / shift of one row per sample, over one normalized dim: torch's kernel for the norm, the
+modulation applied to its fp32 output; its backward RowNormFn's); GroupNorm of contiguous or
+channels_last x with activation. Not served: float8 out, return_amax, gate, per-head
 weights, empty tensors, one-element rows (LayerNorm) and groups, a backend named, torch.compile,
 dispatch modes, tensor subclasses, torch.func transforms and forward AD, CPU autocast.
 """
@@ -58,14 +58,19 @@ def _eligible(x, backend, activation, eps) -> bool:
 class CpuRowNorm(torch.autograd.Function):
     """RowNormFn without its statistics outputs and argument plumbing, for rows [..., N] (x, residual)
     and [N] parameters: the torch backend's forward, and RowNormFn's backward on the same saved
-    tensors and arguments. Old-style forward(ctx, ...): apply binds no signature."""
+    tensors and arguments. Old-style forward(ctx, ...): apply binds no signature. The adaLN modulation
+    tensors (one row per sample of x) come as inputs 11 and 12, where RowNormFn has them, so that its
+    backward's gradients land in their places (8-10: unused)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, rms, activation, opts):
+    def forward(ctx, x, weight, bias, residual, eps, rms, activation, opts, _8=None, _9=None, _10=None,
+                mod_scale=None, mod_shift=None):
+        n = x.shape[-1]
         y, mean, rstd, h, _ = _tb.row_norm_fwd_fused(
             x, weight, bias, eps, rms, activation=activation, residual=residual, h_dtype=opts.residual_dtype,
-            store_h=residual is not None, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype)
-        ctx.save_for_backward(x if h is None else h, weight, bias, mean, rstd, None, None, None)
+            store_h=residual is not None, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype,
+            mod_scale=mod_table(mod_scale, n), mod_shift=mod_table(mod_shift, n))
+        ctx.save_for_backward(x if h is None else h, weight, bias, mean, rstd, mod_scale, mod_shift, None)
         ctx.args = (1, eps, rms, activation, opts, _tb, x.dtype, None if residual is None else residual.dtype)
         ctx.set_materialize_grads(False)
         return y, h
@@ -73,7 +78,7 @@ class CpuRowNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         nx, nw, nb, nr = ctx.needs_input_grad[:4]
-        if dy is None or dh is not None or nr or _differentiable_backward_wanted():
+        if dy is None or dh is not None or nr or ctx.args[4].modulated or _differentiable_backward_wanted():
             return RowNormFn.backward(ctx, dy, dh, None, None, None)
         # no residual: the torch backend's backward with the arguments RowNormFn's would pass it, minus its plumbing
         z, weight, bias, mean, rstd = ctx.saved_tensors[:5]
@@ -135,7 +140,7 @@ def _mod_tables(x, scale, shift, n: int):
 def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
              weight_offset, out_dtype, scale=None, shift=None):
     """y (or (y, h) with prenorm) of a CPU LayerNorm/RMSNorm call, or None: not served here. scale / shift (the
-    adaLN modulation) are served without autograd, over one normalized dim."""
+    adaLN modulation) are served over one normalized dim."""
     kind = type(normalized_shape)
     if kind is int:
         shape = (normalized_shape,)
@@ -165,14 +170,17 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
                                                                         residual_dtype in _FLOAT)):
         return None
     tables = False if scale is None and shift is None else _mod_tables(x, scale, shift, shape[0]) if k == 1 else None
-    if tables is None or (tables and needs_autograd(x, weight, bias, residual, scale, shift)):
+    if tables is None:
         return None
     if k > 1:  # rows of the flattened normalized dims, parameters flat, as the general path passes them
         x, residual = x.flatten(-k), None if residual is None else residual.flatten(-k)
         weight, bias = None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1)
     h_dtype = None if residual is None else (residual_dtype or residual.dtype)
     weight_offset, out_dtype = float(weight_offset), None if out_dtype == x.dtype else out_dtype
-    if tables:  # the modulated forward (no autograd: checked above), the general path's call to the same function
+    if tables and needs_autograd(x, weight, bias, residual, scale, shift):  # the modulation's gradients too
+        opts = RowOptions(h_dtype, weight_offset, out_dtype, mod_scale=scale is not None, mod_shift=shift is not None)
+        y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, opts, None, None, None, scale, shift)
+    elif tables:  # the general path's call to the same function
         y, _, _, h, _ = _tb.row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=False,
                                                residual=residual, h_dtype=h_dtype, store_h=prenorm,
                                                weight_offset=weight_offset, out_dtype=out_dtype, mod_scale=tables[0],

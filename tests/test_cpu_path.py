@@ -191,20 +191,20 @@ def test_calls_it_does_not_serve_take_the_general_path(served):
     x, w = randn(4, 2, 16), randn(16)
     normkit.rms_norm(x, 16, w, return_amax=True)
     normkit.layer_norm(x, 16, randn(2, 16))  # per-head weight
-    normkit.layer_norm(x, 16, w, scale=randn(4, 16).requires_grad_())  # modulation with autograd
     normkit.layer_norm(x.view(4, 2, 4, 4), (4, 4), randn(4, 4), scale=randn(4, 4, 4))  # two normalized dims
     normkit.group_norm(randn(2, 8, 4, 4).permute(0, 1, 3, 2), 4)  # neither contiguous nor channels_last
     assert served == {"row": 0, "group": 0}
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
 @pytest.mark.parametrize("offset", [0.0, 1e4], ids=["centred", "offset1e4"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", ["scale+shift", "scale", "shift (B, 1, N)", "silu+residual"])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-def test_modulated_inference_is_served_as_the_general_path_computes_it(op, case, dtype, offset, served):
-    """adaLN modulation without autograd: torch's kernel for the norm, then the modulation in fp32 and one
-    rounding; the same bits as the general path (backend="torch": the same function on the same rows), and
-    within the oracle's bound."""
+def test_modulated_calls_are_served_as_the_general_path_computes_them(op, case, dtype, offset, grad, served):
+    """adaLN modulation: torch's kernel for the norm, then the modulation in fp32 and one rounding; the same
+    bits as the general path (backend="torch": the same function on the same rows), within the oracle's bound;
+    with autograd, every gradient (x, weight, bias, residual, scale, shift) the general path's, bitwise."""
     dt = DTYPES[dtype]
     x = (offset + randn(3, 5, 32, dtype=torch.float64)).to(dt)
     w = randn(32, dtype=torch.float32)
@@ -215,11 +215,23 @@ def test_modulated_inference_is_served_as_the_general_path_computes_it(op, case,
     r = randn(3, 5, 32, dtype=dt) if case == "silu+residual" else None
     kw = dict(scale=sc, shift=sh, residual=r, activation="silu" if r is not None else None)
     args = (x, 32, w, b) if op == "layer_norm" else (x, 32, w)
-    with torch.no_grad():
+    named = [(n, t) for n, t in zip(("x", "weight", "bias", "residual", "scale", "shift"), (x, w, b, r, sc, sh))
+             if t is not None]
+    leaves = [t for _, t in named]
+    for t in leaves:
+        t.requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
         y = getattr(normkit, op)(*args, **kw)
         assert served["row"] == 1
         general = getattr(normkit, op)(*args, backend="torch", **kw)
     assert torch.equal(y, general)
+    if grad:
+        dy = randn(*y.shape, dtype=y.dtype)
+        for got, want, (name, _) in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(general, leaves, dy),
+                                        named):
+            assert torch.equal(got, want), name
+        x, w, b, r, sc, sh = (None if t is None else t.detach() for t in (x, w, b, r, sc, sh))
+        y = y.detach()
     z = x if r is None else ref.residual_sum(x, r)
     oracle = {"layer_norm": ref.layer_norm, "rms_norm": ref.rms_norm}[op]
     y_ref = oracle(z, (32,), w, *((b,) if op == "layer_norm" else ()), 1e-5, kw["activation"], scale=sc, shift=sh)[0]
