@@ -280,9 +280,11 @@ def test_relaxed_variant_fuses_the_modulation_in_bf16_where_the_default_does_not
     from normkit.bench import models as bench_models
     spec = model_zoo.SPECS["dit"]
     size = model_zoo.size_of(spec, "tiny")
-    real, modulated = nkf._fused_row_norm, []
-    monkeypatch.setattr(nkf, "_fused_row_norm", lambda *a, **k: modulated.append(k.get("scale") is not None)
-                        or real(*a, **k))
+    # every normkit row norm call goes through _via_host first (the CPU fast path, then the host path): its
+    # mod_scale argument (the 17th) says whether the modulation reached normkit
+    real, modulated = nkf._via_host, []
+    monkeypatch.setattr(nkf, "_via_host", lambda *a, **k: modulated.append(
+        (a[16] if len(a) > 16 else k.get("mod_scale")) is not None) or real(*a, **k))
     calls = {}
     for variant in ("normkit", "normkit-relaxed"):
         modulated.clear()
