@@ -119,22 +119,20 @@ _group_apply = super(torch.autograd.Function, CpuGroupNorm).apply
 
 # ----------------------------------------------------------------------------- entry points
 
-def _mod_tables(x, scale, shift, n: int):
-    """The adaLN modulation tensors as [S, n] tables, or None where not served here: each None or a plain CPU
-    float tensor of one row per sample of x (sample_rows), both of the same samples; False without either."""
-    if scale is None and shift is None:
-        return False
+def _modulation_served(x, scale, shift, n: int) -> bool:
+    """Whether the adaLN modulation tensors are served here: each None or a plain CPU float tensor of one row per
+    sample of x (sample_rows), both of the same samples."""
     samples = None
     for t in (scale, shift):
         if t is None:
             continue
         if not (type(t) in _PLAIN and t.is_cpu and t.dtype in _FLOAT and t.dim() >= 1 and t.shape[-1] == n):
-            return None
+            return False
         rows = sample_rows(t.shape, x.shape, 1)
         if rows is None or (samples is not None and rows != samples):
-            return None
+            return False
         samples = rows
-    return mod_table(scale, n), mod_table(shift, n)
+    return True
 
 
 def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm, residual_dtype,
@@ -169,30 +167,27 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
     elif not (_param(residual, x.shape) and type(prenorm) is bool and (residual_dtype is None or
                                                                         residual_dtype in _FLOAT)):
         return None
-    tables = False if scale is None and shift is None else _mod_tables(x, scale, shift, shape[0]) if k == 1 else None
-    if tables is None:
+    modulated = scale is not None or shift is not None
+    if modulated and not (k == 1 and _modulation_served(x, scale, shift, shape[0])):
         return None
     if k > 1:  # rows of the flattened normalized dims, parameters flat, as the general path passes them
         x, residual = x.flatten(-k), None if residual is None else residual.flatten(-k)
         weight, bias = None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1)
     h_dtype = None if residual is None else (residual_dtype or residual.dtype)
     weight_offset, out_dtype = float(weight_offset), None if out_dtype == x.dtype else out_dtype
-    if tables and needs_autograd(x, weight, bias, residual, scale, shift):  # the modulation's gradients too
+    if modulated and needs_autograd(x, weight, bias, residual, scale, shift):  # the modulation's gradients too
         opts = RowOptions(h_dtype, weight_offset, out_dtype, mod_scale=scale is not None, mod_shift=shift is not None)
         y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, opts, None, None, None, scale, shift)
-    elif tables:  # the general path's call to the same function
-        y, _, _, h, _ = _tb.row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=False,
-                                               residual=residual, h_dtype=h_dtype, store_h=prenorm,
-                                               weight_offset=weight_offset, out_dtype=out_dtype, mod_scale=tables[0],
-                                               mod_shift=tables[1])
-    elif needs_autograd(x, weight, bias, residual):  # RowOptions only here: a dataclass costs a microsecond
+    elif not modulated and needs_autograd(x, weight, bias, residual):  # RowOptions only here: a dataclass costs a us
         opts = PLAIN if h_dtype is None and not weight_offset and out_dtype is None else \
             RowOptions(h_dtype, weight_offset, out_dtype)
         y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, opts)
-    else:
+    else:  # no autograd: the general path's call to the same function (the modulation as [S, N] tables)
         y, _, _, h, _ = _tb.row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=False,
                                                residual=residual, h_dtype=h_dtype, store_h=prenorm,
-                                               weight_offset=weight_offset, out_dtype=out_dtype)
+                                               weight_offset=weight_offset, out_dtype=out_dtype,
+                                               mod_scale=mod_table(scale, shape[0]) if modulated else None,
+                                               mod_shift=mod_table(shift, shape[0]) if modulated else None)
     if k > 1:
         y, h = y.unflatten(-1, shape), None if h is None else h.unflatten(-1, shape)
     return (y, h) if prenorm else y
