@@ -119,6 +119,14 @@ def variants(eb: int, widths=WIDTHS) -> dict:
     for name, shape in (("p3", (512, 2, 3, False, True)), ("pm", (512, 2, 2, False, True, True)),
                         ("or3-256", (256, 4, 3, False, True, False, True)), ("or4", (512, 2, 4, False, True, False, True))):
         out[name] = _on_clusters(eb, {n: shape for n in wide if n in (32768, 65536)})
+    # session 17: the next tile's row statistics prefetched with it (configs.PREFETCH_STATS, the default now) against
+    # without (nostats), each with the unsplit rows compiled at 128 registers (-cap: two 8-warp programs per SM, or
+    # one of 16; offline ptxas put LayerNorm's 1K / 2K tiles at 135-137 registers with the statistics held: one per SM)
+    capped = _rows(eb, {n: (r[0], r[1], r[2], 2 if r[2] == 8 else 1, r[4], True, True) for n, r in unsplit.items()
+                        if r[2] in (8, 16)})
+    for name, stats in (("stats", True), ("nostats", False)):
+        out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(unsplit), stats=stats)
+        out[name + "-cap"] = dict(rows=capped, col_sum=None, cuda_off=False, only=tuple(unsplit), stats=stats)
     return out
 
 
@@ -132,8 +140,9 @@ def _forget_cluster_plans():
 
 @contextlib.contextmanager
 def applied(v):
-    saved = (dict(tc.OVERRIDES), dict(tc.CUDA_OVERRIDES), tc.col_sum_block, dict(cc.CLUSTER_SHAPES))
+    saved = (dict(tc.OVERRIDES), dict(tc.CUDA_OVERRIDES), tc.col_sum_block, dict(cc.CLUSTER_SHAPES), tc.PREFETCH_STATS)
     tc.OVERRIDES.update(v["rows"])
+    tc.PREFETCH_STATS = v.get("stats", saved[4])
     cc.CLUSTER_SHAPES.update(v.get("cluster_shapes", {}))
     _forget_cluster_plans()
     for eb in ((2, 4) if v["cuda_off"] else ()):
@@ -154,6 +163,7 @@ def applied(v):
         tc.col_sum_block = saved[2]
         cc.CLUSTER_SHAPES.clear()
         cc.CLUSTER_SHAPES.update(saved[3])
+        tc.PREFETCH_STATS = saved[4]
         _forget_cluster_plans()
         tb.clear_caches()
 

@@ -165,30 +165,32 @@ def test_looped_kernels_offset_rows(looped):
 def test_prefetched_backward(op, dtype):
     """The backward's persistent programs load their next tile before working on the current one
     (configs' 6th value; the GPU table turns it on at 512-8K columns): the oracle's results, and the
-    same bits as without it. 300 rows of 100 columns make 10 row blocks, so each program walks
-    several and its prefetch crosses blocks; the rows are strided and one holds a NaN."""
+    same bits as without it, with the next tile's statistics prefetched too (PREFETCH_STATS) or not.
+    300 rows of 100 columns make 10 row blocks, so each program walks several and its prefetch
+    crosses blocks; the rows are strided and one holds a NaN."""
     full = randn(300, 130, dtype=dtype, device=DEVICE)
     full[150, 7] = float("nan")
     x = full[:, :100]
     w, b = randn(100, device=DEVICE), randn(100, device=DEVICE) if op == "layer_norm" else None
     dy = randn(300, 100, dtype=dtype, device=DEVICE)
     grads = {}
-    saved = configs.PREFETCH_DEFAULT
+    saved = configs.PREFETCH_DEFAULT, configs.PREFETCH_STATS
     try:
-        for prefetch in (False, True):
-            configs.PREFETCH_DEFAULT = prefetch
+        for prefetch, stats in ((False, False), (True, False), (True, True)):
+            configs.PREFETCH_DEFAULT, configs.PREFETCH_STATS = prefetch, stats
             triton_backend.clear_caches()
             assert configs.row_config("bwd", 100, dtype.itemsize).prefetch == prefetch
             leaves = [t.detach().requires_grad_(True) for t in (x, w, b) if t is not None]
-            grads[prefetch] = torch.autograd.grad(run(op, leaves[0], (100,), *leaves[1:]), leaves, dy)
-        check_fwd_bwd(op, x[1:150], (100,), w, b, what=f"prefetched {op}")  # dweight/dbias: rows without the NaN
+            grads[prefetch, stats] = torch.autograd.grad(run(op, leaves[0], (100,), *leaves[1:]), leaves, dy)
+            check_fwd_bwd(op, x[1:150], (100,), w, b, what=f"prefetched {op}")  # dweight/dbias: rows without the NaN
     finally:
-        configs.PREFETCH_DEFAULT = saved
+        configs.PREFETCH_DEFAULT, configs.PREFETCH_STATS = saved
         triton_backend.clear_caches()
-    for g0, g1 in zip(grads[False], grads[True]):
-        assert torch.equal(g0.nan_to_num(), g1.nan_to_num())
+    for other in ((True, False), (True, True)):
+        for g0, g1 in zip(grads[False, False], grads[other]):
+            assert torch.equal(g0.nan_to_num(), g1.nan_to_num())
     keep = torch.arange(300, device=DEVICE) != 150
-    dx = grads[True][0]
+    dx = grads[True, True][0]
     assert dx[150].isnan().any() and dx[keep].isfinite().all()
     dx_ref = oracle_grads(op, dy[keep], x[keep], (100,), w, b)[0]
     assert_close(dx[keep], dx_ref, TOL[dtype], f"prefetched {op} dx")

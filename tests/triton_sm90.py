@@ -71,7 +71,8 @@ def variants():
         cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, WANT_DW=True, WANT_DB=not rms, ACT=act,
                   HAS_DH=dh, HAS_DRES=dres, HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2), WANT_DS=bool(mod & 1),
                   WANT_DT=bool(mod & 2), BLOCK_M=4 if path == "tile" else 2 if path == "split" and dh else 1, BLOCK_N=1024,
-                  SPLIT=4 if path == "split" else 1, LOOPED=path == "looped", HAS_GATE=gate)
+                  SPLIT=4 if path == "split" else 1, LOOPED=path == "looped", HAS_GATE=gate, PREFETCH=path == "tile",
+                  PREFETCH_STATS=True)
         absent = [n for n, on in (("DH", dh or gate), ("DRES", dres or gate), ("MS", mod & 1), ("MT", mod & 2), ("DS_PART", mod & 1),
                                   ("DT_PART", mod & 2)) if not on]
         out.append((f"bwd rms={rms} dh={dh} dres={dres} per_row={per_row} mod={mod} gate={gate} {path} dy={dy}",

@@ -167,7 +167,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
     else:
-        constexprs["PREFETCH"] = cfg.prefetch
+        constexprs["PREFETCH"], constexprs["PREFETCH_STATS"] = cfg.prefetch, configs.PREFETCH_STATS
     return cfg, constexprs, device_index, sms
 
 

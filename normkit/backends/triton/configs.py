@@ -62,6 +62,9 @@ _BWD_32 = {**_BWD_16, 4096: (1, 2, 8, 2), 8192: (1, 4, 8, 2), 16384: (1, 8, 8, 2
 DEFAULTS = {("fwd", 2): _FWD_16, ("fwd", 4): _FWD_32, ("bwd", 2): _BWD_16, ("bwd", 4): _BWD_32}
 
 PREFETCH_DEFAULT = False
+# a prefetching backward loads the next tile's row statistics with it (False: as the tile is worked
+# on; kept for A/B runs: benchmarks/bwd_sweep.py's pf-nostats)
+PREFETCH_STATS = True
 # float8 outputs by the GPU's conversion instruction (sm_89+) rather than the integer encoding the
 # interpreter runs (epilogue.py: same bits); False: the encoding everywhere (the bench's old variant)
 FP8_HW_CAST = True

@@ -471,21 +471,28 @@ def _gate_in(x, DG, rows, row_mask, cols, col_mask, INNER, sg_o, sg_i, sg_c, HAS
 
 
 @triton.jit
-def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group, k, it, rows, row_mask, cols,
+def _load_stats(MEAN, RSTD, rows, row_mask, IS_RMS: tl.constexpr):
+    """(mean, rstd) of the rows the forward saved (mean = rstd for RMSNorm, which has none)."""
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    mean = rstd
+    if not IS_RMS:
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    return mean, rstd
+
+
+@triton.jit
+def _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, mean, rstd, SYNC, SCRATCH, group, k, it, rows, row_mask, cols,
               col_mask, N, INNER, sdh_o, sdh_i, sdh_c, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
               HAS_B: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, ACT: tl.constexpr,
               HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """dx of one loaded [BLOCK_M, BLOCK_N] tile (the row sums exchanged within a split group),
-    stored; returns (g * xhat, g, gy * yaff, gy): the tile's terms of dweight, dbias, dscale, dshift.
+    stored, given its rows' statistics (_load_stats); returns (g * xhat, g, gy * yaff, gy): the tile's
+    terms of dweight, dbias, dscale, dshift.
     HAS_GATE: x is the ungated input; the gate comes through DH (and dgate goes out through DRES)."""
     mask = row_mask[:, None] & col_mask[None, :]
     xg = x
     x, gt = _gate_in(xg, DH, rows, row_mask, cols, col_mask, INNER, sdh_o, sdh_i, sdh_c, HAS_GATE)
-    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-    mean = rstd
-    if not IS_RMS:
-        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
     xhat, g, wg, gy, yaff = _bwd_terms(x, dy, w, b, ms, mt, mean, rstd, mask, IS_RMS, HAS_W, HAS_B, HAS_MS, HAS_MT,
                                        ACT, BLOCK_N == 1)
     if IS_RMS:
@@ -534,7 +541,7 @@ def row_norm_bwd_kernel(
     WANT_DB: tl.constexpr, ACT: tl.constexpr, HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr,
     HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, WANT_DS: tl.constexpr, WANT_DT: tl.constexpr,
     HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PREFETCH_STATS: tl.constexpr,
 ):
     """Persistent: group g (SPLIT programs; one program unless the row is split) handles row blocks
     g, g + G, g + 2G, ... and writes its fp32 partial sums of dweight/dbias to row g of
@@ -546,7 +553,9 @@ def row_norm_bwd_kernel(
     sample s's mod_rps rows; its dscale/dshift sums go to row c, columns s * N.. of DS_PART/DT_PART
     ([mod_chunks, mod_s * N]), which the same reduction turns into [mod_s, N].
     PREFETCH (and every split row): the plain walk loads its next tile, in the inputs' dtype, before
-    working on the current one, so that loads stay in flight through the row sums and the stores.
+    working on the current one, so that loads stay in flight through the row sums and the stores;
+    PREFETCH_STATS: its rows' mean and rstd with it (else loaded as the tile is worked on: a memory
+    round trip between a tile's arrival and its row sums, which a program with no other on its SM waits).
     No float atomics anywhere: gradients are bitwise reproducible."""
     pid = tl.program_id(0)
     group = pid // SPLIT
@@ -602,7 +611,8 @@ def row_norm_bwd_kernel(
                     rows, row_mask = _walk_rows(jb, s.to(tl.int64) * mod_rps, 1, mod_rps, BLOCK_M)
                     x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
                     dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
-                    tw, tb, ts, tt = _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group,
+                    mean, rstd = _load_stats(MEAN, RSTD, rows, row_mask, IS_RMS)
+                    tw, tb, ts, tt = _bwd_tile(x, dy, w, b, ms, mt, DX, DRES, DH, mean, rstd, SYNC, SCRATCH, group,
                                                k, 0, rows, row_mask, cols, col_mask, N, INNER, sdh_o, sdh_i, sdh_c,
                                                IS_RMS, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT, HAS_DH, HAS_DRES,
                                                HAS_GATE, BLOCK_M, BLOCK_N, 1)
@@ -624,6 +634,7 @@ def row_norm_bwd_kernel(
             w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
             x_next = _load_raw(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
             dy_next = _load_raw(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+            mean_next, rstd_next = _load_stats(MEAN, RSTD, rows, row_mask, IS_RMS)
             for jb in range(group // W_ROWS, blocks_per_head, step):
                 rows, row_mask = _walk_rows(jb, head, W_ROWS, rows_per_head, BLOCK_M)
                 if SPLIT > 1 or PREFETCH:
@@ -633,12 +644,18 @@ def row_norm_bwd_kernel(
                     nxt, nxt_mask = _walk_rows(jb + step, head, W_ROWS, rows_per_head, BLOCK_M)
                     x_next = _load_raw(X, nxt, nxt_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
                     dy_next = _load_raw(DY, nxt, nxt_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+                    if PREFETCH_STATS:  # and their statistics: no load left between a tile and its row sums
+                        mean, rstd = mean_next, rstd_next
+                        mean_next, rstd_next = _load_stats(MEAN, RSTD, nxt, nxt_mask, IS_RMS)
+                    else:
+                        mean, rstd = _load_stats(MEAN, RSTD, rows, row_mask, IS_RMS)
                 else:
                     x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
                     dy = _load_tile(DY, rows, row_mask, cols, col_mask, INNER, sdy_o, sdy_i, sdy_c)
+                    mean, rstd = _load_stats(MEAN, RSTD, rows, row_mask, IS_RMS)
                 if PER_ROW_W:
                     w, b = _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
-                tw, tb, _, _ = _bwd_tile(x, dy, w, b, 1.0, 0.0, DX, DRES, DH, MEAN, RSTD, SYNC, SCRATCH, group, k,
+                tw, tb, _, _ = _bwd_tile(x, dy, w, b, 1.0, 0.0, DX, DRES, DH, mean, rstd, SYNC, SCRATCH, group, k,
                                          (jb - group // W_ROWS) // step, rows, row_mask, cols, col_mask, N, INNER,
                                          sdh_o, sdh_i, sdh_c, IS_RMS, HAS_W, HAS_B, False, False, ACT, HAS_DH,
                                          HAS_DRES, HAS_GATE, BLOCK_M, BLOCK_N, SPLIT)

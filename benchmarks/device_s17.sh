@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 17 (issue 24), one device call, files in one archive in $OUT (carry .whl):
+#   bash benchmarks/device_s17.sh bwd   the Triton backward at 1K-8K with the next tile's row statistics prefetched with
+#                                       it (configs.PREFETCH_STATS, now the default) against without, each also at 128
+#                                       registers (bwd_sweep.py stats / nostats / stats-cap / nostats-cap, bf16, oracle
+#                                       checks bf16 + fp32, timed twice); `normkit bench` bwd 1K-8K and the fused fp8
+#                                       forward (fused-llm) with torch and torch.compile in the run; the CUDA backend's
+#                                       RMSNorm forward at 16K-32K next to torch; the Triton row tests on the GPU
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh" env.txt
+bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
+case "${1:-bwd}" in
+bwd)
+    timeout 150 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
+        --check-dtypes bf16,fp32 --check-variants stats,nostats,stats-cap --widths 1024,2048,4096,8192 \
+        --variants nostats,stats,nostats-cap,stats-cap > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)|N=" "$OUT/bwd.log" | cut -c1-140
+    timeout 90 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd2" --parts time --dtypes bf16 --widths 1024,2048,4096,8192 \
+        --variants stats-cap,nostats-cap,stats,nostats > "$OUT/bwd2.log" 2>&1
+    echo "bwd2 rc $?"; grep -E "N=" "$OUT/bwd2.log" | cut -c1-140
+    bench 150 --ops ln,rms --dirs bwd --dtypes bf16 --widths 1024,2048,4096,8192 --peers torch,compile --no-host \
+        --time-budget 130 --out "$OUT/bench-bwd"
+    bench 170 --ops rms+fp8,rms+fp8+amax,ln+fp8 --suites fused-llm --dtypes bf16 --dirs fwd --peers torch,compile \
+        --no-host --time-budget 150 --out "$OUT/fp8"
+    bench 60 --ops rms --dirs fwd --dtypes bf16 --widths 16384,32768 --normkit auto,cuda --peers torch --no-host \
+        --time-budget 45 --out "$OUT/cuda-rms-fwd"
+    gpu_tests 200 tests-rows.log -n 15 tests/test_row_norm.py tests/test_gpu.py tests/test_autograd.py
+    ;;
+esac
+tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"
