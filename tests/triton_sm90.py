@@ -88,7 +88,7 @@ def main() -> int:
         warps, maxnreg = warps if isinstance(warps, tuple) else (warps, None)
         t0 = time.time()
         try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1,
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1, enable_fp_fusion=True,
                                                                               **({"maxnreg": maxnreg} if maxnreg else {})))
             print(f"ok {name} ({time.time() - t0:.1f} s)")
         except Exception as e:  # noqa: BLE001 - report every variant

@@ -62,8 +62,11 @@ class Kernel:
         kernel = self._compiled.get(key)
         if kernel is None:
             num_warps, num_stages, *cap = options
+            # floating-point contraction (FMA) pinned on: the kernels' numerics and speed were measured
+            # with it, and Triton 3.9 warns that its default turns it off from 3.10
             kernel = self.jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, num_stages=num_stages,
-                                        **({"maxnreg": cap[0]} if cap else {}), **constexprs)
+                                        enable_fp_fusion=True, **({"maxnreg": cap[0]} if cap else {}),
+                                        **constexprs)
             if hasattr(kernel, "result"):  # async compile handles
                 kernel = kernel.result()
             kernel._init_handles()
