@@ -120,13 +120,19 @@ def variants(eb: int, widths=WIDTHS) -> dict:
                         ("or3-256", (256, 4, 3, False, True, False, True)), ("or4", (512, 2, 4, False, True, False, True))):
         out[name] = _on_clusters(eb, {n: shape for n in wide if n in (32768, 65536)})
     # session 17: the next tile's row statistics prefetched with it (configs.PREFETCH_STATS, the default now) against
-    # without (nostats), each with the unsplit rows compiled at 128 registers (-cap: two 8-warp programs per SM, or
-    # one of 16; offline ptxas put LayerNorm's 1K / 2K tiles at 135-137 registers with the statistics held: one per SM)
+    # without (nostats; split rows prefetch, so at every width), each with the unsplit rows compiled at 128 registers
+    # (-cap: two 8-warp programs per SM, or one of 16; offline ptxas put LayerNorm's 1K / 2K tiles at 135-137 registers
+    # with the statistics held: one per SM). S17-1 measured them; the table's 16-bit rows at 1K-8K are -cap's since
     capped = _rows(eb, {n: (r[0], r[1], r[2], 2 if r[2] == 8 else 1, r[4], True, True) for n, r in unsplit.items()
                         if r[2] in (8, 16)})
     for name, stats in (("stats", True), ("nostats", False)):
-        out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=tuple(unsplit), stats=stats)
+        out[name] = dict(rows={}, col_sum=None, cuda_off=False, only=None, stats=stats)
         out[name + "-cap"] = dict(rows=capped, col_sum=None, cuda_off=False, only=tuple(unsplit), stats=stats)
+    # after S17-1: LayerNorm's 2K and 8K on Triton's tiles (the table's rows) instead of the push clusters, and two
+    # other 1K tiles: 2 x 1024 x 8 warps, 3 per SM (80 registers) or 4 per SM at 64 registers (48 bytes spilled)
+    out["tri"] = dict(rows={}, col_sum=None, cuda_off=True, only=tuple(n for n in (2048, 8192) if n in widths))
+    for name, row in (("1k-p3", (2, 1, 8, 3, 1, True)), ("1k-p4", (2, 1, 8, 4, 1, True, True))):
+        out[name] = dict(rows=_rows(eb, {1024: row}), col_sum=None, cuda_off=False, only=(1024,) if 1024 in widths else ())
     return out
 
 

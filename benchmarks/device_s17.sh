@@ -6,6 +6,10 @@
 #                                       checks bf16 + fp32, timed twice); `normkit bench` bwd 1K-8K and the fused fp8
 #                                       forward (fused-llm) with torch and torch.compile in the run; the CUDA backend's
 #                                       RMSNorm forward at 16K-32K next to torch; the Triton row tests on the GPU
+#   bash benchmarks/device_s17.sh final the table's 16-bit 1K-8K backward rows at 128 registers (S17-1's -cap, adopted),
+#                                       stats / nostats, LayerNorm's 2K and 8K on Triton's tiles (tri), two other 1K tiles;
+#                                       fp32 (split rows prefetch too) stats / nostats; `normkit bench` bwd 1K-8K with
+#                                       torch and torch.compile; the Triton row tests on the GPU
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -25,6 +29,19 @@ bwd)
     bench 60 --ops rms --dirs fwd --dtypes bf16 --widths 16384,32768 --normkit auto,cuda --peers torch --no-host \
         --time-budget 45 --out "$OUT/cuda-rms-fwd"
     gpu_tests 200 tests-rows.log -n 15 tests/test_row_norm.py tests/test_gpu.py tests/test_autograd.py
+    ;;
+final)
+    timeout 140 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
+        --check-dtypes bf16,fp32 --check-variants stats,tri,1k-p3,1k-p4 --widths 1024,2048,4096,8192 \
+        --variants stats,nostats,tri,1k-p3,1k-p4 > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    timeout 100 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd32" --parts time --dtypes fp32 \
+        --widths 1024,4096,8192,16384,32768,65536,262144 --variants stats,nostats > "$OUT/bwd32.log" 2>&1
+    echo "bwd32 rc $?"; grep -E "^(dt|fp32)" "$OUT/bwd32.log" | cut -c1-140
+    bench 150 --ops ln,rms --dirs bwd --dtypes bf16 --widths 1024,2048,4096,8192 --peers torch,compile --no-host \
+        --time-budget 130 --out "$OUT/bench-bwd"
+    gpu_tests 200 tests-rows.log -n 15 tests/test_row_norm.py tests/test_gpu.py tests/test_autograd.py \
+        tests/test_edge_cases.py tests/test_api.py
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"

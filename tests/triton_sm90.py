@@ -82,14 +82,56 @@ def variants():
     return out
 
 
+def table_rows():
+    """(name, ASTSource, (num_warps, maxnreg)): the sm_90 table's 16-bit backward rows that carry a register cap,
+    plain LayerNorm / RMSNorm with the parameters in x's dtype (the models' case), aligned and 16-divisible as a launch
+    specializes them: ptxas must fit them under the cap without spilling (a spill would undo what the cap buys)."""
+    from normkit.backends.triton import configs
+    out = []
+    for n in (1024, 2048, 4096, 8192):
+        for rms in (False, True):
+            cfg = configs.row_config("bwd", n, 2, "sm_90", op="rms" if rms else "ln")
+            if cfg.cuda or not cfg.reg_cap:
+                continue
+            cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=False, WANT_DW=True, WANT_DB=not rms, ACT=0,
+                      HAS_DH=False, HAS_DRES=False, HAS_MS=False, HAS_MT=False, WANT_DS=False, WANT_DT=False,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=False, HAS_GATE=False,
+                      PREFETCH=cfg.prefetch, PREFETCH_STATS=configs.PREFETCH_STATS)
+            src = _source(kernels.row_norm_bwd_kernel, dict(BWD_ARGS, W="*bf16", B="*bf16"), cx,
+                          ["DH", "DRES", "MS", "MT", "DS_PART", "DT_PART"] + (["B"] if rms else []),
+                          ["sdy_c", "sx_c", "INNER", "W_ROWS"])
+            src.attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(src.signature)
+                         if src.signature[k].startswith("*") or k in ("M", "N", "sdy_o", "sx_o", "sdy_i", "sx_i")}
+            out.append((f"table row bwd bf16 {'rms' if rms else 'ln'} {n}: {cfg.block_m}x{cfg.block_n} x "
+                        f"{cfg.num_warps} warps, maxnreg={cfg.reg_cap}, no spills", src, (cfg.num_warps, cfg.reg_cap)))
+    return out
+
+
+def _spilled_bytes(kernel) -> int:
+    """The compiled kernel's stack frame (ptxas spills to it), by the cuobjdump Triton ships."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
 def main() -> int:
     failed = 0
-    for name, src, warps in variants():
+    for name, src, warps in variants() + table_rows():
         warps, maxnreg = warps if isinstance(warps, tuple) else (warps, None)
         t0 = time.time()
         try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1, enable_fp_fusion=True,
-                                                                              **({"maxnreg": maxnreg} if maxnreg else {})))
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
+                num_warps=warps, num_stages=1, enable_fp_fusion=True, **({"maxnreg": maxnreg} if maxnreg else {})))
+            if name.endswith("no spills") and _spilled_bytes(kernel):
+                raise RuntimeError(f"ptxas spilled {_spilled_bytes(kernel)} bytes under maxnreg={maxnreg}")
             print(f"ok {name} ({time.time() - t0:.1f} s)")
         except Exception as e:  # noqa: BLE001 - report every variant
             failed += 1
