@@ -64,7 +64,8 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 # The 16-bit backward with the push exchange (5th value; run S14-3, H200, bf16 LN / RMS): 0.60 / 0.62 -> 0.75 /
 # 0.78 at 16K, 0.56 / 0.58 -> 0.71 / 0.72 at 32K, 0.53 / 0.56 -> 0.63 / 0.65 at 64K, 0.44 / 0.47 -> 0.47 / 0.50
 # at 128K, 0.38 / 0.43 -> 0.40 / 0.45 at 256K against the barrier exchange; fp32 not measured with it. Rows of one
-# CTA (run S14-6, the Triton backend's route): LN 0.73 -> 0.82 at 2K, 0.69 -> 0.78 at 8K (4K and RMSNorm: Triton's).
+# CTA (run S14-6, the Triton backend's route): LN 0.73 -> 0.82 at 2K, 0.69 -> 0.78 at 8K (4K and RMSNorm: Triton's);
+# no longer routed since session 17 (run S17-2: Triton's tiles with the next tile's statistics prefetched, 0.87 / 0.81).
 # Two rows in flight at 128K-256K (OVERLAP, 7th value of a backward shape; run S15-3, H200, bf16 LN / RMS): 0.47 /
 # 0.50 -> 0.58 / 0.63 at 128K, 0.41 / 0.45 (Triton's capped split rows) -> 0.48 / 0.54 at 256K; on four stages
 # 0.50 / 0.52 and 0.41 / 0.45; at 16K-64K (with the stage read again) 0.02-0.08 slower than the registers' push.
