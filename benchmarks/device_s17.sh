@@ -10,6 +10,8 @@
 #                                       stats / nostats, LayerNorm's 2K and 8K on Triton's tiles (tri), two other 1K tiles;
 #                                       fp32 (split rows prefetch too) stats / nostats; `normkit bench` bwd 1K-8K with
 #                                       torch and torch.compile; the Triton row tests on the GPU
+#   bash benchmarks/device_s17.sh confirm  `normkit bench` bwd 1K-8K (bf16, fp16) on the final table (LayerNorm's 2K / 8K on
+#                                       Triton's tiles again), torch and torch.compile in the run; the GPU test files
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -42,6 +44,14 @@ final)
         --time-budget 130 --out "$OUT/bench-bwd"
     gpu_tests 200 tests-rows.log -n 15 tests/test_row_norm.py tests/test_gpu.py tests/test_autograd.py \
         tests/test_edge_cases.py tests/test_api.py
+    ;;
+confirm)
+    bench 170 --ops ln,rms --dirs bwd --dtypes bf16,fp16 --widths 1024,2048,4096,8192 --peers torch,compile --no-host \
+        --time-budget 150 --out "$OUT/bench-bwd"
+    # shellcheck disable=SC2086
+    gpu_tests 330 tests-b.log -n 15 $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend) \
+        tests/test_row_norm.py tests/test_fusion.py
+    gpu_tests 60 tests-routes.log -n 15 tests/test_cuda_backend.py -k "routes or launches or backward_matches"
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"
