@@ -12,6 +12,8 @@
 #                                       torch and torch.compile; the Triton row tests on the GPU
 #   bash benchmarks/device_s17.sh confirm  `normkit bench` bwd 1K-8K (bf16, fp16) on the final table (LayerNorm's 2K / 8K on
 #                                       Triton's tiles again), torch and torch.compile in the run; the GPU test files
+#   bash benchmarks/device_s17.sh cuda  the CUDA backend against torch eager, forward and backward, bf16 / fp32, 1K-32K
+#                                       (issue 24's last item, not measured on the H200 for the backward); its route tests
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -52,6 +54,11 @@ confirm)
     gpu_tests 330 tests-b.log -n 15 $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend) \
         tests/test_row_norm.py tests/test_fusion.py
     gpu_tests 60 tests-routes.log -n 15 tests/test_cuda_backend.py -k "routes or launches or backward_matches"
+    ;;
+cuda)
+    bench 250 --ops ln,rms --dtypes bf16,fp32 --widths 1024,2048,4096,8192,16384,32768 --normkit auto,cuda \
+        --peers torch --no-host --time-budget 230 --out "$OUT/cuda-vs-torch"
+    gpu_tests 200 tests-routes.log -n 15 tests/test_cuda_backend.py -k "routes or launches or backward_matches"
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"
