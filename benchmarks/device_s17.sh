@@ -14,6 +14,9 @@
 #                                       Triton's tiles again), torch and torch.compile in the run; the GPU test files
 #   bash benchmarks/device_s17.sh cuda  the CUDA backend against torch eager, forward and backward, bf16 / fp32, 1K-32K
 #                                       (issue 24's last item, not measured on the H200 for the backward); its route tests
+#   bash benchmarks/device_s17.sh fwd32 the 16-bit forward at 16K-32K (LayerNorm 0.69 of copy at 32K on Triton's one program
+#                                       per row): the push cluster shapes with ONE_PASS / MERGE against the table
+#                                       (widefwd_sweep.py, both ops, oracle-checked, 2 interleaved reps)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -59,6 +62,13 @@ cuda)
     bench 250 --ops ln,rms --dtypes bf16,fp32 --widths 1024,2048,4096,8192,16384,32768 --normkit auto,cuda \
         --peers torch --no-host --time-budget 230 --out "$OUT/cuda-vs-torch"
     gpu_tests 200 tests-routes.log -n 15 tests/test_cuda_backend.py -k "routes or launches or backward_matches"
+    ;;
+fwd32)
+    timeout 300 python3 benchmarks/widefwd_sweep.py --out "$OUT/fwd32" --parts check,time --checks variants \
+        --dtypes bf16 --widths 16384,32768 --budget 280 --repeat 2 \
+        --variants normkit,push,push+1,push+m1,128x8+1,256x8+1,128x4+1,256x4+1,64x8+1 > "$OUT/fwd32.log" 2>&1
+    echo "fwd32 rc $?"; grep -E "CHECK|FAIL|total|copy ceiling|prebuilt" "$OUT/fwd32.log" | cut -c1-160
+    tail -25 "$OUT/fwd32.log" | cut -c1-170
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"
