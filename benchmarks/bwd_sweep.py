@@ -131,8 +131,11 @@ def variants(eb: int, widths=WIDTHS) -> dict:
     # after S17-1: LayerNorm's 2K and 8K on Triton's tiles (the table's rows) instead of the push clusters, and two
     # other 1K tiles: 2 x 1024 x 8 warps, 3 per SM (80 registers) or 4 per SM at 64 registers (48 bytes spilled)
     out["tri"] = dict(rows={}, col_sum=None, cuda_off=True, only=tuple(n for n in (2048, 8192) if n in widths))
-    for name, row in (("1k-p3", (2, 1, 8, 3, 1, True)), ("1k-p4", (2, 1, 8, 4, 1, True, True))):
-        out[name] = dict(rows=_rows(eb, {1024: row}), col_sum=None, cuda_off=False, only=(1024,) if 1024 in widths else ())
+    # and (after S17-2, LN 1K / 8K at 0.84 / 0.81) more warps per SM: 1K as 2 x 1024 x 16 warps, two per SM (62
+    # registers offline), 8K as one 32-warp program (64 registers, no spills)
+    for name, n, row in (("1k-p3", 1024, (2, 1, 8, 3, 1, True)), ("1k-p4", 1024, (2, 1, 8, 4, 1, True, True)),
+                         ("1k-w16", 1024, (2, 1, 16, 2, 1, True, True)), ("8k-w32", 8192, (1, 1, 32, 1, 1, True, True))):
+        out[name] = dict(rows=_rows(eb, {n: row}), col_sum=None, cuda_off=False, only=(n,) if n in widths else ())
     return out
 
 

@@ -17,6 +17,7 @@
 #   bash benchmarks/device_s17.sh fwd32 the 16-bit forward at 16K-32K (LayerNorm 0.69 of copy at 32K on Triton's one program
 #                                       per row): the push cluster shapes with ONE_PASS / MERGE against the table
 #                                       (widefwd_sweep.py, both ops, oracle-checked, 2 interleaved reps)
+#   bash benchmarks/device_s17.sh tiles the backward's 1K / 8K tiles with more warps per SM (bwd_sweep 1k-w16, 8k-w32)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -69,6 +70,15 @@ fwd32)
         --variants normkit,push,push+1,push+m1,128x8+1,256x8+1,128x4+1,256x4+1,64x8+1 > "$OUT/fwd32.log" 2>&1
     echo "fwd32 rc $?"; grep -E "CHECK|FAIL|total|copy ceiling|prebuilt" "$OUT/fwd32.log" | cut -c1-160
     tail -25 "$OUT/fwd32.log" | cut -c1-170
+    ;;
+tiles)
+    timeout 120 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \
+        --check-dtypes bf16,fp32 --check-variants 1k-w16,8k-w32 --widths 1024,8192 \
+        --variants stats,1k-w16,8k-w32 > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16|checks|FAIL)" "$OUT/bwd.log" | cut -c1-140
+    timeout 60 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd2" --parts time --dtypes bf16 --widths 1024,8192 \
+        --variants 8k-w32,1k-w16,stats > "$OUT/bwd2.log" 2>&1
+    echo "bwd2 rc $?"; grep -E "^(dt|bf16)" "$OUT/bwd2.log" | cut -c1-140
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"
