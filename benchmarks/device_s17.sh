@@ -17,7 +17,9 @@
 #   bash benchmarks/device_s17.sh fwd32 the 16-bit forward at 16K-32K (LayerNorm 0.69 of copy at 32K on Triton's one program
 #                                       per row): the push cluster shapes with ONE_PASS / MERGE against the table
 #                                       (widefwd_sweep.py, both ops, oracle-checked, 2 interleaved reps)
-#   bash benchmarks/device_s17.sh tiles the backward's 1K / 8K tiles with more warps per SM (bwd_sweep 1k-w16, 8k-w32)
+#   bash benchmarks/device_s17.sh tiles the backward's 1K / 8K tiles with more warps per SM (bwd_sweep 1k-w16, 8k-w32);
+#                                       `normkit bench` fwd 16K-64K after LayerNorm's 32K forward moved to the clusters
+#                                       (ONE_PASS, 2 CTAs), torch and torch.compile in the run; the push forward tests
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -79,6 +81,9 @@ tiles)
     timeout 60 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd2" --parts time --dtypes bf16 --widths 1024,8192 \
         --variants 8k-w32,1k-w16,stats > "$OUT/bwd2.log" 2>&1
     echo "bwd2 rc $?"; grep -E "^(dt|bf16)" "$OUT/bwd2.log" | cut -c1-140
+    bench 120 --ops ln,rms --dirs fwd --dtypes bf16 --widths 16384,32768,65536 --normkit auto,cuda \
+        --peers torch,compile --no-host --time-budget 100 --out "$OUT/fwd-32k"
+    gpu_tests 150 tests-fwd.log -n 15 tests/test_cuda_backend.py -k "push_forward or routes or launches"
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"

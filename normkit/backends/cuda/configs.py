@@ -66,6 +66,10 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 # at 128K, 0.38 / 0.43 -> 0.40 / 0.45 at 256K against the barrier exchange; fp32 not measured with it. Rows of one
 # CTA (run S14-6, the Triton backend's route): LN 0.73 -> 0.82 at 2K, 0.69 -> 0.78 at 8K (4K and RMSNorm: Triton's);
 # no longer routed since session 17 (run S17-2: Triton's tiles with the next tile's statistics prefetched, 0.87 / 0.81).
+# Session 17 (H200, run S17-5, widefwd_sweep.py at 16K-32K, bf16): the 32K forward on 2 CTAs of 8 warps with ONE_PASS
+# (0.72-0.73 of copy; 4 CTAs of 4 warps the same) where the 4-CTA shape without it made 0.68 and Triton's one program
+# per row 0.69: LayerNorm's 32K forward is routed here since; RMSNorm's stays on Triton (0.85 against 0.80), and at
+# 16K both stay on Triton (LN 0.82, RMS 0.88 against the clusters' 0.73 / 0.81).
 # Two rows in flight at 128K-256K (OVERLAP, 7th value of a backward shape; run S15-3, H200, bf16 LN / RMS): 0.47 /
 # 0.50 -> 0.58 / 0.63 at 128K, 0.41 / 0.45 (Triton's capped split rows) -> 0.48 / 0.54 at 256K; on four stages
 # 0.50 / 0.52 and 0.41 / 0.45; at 16K-64K (with the stage read again) 0.02-0.08 slower than the registers' push.
@@ -78,7 +82,7 @@ CLUSTER_MAX = 16  # CTAs per cluster (above 8 the kernel opts in to non-portable
 CLUSTER_KERNELS = {("fwd", 2): (256, 8, 1, True, True, False, True), ("fwd", 4): (256, 8, 1, True, True),
                    ("bwd", 2): (512, 2, 2, False, True), ("bwd", 4): (512, 4, 2)}
 CLUSTER_SHAPES = {
-    ("fwd", 2, 32768): (128, 8, 1, True, True), ("fwd", 2, 65536): (128, 8, 1, True, True, False, True),
+    ("fwd", 2, 32768): (256, 8, 1, True, True, False, True), ("fwd", 2, 65536): (128, 8, 1, True, True, False, True),
     ("fwd", 2, 262144): (256, 8, 1, True, True, True, True), ("fwd", 4, 32768): (128, 8, 1, True, True),
     ("bwd", 2, 32768): (512, 2, 3, False, True), ("bwd", 2, 65536): (256, 4, 3, False, True, False, True),
     ("bwd", 2, 131072): (256, 4, 3, False, True, False, True),
