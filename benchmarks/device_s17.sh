@@ -20,6 +20,8 @@
 #   bash benchmarks/device_s17.sh tiles the backward's 1K / 8K tiles with more warps per SM (bwd_sweep 1k-w16, 8k-w32);
 #                                       `normkit bench` fwd 16K-64K after LayerNorm's 32K forward moved to the clusters
 #                                       (ONE_PASS, 2 CTAs), torch and torch.compile in the run; the push forward tests
+#   bash benchmarks/device_s17.sh fwd16 the Triton forward's rows at 16K-32K (fwd_sweep.py: 32 / 8 warps, persistent)
+#                                       against torch.compile (0.88-0.92 of copy there in S17-6), with Inductor's kernels
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -84,6 +86,13 @@ tiles)
     bench 120 --ops ln,rms --dirs fwd --dtypes bf16 --widths 16384,32768,65536 --normkit auto,cuda \
         --peers torch,compile --no-host --time-budget 100 --out "$OUT/fwd-32k"
     gpu_tests 150 tests-fwd.log -n 15 tests/test_cuda_backend.py -k "push_forward or routes or launches"
+    ;;
+fwd16)
+    TORCH_LOGS=output_code timeout 200 python3 benchmarks/fwd_sweep.py --out "$OUT/fwd16" > "$OUT/fwd16.log" \
+        2> "$OUT/inductor-code.log"
+    echo "fwd16 rc $?"; grep -E "copy|N=|FAIL" "$OUT/fwd16.log" | cut -c1-140
+    grep -E "num_warps|R0_BLOCK|RBLOCK|XBLOCK|eviction_policy|def triton_|@triton_heuristics" "$OUT/inductor-code.log" \
+        | sort | uniq -c | sort -rn | head -30 | cut -c1-200
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"

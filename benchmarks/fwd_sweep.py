@@ -1,0 +1,145 @@
+"""Issue 24 device sweep (session 17): the Triton forward's rows at 16K-32K against torch.compile, which runs
+at 0.88-0.92 of copy there on the H200 (run S17-6) where normkit's one 16-warp program per row makes
+0.82-0.88. Variants are configuration rows (configs.OVERRIDES, keyed ("fwd", elem bytes, padded width)),
+each checked against the float64 oracle (offset 1e4 included) and timed as bwd_sweep.py times (input sets
+rotating over more than 4x L2, a GPU spin hiding the host, median); torch.compile is timed in the same run
+(run it under TORCH_LOGS=output_code to see Inductor's kernels and launch configuration for these shapes).
+
+  PYTHONPATH=.:benchmarks python benchmarks/fwd_sweep.py --out DIR [--widths 16384,32768] [--variants ...]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from normkit import reference as ref
+from normkit.backends import triton as tb
+from normkit.backends.triton import configs as tc
+from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bwd_sweep import WARM_MS, REP_MS, log, write_csv  # noqa: E402
+
+# name -> {padded width: (block_m, split, num_warps, programs_per_sm[, num_stages])}; "table": the committed rows
+VARIANTS = {
+    "table": {},
+    "triton": {32768: (1, 1, 16, 0)},  # LayerNorm's 32K runs on the clusters in the table: Triton's row for it
+    "w32": {16384: (1, 1, 32, 0), 32768: (1, 1, 32, 0)},
+    "w8": {16384: (1, 1, 8, 0)},
+    "p1": {16384: (1, 1, 16, 1), 32768: (1, 1, 16, 1)},
+    "w32p1": {16384: (1, 1, 32, 1), 32768: (1, 1, 32, 1)},
+}
+
+
+def _row(eb, v):
+    return {("fwd", eb, n): row for n, row in v.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(rms):
+    def f(x, w, b):
+        return F.rms_norm(x, x.shape[-1:], w, 1e-5) if rms else F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
+    return torch.compile(f, dynamic=False)
+
+
+def sets(dtype, M, N, rms, total_bytes):
+    """Input sets rotating over more than 4x L2 (each set: x, w, b)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    k = max(2, -(-4 * l2 // total_bytes) + 1)
+    return [((torch.randn(M, N, device="cuda") * 2 + 0.5).to(dtype), (torch.randn(N, device="cuda") * 0.5 + 1).to(dtype),
+             None if rms else (torch.randn(N, device="cuda") * 0.5).to(dtype)) for _ in range(k)]
+
+
+def check(dtype, rms, N, eb, v):
+    """Oracle at an awkward row count, offset 1e4 (LayerNorm), a NaN confined to its row."""
+    M = 37
+    x = ((torch.randn(M, N, device="cuda") * 2 + 0.5 + (0.0 if rms else 1e4))).to(dtype)
+    x[M // 2, N // 3] = float("nan")
+    w = (torch.randn(N, device="cuda") * 0.5 + 1).to(dtype)
+    b = None if rms else (torch.randn(N, device="cuda") * 0.5).to(dtype)
+    with applied(eb, v):
+        y = tb.row_norm_fwd(x, w, b, 1e-5, rms)[0]
+    keep = torch.arange(M, device="cuda") != M // 2
+    e = (ref.rms_norm(x[keep].double(), (N,), w.double(), 1e-5) if rms else
+         ref.layer_norm(x[keep].double(), (N,), w.double(), b.double(), 1e-5))
+    e = e[0] if isinstance(e, tuple) else e
+    err = ref.rel_err(y[keep].double(), e)
+    return err <= 1e-2 and bool(y[M // 2].isnan().any()) and bool(torch.isfinite(y[keep]).all()), err
+
+
+class applied:
+    """A variant's rows for the block; any variant but the table's runs on Triton (the CUDA route off)."""
+
+    def __init__(self, eb, v):
+        self.rows, self.eb = _row(eb, v), eb
+
+    def __enter__(self):
+        self.saved = dict(tc.OVERRIDES), dict(tc.CUDA_OVERRIDES)
+        tc.OVERRIDES.update(self.rows)
+        if self.rows:
+            tc.CUDA_OVERRIDES[("fwd", self.eb)] = ()
+        tb.clear_caches()
+
+    def __exit__(self, *a):
+        for table, saved in zip((tc.OVERRIDES, tc.CUDA_OVERRIDES), self.saved):
+            table.clear()
+            table.update(saved)
+        tb.clear_caches()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--widths", default="16384,32768")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    widths = [int(n) for n in args.widths.split(",")]
+    names = args.variants.split(",")
+    copy = copy_ceiling_gbps()
+    log(f"copy ceiling {copy:.0f} GB/s")
+    timer, rows, dtype, eb = CudaTimer(), [], torch.bfloat16, 2
+    for N in widths:
+        M = 2**26 // N
+        for op in ("ln", "rms"):
+            rms = op == "rms"
+            ss = sets(dtype, M, N, rms, 2 * M * N * eb)
+            impls = [(n, VARIANTS[n]) for n in names if N in VARIANTS[n] or n == "table"] + [("compile", None)]
+            for rep in range(args.repeat):
+                for name, v in impls:
+                    row = dict(op=op, N=N, M=M, variant=name, rep=rep)
+                    try:
+                        if v is None:
+                            f = _compiled(rms)
+                            calls = [functools.partial(f, *s) for s in ss]
+                            calls[0]()
+                            ms, _ = timer.median_ms(calls, WARM_MS, REP_MS)
+                        else:
+                            if rep == 0:
+                                ok, err = check(dtype, rms, N, eb, v)
+                                row.update(ok=ok, err=f"{err:.2e}")
+                                if not ok:
+                                    log("CHECK FAIL", op, N, name, err)
+                            with applied(eb, v):
+                                calls = [functools.partial(tb.row_norm_fwd, s[0], s[1], s[2], 1e-5, rms) for s in ss]
+                                calls[0]()
+                                ms, _ = timer.median_ms(calls, WARM_MS, REP_MS)
+                        gbps = 2 * M * N * eb / (ms * 1e6)
+                        row.update(us=f"{ms * 1e3:.1f}", gbps=f"{gbps:.0f}", frac=f"{gbps / copy:.3f}")
+                    except Exception as e:  # noqa: BLE001
+                        row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
+                    rows.append(row)
+                    log(f"{op} N={N} {name:<8} rep{rep} {row.get('frac', row.get('error'))} {row.get('err', '')}")
+                    write_csv(os.path.join(args.out, "fwd.csv"), rows)
+            del ss
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
