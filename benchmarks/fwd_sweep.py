@@ -102,9 +102,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     widths = [int(n) for n in args.widths.split(",")]
     names = args.variants.split(",")
-    copy = copy_ceiling_gbps()
-    log(f"copy ceiling {copy:.0f} GB/s")
     timer, rows, dtype, eb = CudaTimer(), [], torch.bfloat16, 2
+    copy = copy_ceiling_gbps(timer, WARM_MS, REP_MS)
+    log(f"copy ceiling {copy:.0f} GB/s")
     for N in widths:
         M = 2**26 // N
         for op in ("ln", "rms"):
