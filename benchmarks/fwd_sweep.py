@@ -34,10 +34,17 @@ VARIANTS = {
     "p1": {16384: (1, 1, 16, 1), 32768: (1, 1, 16, 1)},
     "w32p1": {16384: (1, 1, 32, 1), 32768: (1, 1, 32, 1)},
 }
+# after S17-8 (Inductor's kernels there: a looped reduction, one program per row, its first pass loading x with
+# evict_last and its second with evict_first): normkit's looped forward at 16K-32K, chunk x warps, with and without
+# those hints. name -> configs attributes set for the variant (every width above MAX_TILED_N loops)
+KNOBS = {f"loop{c // 1024}k{w}{'-ev' if ev else ''}": dict(MAX_TILED_N=8192, LOOPED={**tc.LOOPED, "fwd": (c, w)},
+                                                           LOOPED_EVICT=ev)
+         for c, w in ((2048, 4), (4096, 8), (8192, 16)) for ev in (False, True)}
+VARIANTS.update({name: {16384: None, 32768: None} for name in KNOBS})
 
 
 def _row(eb, v):
-    return {("fwd", eb, n): row for n, row in v.items()}
+    return {("fwd", eb, n): row for n, row in v.items() if row is not None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,14 +62,14 @@ def sets(dtype, M, N, rms, total_bytes):
              None if rms else (torch.randn(N, device="cuda") * 0.5).to(dtype)) for _ in range(k)]
 
 
-def check(dtype, rms, N, eb, v):
+def check(dtype, rms, N, eb, v, knobs=None):
     """Oracle at an awkward row count, offset 1e4 (LayerNorm), a NaN confined to its row."""
     M = 37
     x = ((torch.randn(M, N, device="cuda") * 2 + 0.5 + (0.0 if rms else 1e4))).to(dtype)
     x[M // 2, N // 3] = float("nan")
     w = (torch.randn(N, device="cuda") * 0.5 + 1).to(dtype)
     b = None if rms else (torch.randn(N, device="cuda") * 0.5).to(dtype)
-    with applied(eb, v):
+    with applied(eb, v, knobs):
         y = tb.row_norm_fwd(x, w, b, 1e-5, rms)[0]
     keep = torch.arange(M, device="cuda") != M // 2
     e = (ref.rms_norm(x[keep].double(), (N,), w.double(), 1e-5) if rms else
@@ -73,15 +80,19 @@ def check(dtype, rms, N, eb, v):
 
 
 class applied:
-    """A variant's rows for the block; any variant but the table's runs on Triton (the CUDA route off)."""
+    """A variant's rows (and configs attributes, KNOBS) for the block; any variant but the table's runs on Triton
+    (the CUDA route off)."""
 
-    def __init__(self, eb, v):
-        self.rows, self.eb = _row(eb, v), eb
+    def __init__(self, eb, v, knobs=None):
+        self.rows, self.eb, self.knobs = _row(eb, v), eb, knobs or {}
 
     def __enter__(self):
         self.saved = dict(tc.OVERRIDES), dict(tc.CUDA_OVERRIDES)
+        self.saved_knobs = {k: getattr(tc, k) for k in self.knobs}
         tc.OVERRIDES.update(self.rows)
-        if self.rows:
+        for k, value in self.knobs.items():
+            setattr(tc, k, value)
+        if self.rows or self.knobs:
             tc.CUDA_OVERRIDES[("fwd", self.eb)] = ()
         tb.clear_caches()
 
@@ -89,6 +100,8 @@ class applied:
         for table, saved in zip((tc.OVERRIDES, tc.CUDA_OVERRIDES), self.saved):
             table.clear()
             table.update(saved)
+        for k, value in self.saved_knobs.items():
+            setattr(tc, k, value)
         tb.clear_caches()
 
 
@@ -122,11 +135,11 @@ def main():
                             ms, _ = timer.median_ms(calls, WARM_MS, REP_MS)
                         else:
                             if rep == 0:
-                                ok, err = check(dtype, rms, N, eb, v)
+                                ok, err = check(dtype, rms, N, eb, v, KNOBS.get(name))
                                 row.update(ok=ok, err=f"{err:.2e}")
                                 if not ok:
                                     log("CHECK FAIL", op, N, name, err)
-                            with applied(eb, v):
+                            with applied(eb, v, KNOBS.get(name)):
                                 calls = [functools.partial(tb.row_norm_fwd, s[0], s[1], s[2], 1e-5, rms) for s in ss]
                                 calls[0]()
                                 ms, _ = timer.median_ms(calls, WARM_MS, REP_MS)
