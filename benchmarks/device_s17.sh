@@ -22,8 +22,8 @@
 #                                       (ONE_PASS, 2 CTAs), torch and torch.compile in the run; the push forward tests
 #   bash benchmarks/device_s17.sh fwd16 the Triton forward's rows at 16K-32K (fwd_sweep.py: 32 / 8 warps, persistent)
 #                                       against torch.compile (0.88-0.92 of copy there in S17-6), with Inductor's kernels
-#   bash benchmarks/device_s17.sh loop  the looped forward at 16K-32K as Inductor runs it (one program per row, chunks),
-#                                       with and without its L2 eviction hints (configs.LOOPED_EVICT), against the table
+#   bash benchmarks/device_s17.sh loop  the looped forward at 16K-32K as Inductor runs it (one program per row, chunks)
+#                                       against the table (run S17-9 ran it with L2 eviction hints in the kernel, since removed)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -98,7 +98,7 @@ fwd16)
     ;;
 loop)
     timeout 240 python3 benchmarks/fwd_sweep.py --out "$OUT/loop" \
-        --variants table,w8,loop2k4,loop2k4-ev,loop4k8,loop4k8-ev,loop8k16,loop8k16-ev > "$OUT/loop.log" 2>&1
+        --variants table,w8,loop2k4,loop4k8,loop8k16 > "$OUT/loop.log" 2>&1
     echo "loop rc $?"; grep -E "copy|N=|FAIL|Error" "$OUT/loop.log" | cut -c1-140
     ;;
 esac

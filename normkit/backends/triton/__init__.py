@@ -165,7 +165,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
          constexprs["WANT_DS"], constexprs["WANT_DT"], constexprs["HAS_GATE"]) = fusion or _NO_BWD_FUSION
     constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=cfg.looped)
     if direction == "fwd":
-        constexprs["PERSISTENT"], constexprs["LOOPED_EVICT"] = cfg.programs_per_sm > 0, configs.LOOPED_EVICT
+        constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
     else:
         constexprs["PREFETCH"], constexprs["PREFETCH_STATS"] = cfg.prefetch, configs.PREFETCH_STATS
     return cfg, constexprs, device_index, sms

@@ -181,30 +181,29 @@ def _offsets(rows, cols, INNER, s_o, s_i, s_c):
 
 
 @triton.jit
-def _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c, POLICY: tl.constexpr = ""):
+def _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
     """The [rows, cols] tile of a strided operand in its own dtype (zeros outside the masks): a
-    prefetched 16-bit tile holds half the registers of its fp32 form until it is used. POLICY: the
-    load's L2 eviction policy ("evict_last": read again soon; "evict_first": read for the last time)."""
+    prefetched 16-bit tile holds half the registers of its fp32 form until it is used."""
     mask = row_mask[:, None] & col_mask[None, :]
-    return tl.load(P + _offsets(rows, cols, INNER, s_o, s_i, s_c), mask=mask, other=0.0, eviction_policy=POLICY)
+    return tl.load(P + _offsets(rows, cols, INNER, s_o, s_i, s_c), mask=mask, other=0.0)
 
 
 @triton.jit
-def _load_tile(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c, POLICY: tl.constexpr = ""):
+def _load_tile(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
     """The [rows, cols] tile of a strided operand as fp32 (zeros outside the masks)."""
-    return _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c, POLICY).to(tl.float32)
+    return _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c).to(tl.float32)
 
 
 @triton.jit
 def _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
-            HAS_RES: tl.constexpr, H_ROUND: tl.constexpr, HAS_GATE: tl.constexpr, POLICY: tl.constexpr = ""):
+            HAS_RES: tl.constexpr, H_ROUND: tl.constexpr, HAS_GATE: tl.constexpr):
     """The tile that is normalized, fp32: x, or h = x + residual rounded to h's dtype, or (HAS_GATE:
     R is the gate) x * silu(gate), unrounded."""
-    x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, POLICY)
+    x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
     if HAS_RES:
-        x = round_h(x + _load_tile(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c, POLICY), H_ROUND)
+        x = round_h(x + _load_tile(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c), H_ROUND)
     if HAS_GATE:
-        g = _load_tile(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c, POLICY)
+        g = _load_tile(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c)
         x = x * (g * tl.sigmoid(g))
     return x
 
@@ -296,7 +295,7 @@ def row_norm_fwd_kernel(
     ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
     SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
-    PERSISTENT: tl.constexpr, LOOPED_EVICT: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if SCALE_PTR:  # a device-side scale (delayed scaling): read, never synchronized to the host
@@ -307,7 +306,7 @@ def row_norm_fwd_kernel(
         amax = _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, rows < M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
                            eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, MEAN, RSTD, IS_RMS, HAS_W, HAS_B,
                            PER_ROW_W, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE,
-                           BLOCK_M, BLOCK_N, LOOPED_EVICT)
+                           BLOCK_M, BLOCK_N)
     elif not PERSISTENT:  # one row block per program
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -350,10 +349,8 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
                 HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, ACT: tl.constexpr,
                 HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
                 WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
-    """One program walks its rows in BLOCK_N chunks: statistics, then normalize. Returns amax.
-    EVICT: the first pass's loads ask L2 to keep the row (evict_last) and the second's to drop it
-    (evict_first), as Inductor's looped reductions do, so the second pass reads L2 rather than DRAM."""
+                BLOCK_N: tl.constexpr):
+    """One program walks its rows in BLOCK_N chunks: statistics, then normalize. Returns amax."""
     num_chunks = tl.cdiv(N, BLOCK_N)
     amax = tl.full([], 0, tl.int32)
     if IS_RMS:
@@ -365,12 +362,7 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
     for chunk in range(0, num_chunks):
         cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
-        if EVICT:
-            x = _load_h(X, R, rows, row_mask, cols, cols < N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND,
-                        HAS_GATE, "evict_last")
-        else:
-            x = _load_h(X, R, rows, row_mask, cols, cols < N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND,
-                        HAS_GATE)
+        x = _load_h(X, R, rows, row_mask, cols, cols < N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE)
         if IS_RMS:
             sum_sq += tl.sum(x * x, axis=1)
         else:
@@ -388,12 +380,7 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
         cols = (num_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        if EVICT:
-            x = _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND,
-                        HAS_GATE, "evict_first")
-        else:
-            x = _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND,
-                        HAS_GATE)
+        x = _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE)
         if IS_RMS:
             xhat = x * rstd[:, None]
         else:
