@@ -24,6 +24,8 @@
 #                                       against torch.compile (0.88-0.92 of copy there in S17-6), with Inductor's kernels
 #   bash benchmarks/device_s17.sh loop  the looped forward at 16K-32K as Inductor runs it (one program per row, chunks)
 #                                       against the table (run S17-9 ran it with L2 eviction hints in the kernel, since removed)
+#   bash benchmarks/device_s17.sh last  the final tree: `normkit bench` fwd + bwd at 8K-32K (RMSNorm's 16K forward on 8 warps,
+#                                       its 8K backward on 32), torch and torch.compile in the run; the GPU test files
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -100,6 +102,13 @@ loop)
     timeout 240 python3 benchmarks/fwd_sweep.py --out "$OUT/loop" \
         --variants table,w8,loop2k4,loop4k8,loop8k16 > "$OUT/loop.log" 2>&1
     echo "loop rc $?"; grep -E "copy|N=|FAIL|Error" "$OUT/loop.log" | cut -c1-140
+    ;;
+last)
+    bench 100 --ops ln,rms --dtypes bf16 --widths 8192,16384,32768 --peers torch,compile --no-host --time-budget 85 \
+        --out "$OUT/bench"
+    # shellcheck disable=SC2086
+    gpu_tests 300 tests-b.log -n 15 $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend) \
+        tests/test_row_norm.py
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"
