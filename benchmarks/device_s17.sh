@@ -26,6 +26,8 @@
 #                                       against the table (run S17-9 ran it with L2 eviction hints in the kernel, since removed)
 #   bash benchmarks/device_s17.sh last  the final tree: `normkit bench` fwd + bwd at 8K-32K (RMSNorm's 16K forward on 8 warps,
 #                                       its 8K backward on 32), torch and torch.compile in the run; the GPU test files
+#   bash benchmarks/device_s17.sh h100  (on an H100: the sm_90 table is shared) the backward at 1K-8K with and without the
+#                                       statistics prefetched, and `normkit bench` 1K-32K fwd + bwd with torch in the run
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -109,6 +111,13 @@ last)
     # shellcheck disable=SC2086
     gpu_tests 300 tests-b.log -n 15 $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend) \
         tests/test_row_norm.py
+    ;;
+h100)
+    timeout 80 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts time --dtypes bf16 --widths 1024,2048,4096,8192 \
+        --variants stats,nostats > "$OUT/bwd.log" 2>&1
+    echo "bwd rc $?"; grep -E "^(dt|bf16)" "$OUT/bwd.log" | cut -c1-140
+    bench 130 --ops ln,rms --dtypes bf16 --widths 1024,2048,4096,8192,16384,32768 --peers torch --no-host \
+        --time-budget 115 --out "$OUT/bench"
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"
