@@ -28,6 +28,7 @@
 #                                       its 8K backward on 32), torch and torch.compile in the run; the GPU test files
 #   bash benchmarks/device_s17.sh h100  (on an H100: the sm_90 table is shared) the backward at 1K-8K with and without the
 #                                       statistics prefetched, and `normkit bench` 1K-32K fwd + bwd with torch in the run
+#   bash benchmarks/device_s17.sh h100-final  (on an H100) the backward at 1K-8K once RMSNorm's prefetch is off there
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -118,6 +119,11 @@ h100)
     echo "bwd rc $?"; grep -E "^(dt|bf16)" "$OUT/bwd.log" | cut -c1-140
     bench 130 --ops ln,rms --dtypes bf16 --widths 1024,2048,4096,8192,16384,32768 --peers torch --no-host \
         --time-budget 115 --out "$OUT/bench"
+    ;;
+h100-final)
+    bench 50 --ops ln,rms --dirs bwd --dtypes bf16 --widths 1024,2048,4096,8192 --peers none --no-host \
+        --time-budget 40 --out "$OUT/bench"
+    gpu_tests 45 tests.log -n 15 tests/test_launch.py tests/test_row_norm.py -k "prefetch or backward or per_gpu"
     ;;
 esac
 tar czf "/tmp/s17-${1:-bwd}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s17-${1:-bwd}.tgz" "$OUT/"

@@ -90,3 +90,19 @@ def test_col_sum_block_gives_every_sm_a_program():
         assert -(-n // block_n) >= sms or block_n == lo  # as many programs as SMs, or the narrowest block
         assert block_p <= max(1, 1 << (rows - 1).bit_length())  # no step wider than the partial rows
 
+
+
+def test_the_statistics_prefetch_is_per_gpu_data():
+    """The backward's next-tile statistics prefetch: on wherever measured faster (an H200, both ops), off for
+    RMSNorm on an H100 (run S17-11), and off everywhere with the A/B switch."""
+    from normkit.backends.triton import configs
+    assert configs.prefetch_stats("NVIDIA H200", "rms") and configs.prefetch_stats("NVIDIA H200", "ln")
+    assert not configs.prefetch_stats("NVIDIA H100 80GB HBM3", "rms")
+    assert configs.prefetch_stats("NVIDIA H100 80GB HBM3", "ln")
+    assert configs.prefetch_stats("", "rms")  # the interpreter
+    saved = configs.PREFETCH_STATS
+    try:
+        configs.PREFETCH_STATS = False
+        assert not configs.prefetch_stats("NVIDIA H200", "ln")
+    finally:
+        configs.PREFETCH_STATS = saved

@@ -94,6 +94,12 @@ def _device_facts(device: torch.device):
     return index, f"sm_{p.major}{p.minor}", p.multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    """The CUDA device's name (configs' per-GPU exceptions), "" on the CPU."""
+    return torch.cuda.get_device_name(index) if index >= 0 else ""
+
+
 _sync_buffers: dict = {}
 
 
@@ -167,7 +173,8 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
     else:
-        constexprs["PREFETCH"], constexprs["PREFETCH_STATS"] = cfg.prefetch, configs.PREFETCH_STATS
+        constexprs["PREFETCH"] = cfg.prefetch
+        constexprs["PREFETCH_STATS"] = configs.prefetch_stats(_device_name(device_index), "rms" if rms else "ln")
     return cfg, constexprs, device_index, sms
 
 
