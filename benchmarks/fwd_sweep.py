@@ -23,7 +23,7 @@ from normkit.backends.triton import configs as tc
 from normkit.bench.timing import CudaTimer, copy_ceiling_gbps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bwd_sweep import WARM_MS, REP_MS, log, write_csv  # noqa: E402
+from bwd_sweep import WARM_MS, REP_MS, _sets, log, write_csv  # noqa: E402
 
 # name -> {padded width: (block_m, split, num_warps, programs_per_sm[, num_stages])}; "table": the committed rows
 VARIANTS = {
@@ -53,14 +53,6 @@ def _compiled(rms):
     def f(x, w, b):
         return F.rms_norm(x, x.shape[-1:], w, 1e-5) if rms else F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
     return torch.compile(f, dynamic=False)
-
-
-def sets(dtype, M, N, rms, total_bytes):
-    """Input sets rotating over more than 4x L2 (each set: x, w, b)."""
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    k = max(2, -(-4 * l2 // total_bytes) + 1)
-    return [((torch.randn(M, N, device="cuda") * 2 + 0.5).to(dtype), (torch.randn(N, device="cuda") * 0.5 + 1).to(dtype),
-             None if rms else (torch.randn(N, device="cuda") * 0.5).to(dtype)) for _ in range(k)]
 
 
 def check(dtype, rms, N, eb, v, knobs=None):
@@ -123,7 +115,7 @@ def main():
         M = 2**26 // N
         for op in ("ln", "rms"):
             rms = op == "rms"
-            ss = sets(dtype, M, N, rms, 2 * M * N * eb)
+            ss = [s[:3] for s in _sets(dtype, M, N, rms)]  # (x, w, b) of input sets rotating over > 4x L2
             impls = [(n, VARIANTS[n]) for n in names if N in VARIANTS[n] or n == "table"] + [("compile", None)]
             for rep in range(args.repeat):
                 for name, v in impls:
