@@ -35,13 +35,15 @@ VARIANTS = {
     "w32p1": {16384: (1, 1, 32, 1), 32768: (1, 1, 32, 1)},
 }
 # after S17-8 (Inductor's kernels there: a looped reduction, one program per row, its first pass loading x with
-# evict_last and its second with evict_first): normkit's looped forward at 16K-32K, chunk x warps. Run S17-9 measured
-# them with those eviction hints in the kernel (since removed: without hints the variants did not compile on triton
-# 3.6, the hints' default argument): LN 0.64-0.71 / 0.54-0.66, RMS 0.68-0.81 / 0.61-0.73 at 16K / 32K, below the
-# table's register tiles and Inductor's 0.86-0.92. name -> configs attributes set (every width above MAX_TILED_N loops)
-KNOBS = {f"loop{c // 1024}k{w}": dict(MAX_TILED_N=8192, LOOPED={**tc.LOOPED, "fwd": (c, w)})
-         for c, w in ((2048, 4), (4096, 8), (8192, 16))}
-VARIANTS.update({name: {16384: None, 32768: None} for name in KNOBS})
+# evict_last and its second with evict_first): normkit's looped forward at 8K-32K, chunk x warps, with the hints
+# ("e": configs.LOOPED_EVICT) or without. Run S17-9 measured the looped kernel of then (a row sum per chunk: a CTA
+# barrier between each chunk's loads and the next's) at LN 0.64-0.71 / 0.54-0.66, RMS 0.68-0.81 / 0.61-0.73 at
+# 16K / 32K; session 18's kernel sums per lane and reduces across the row once, after the loop, as Inductor's does.
+# name -> configs attributes set (every width above MAX_TILED_N loops)
+KNOBS = {f"vl{c // 1024}k{w}{'e' if e else ''}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "fwd": (c, w)},
+                                                      LOOPED_EVICT=e)
+         for c, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)) for e in (False, True)}
+VARIANTS.update({name: {8192: None, 16384: None, 32768: None} for name in KNOBS})
 
 
 def _row(eb, v):
@@ -98,6 +100,21 @@ class applied:
         tb.clear_caches()
 
 
+def inductor_configs() -> list:
+    """The launch configuration Inductor's autotuner kept for each Triton kernel it has run in this process
+    (its output code's kernels: CachingAutotuner objects, one launcher left after autotuning)."""
+    from torch._inductor.codecache import PyCodeCache
+    mods = getattr(PyCodeCache, "modules", None) or list(getattr(PyCodeCache, "cache", {}).values())
+    out = []
+    for mod in mods:
+        for name, obj in vars(mod).items():
+            launchers = getattr(obj, "launchers", None)
+            if launchers and hasattr(launchers[0], "config"):
+                c = launchers[0].config
+                out.append(f"{mod.__name__}.{name}: {c.kwargs} num_warps={c.num_warps} num_stages={c.num_stages}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -143,6 +160,9 @@ def main():
                     rows.append(row)
                     log(f"{op} N={N} {name:<8} rep{rep} {row.get('frac', row.get('error'))} {row.get('err', '')}")
                     write_csv(os.path.join(args.out, "fwd.csv"), rows)
+                    if name == "compile" and rep == 0:
+                        for line in inductor_configs():
+                            log(f"inductor {op} N={N}: {line}")
             del ss
             torch.cuda.empty_cache()
 

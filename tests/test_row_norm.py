@@ -160,6 +160,28 @@ def test_looped_kernels_offset_rows(looped):
     assert_close(y, oracle("layer_norm", x, (4099,)), 1e-5, "looped offset rows")
 
 
+def test_looped_kernels_outlier_first_element(looped):
+    """The looped LayerNorm shifts each row by its first element and keeps a Welford mean per lane:
+    a first element 1e4 away from the rest (every lane's shifted values far from zero) loses nothing."""
+    x = randn(3, 4099, device=DEVICE)
+    x[:, 0] = 1e4
+    y = normkit.layer_norm(x, (4099,), backend="triton")
+    assert_close(y, oracle("layer_norm", x, (4099,)), 1e-5, "looped outlier first element")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_looped_eviction_hints_keep_the_bits(op, looped, monkeypatch):
+    """configs.LOOPED_EVICT (L2 hints on the looped forward's two passes) changes no bit."""
+    x = randn(5, 1000, dtype=torch.bfloat16, device=DEVICE)
+    w, b = randn(1000, device=DEVICE), randn(1000, device=DEVICE) if op == "layer_norm" else None
+    plain = run(op, x, (1000,), w, b)
+    monkeypatch.setattr(configs, "LOOPED_EVICT", True)
+    triton_backend.clear_caches()
+    assert triton_backend._plan("fwd", 1000, 2, x.device, (op == "rms_norm", True, b is not None, None, None))[1][
+        "LOOPED_EVICT"]
+    assert torch.equal(run(op, x, (1000,), w, b), plain)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("op", OPS)
 def test_prefetched_backward(op, dtype):

@@ -172,6 +172,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=cfg.looped)
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
+        constexprs["LOOPED_EVICT"] = cfg.looped and configs.LOOPED_EVICT
     else:
         constexprs["PREFETCH"] = cfg.prefetch
         constexprs["PREFETCH_STATS"] = configs.prefetch_stats(_device_name(device_index), "rms" if rms else "ln")

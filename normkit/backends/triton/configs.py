@@ -83,6 +83,9 @@ FP8_HW_CAST = True
 MAX_TILED_N = 262144
 LOOPED = {"fwd": (8192, 16), "bwd": (4096, 16)}  # (chunk columns, num_warps)
 LOOPED_PROGRAMS_PER_SM = 1
+# the looped forward's L2 hints: its first pass asks L2 to keep the row, its second to drop it (Inductor's looped
+# reductions do; measured in benchmarks/fwd_sweep.py)
+LOOPED_EVICT = False
 # column reduction of the weight-gradient partials (col_sum_kernel): BLOCK_N the widest in
 # COL_SUM_BLOCK_N that still gives every SM a program (a few wide programs walking hundreds of
 # partial rows wait on one L2 round trip per step), BLOCK_P so a step loads COL_SUM_TILE elements

@@ -181,11 +181,18 @@ def _offsets(rows, cols, INNER, s_o, s_i, s_c):
 
 
 @triton.jit
-def _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
+def _load_raw_as(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c, POLICY: tl.constexpr):
     """The [rows, cols] tile of a strided operand in its own dtype (zeros outside the masks): a
-    prefetched 16-bit tile holds half the registers of its fp32 form until it is used."""
+    prefetched 16-bit tile holds half the registers of its fp32 form until it is used. POLICY: the
+    loads' L2 eviction policy ("": the default; "evict_last": read again soon; "evict_first": the
+    last read). No default value on a constexpr here: triton 3.6 rejects one on a helper."""
     mask = row_mask[:, None] & col_mask[None, :]
-    return tl.load(P + _offsets(rows, cols, INNER, s_o, s_i, s_c), mask=mask, other=0.0)
+    return tl.load(P + _offsets(rows, cols, INNER, s_o, s_i, s_c), mask=mask, other=0.0, eviction_policy=POLICY)
+
+
+@triton.jit
+def _load_raw(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
+    return _load_raw_as(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c, "")
 
 
 @triton.jit
@@ -195,17 +202,25 @@ def _load_tile(P, rows, row_mask, cols, col_mask, INNER, s_o, s_i, s_c):
 
 
 @triton.jit
-def _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
-            HAS_RES: tl.constexpr, H_ROUND: tl.constexpr, HAS_GATE: tl.constexpr):
+def _load_h_as(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
+               HAS_RES: tl.constexpr, H_ROUND: tl.constexpr, HAS_GATE: tl.constexpr, POLICY: tl.constexpr):
     """The tile that is normalized, fp32: x, or h = x + residual rounded to h's dtype, or (HAS_GATE:
-    R is the gate) x * silu(gate), unrounded."""
-    x = _load_tile(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c)
+    R is the gate) x * silu(gate), unrounded; its loads with L2 eviction policy POLICY."""
+    x = _load_raw_as(X, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, POLICY).to(tl.float32)
     if HAS_RES:
-        x = round_h(x + _load_tile(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c), H_ROUND)
+        r = _load_raw_as(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c, POLICY).to(tl.float32)
+        x = round_h(x + r, H_ROUND)
     if HAS_GATE:
-        g = _load_tile(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c)
+        g = _load_raw_as(R, rows, row_mask, cols, col_mask, INNER, sr_o, sr_i, sr_c, POLICY).to(tl.float32)
         x = x * (g * tl.sigmoid(g))
     return x
+
+
+@triton.jit
+def _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
+            HAS_RES: tl.constexpr, H_ROUND: tl.constexpr, HAS_GATE: tl.constexpr):
+    return _load_h_as(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
+                      HAS_RES, H_ROUND, HAS_GATE, "")
 
 
 @triton.jit
@@ -295,7 +310,7 @@ def row_norm_fwd_kernel(
     ACT: tl.constexpr, HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
     SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, LOOPED_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if SCALE_PTR:  # a device-side scale (delayed scaling): read, never synchronized to the host
@@ -306,7 +321,7 @@ def row_norm_fwd_kernel(
         amax = _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, rows < M, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c,
                            eps, W_ROWS, w_offset, scale, mod_rps, sms_r, smt_r, MEAN, RSTD, IS_RMS, HAS_W, HAS_B,
                            PER_ROW_W, ACT, HAS_RES, STORE_H, H_ROUND, FP8, WANT_AMAX, HAS_MS, HAS_MT, HAS_GATE,
-                           BLOCK_M, BLOCK_N)
+                           BLOCK_M, BLOCK_N, LOOPED_EVICT)
     elif not PERSISTENT:  # one row block per program
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -349,38 +364,57 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
                 HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, ACT: tl.constexpr,
                 HAS_RES: tl.constexpr, STORE_H: tl.constexpr, H_ROUND: tl.constexpr, FP8: tl.constexpr,
                 WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """One program walks its rows in BLOCK_N chunks: statistics, then normalize. Returns amax."""
+                BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    """One program walks its rows in BLOCK_N chunks: statistics, then normalize. Returns amax.
+    The first pass accumulates per lane ([BLOCK_M, BLOCK_N] registers: a sum of squares, or each
+    lane's Welford mean and m2 of the shifted values) and reduces across the row once, after the
+    loop: a reduction per chunk would put a CTA barrier between a chunk's loads and the next's.
+    EVICT: the first pass asks L2 to keep the row (evict_last), the second to drop it (evict_first),
+    as Inductor's looped reductions do."""
     num_chunks = tl.cdiv(N, BLOCK_N)
     amax = tl.full([], 0, tl.int32)
     if IS_RMS:
-        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         shift = _load_h_first(X, R, rows, row_mask, INNER, sx_o, sx_i, sr_o, sr_i, HAS_RES, H_ROUND, HAS_GATE)
-        mean_s = tl.zeros([BLOCK_M], dtype=tl.float32)
-        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        mean_v = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        m2_v = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for chunk in range(0, num_chunks):
         cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
-        x = _load_h(X, R, rows, row_mask, cols, cols < N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE)
-        if IS_RMS:
-            sum_sq += tl.sum(x * x, axis=1)
+        if EVICT:
+            x = _load_h_as(X, R, rows, row_mask, cols, cols < N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES,
+                           H_ROUND, HAS_GATE, "evict_last")
         else:
-            n_chunk = tl.minimum(N - chunk * BLOCK_N, BLOCK_N) * 1.0
-            xs = tl.where(mask, x - shift[:, None], 0.0)
-            c_mean = tl.sum(xs, axis=1) / n_chunk
-            d = tl.where(mask, xs - c_mean[:, None], 0.0)
-            mean_s, m2, _ = _chan_merge(mean_s, m2, chunk * BLOCK_N * 1.0, c_mean, tl.sum(d * d, axis=1), n_chunk)
+            x = _load_h(X, R, rows, row_mask, cols, cols < N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES,
+                        H_ROUND, HAS_GATE)
+        if IS_RMS:
+            acc += x * x  # zeros outside the masks
+        else:  # lane j's (chunk + 1)-th value (only the last chunk has lanes past N)
+            xs = x - shift[:, None]
+            d = xs - mean_v
+            mean_n = mean_v + d * (1.0 / (chunk + 1))
+            m2_v = tl.where(mask, m2_v + d * (xs - mean_n), m2_v)
+            mean_v = tl.where(mask, mean_n, mean_v)
     if IS_RMS:
-        rstd = tl.rsqrt(sum_sq / N + eps)
-    else:
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
+    else:  # lanes before the last chunk's end saw num_chunks values, the rest one fewer
+        lane = tl.arange(0, BLOCK_N)
+        seen = tl.where(lane < N - (num_chunks - 1) * BLOCK_N, num_chunks, num_chunks - 1).to(tl.float32)
+        seen = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + seen[None, :]
+        mean_s, m2, _ = tl.reduce((mean_v, m2_v, seen), 1, _chan_merge)
         rstd = tl.rsqrt(m2 / N + eps)
     # normalize, last chunk first: it is the one most likely still in L2
     for i in range(0, num_chunks):
         cols = (num_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE)
+        if EVICT:
+            x = _load_h_as(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES,
+                           H_ROUND, HAS_GATE, "evict_first")
+        else:
+            x = _load_h(X, R, rows, row_mask, cols, col_mask, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES,
+                        H_ROUND, HAS_GATE)
         if IS_RMS:
             xhat = x * rstd[:, None]
         else:
