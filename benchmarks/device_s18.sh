@@ -11,16 +11,37 @@ case "${1:-loop}" in
 loop)
     timeout 330 python3 benchmarks/fwd_sweep.py --out "$OUT/loop" --widths 8192,16384,32768 > "$OUT/loop.log" 2>&1
     echo "loop rc $?"; grep -E "copy|FAIL|Error" "$OUT/loop.log" | cut -c1-140
-    python3 - "$OUT/loop/fwd.csv" <<'PY'
-import csv, sys, collections
-t = collections.defaultdict(list)
-for r in csv.DictReader(open(sys.argv[1])):
-    t[(r["op"], r["N"], r["variant"])].append(r.get("frac") or "err")
-for (op, n, v), f in t.items():
-    print(op, n, v, " ".join(f))
-PY
+    python3 benchmarks/csv_table.py "$OUT/loop/fwd.csv"
     grep -E "inductor" "$OUT/loop.log" | cut -c1-220 | head -20
     gpu_tests 200 tests-rows.log -n 15 tests/test_row_norm.py tests/test_gate.py tests/test_modulation.py \
         tests/test_fusion.py
+    ;;
+ncu)
+    timeout 150 python3 benchmarks/fwd_sweep.py --out "$OUT/loop2" --widths 8192,16384,32768 \
+        --variants table,w16,vl2k16,vl2k16e > "$OUT/loop2.log" 2>&1
+    echo "loop2 rc $?"; grep -E "copy|FAIL|Error" "$OUT/loop2.log" | cut -c1-140
+    python3 benchmarks/csv_table.py "$OUT/loop2/fwd.csv"
+    M="gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,l1tex__t_sector_hit_rate.pct,launch__registers_per_thread,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size"
+    for spec in "8192 rms table,vl8k16,vl8k16e,vl2k8e,compile" "16384 ln table,vl4k8e,compile" "32768 rms table,vl4k16e,compile"; do
+        set -- $spec
+        timeout 150 ncu --kernel-name regex:'row_norm_fwd|triton_red' --launch-skip 0 --metrics "$M" --csv \
+            python3 benchmarks/loop_ncu.py "$1" "$2" "$3" > "$OUT/ncu-$1-$2.csv" 2> "$OUT/ncu-$1-$2.err"
+        echo "ncu $1 $2 rc $?"
+        python3 - "$OUT/ncu-$1-$2.csv" <<'PY'
+import csv, sys, io, collections
+text = open(sys.argv[1]).read()
+tag, rows = None, collections.OrderedDict()
+lines = text.splitlines()
+start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+tags = [l.split("loop_ncu: ")[1] for l in lines if "loop_ncu: " in l]
+if start is None:
+    print(text[-2000:]); sys.exit()
+for r in csv.DictReader(io.StringIO("\n".join(l for l in lines[start:] if l.startswith('"')))):
+    rows.setdefault(r["ID"], {"name": r["Kernel Name"][:24]})[r["Metric Name"]] = r["Metric Value"]
+print("tags in order:", tags)
+for i, (k, v) in enumerate(rows.items()):
+    print(k, " ".join(f"{m.split('__')[1][:22]}={val}" for m, val in v.items() if m != "name"), v["name"])
+PY
+    done
     ;;
 esac

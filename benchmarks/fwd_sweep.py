@@ -31,6 +31,7 @@ VARIANTS = {
     "triton": {32768: (1, 1, 16, 0)},  # LayerNorm's 32K runs on the clusters in the table: Triton's row for it
     "w32": {16384: (1, 1, 32, 0), 32768: (1, 1, 32, 0)},
     "w8": {16384: (1, 1, 8, 0)},
+    "w16": {8192: (1, 1, 16, 0)},
     "p1": {16384: (1, 1, 16, 1), 32768: (1, 1, 16, 1)},
     "w32p1": {16384: (1, 1, 32, 1), 32768: (1, 1, 32, 1)},
 }
@@ -42,7 +43,8 @@ VARIANTS = {
 # name -> configs attributes set (every width above MAX_TILED_N loops)
 KNOBS = {f"vl{c // 1024}k{w}{'e' if e else ''}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "fwd": (c, w)},
                                                       LOOPED_EVICT=e)
-         for c, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)) for e in (False, True)}
+         for c, w in ((1024, 4), (2048, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 16))
+         for e in (False, True)}
 VARIANTS.update({name: {8192: None, 16384: None, 32768: None} for name in KNOBS})
 
 
