@@ -4,6 +4,11 @@
 #                                       Inductor's looped reductions do) at 8K-32K, chunk x warps, with and without L2
 #                                       hints (fwd_sweep.py vl*), against the table and torch.compile (whose kept launch
 #                                       configs the sweep logs); the row-norm GPU tests (the looped kernels included)
+#   bash benchmarks/device_s18.sh ncu   Nsight Compute of the 8K-32K forward: the table's tile, looped variants and
+#                                       torch.compile's kernel (bytes read from DRAM, occupancy: loop_ncu.py); fwd_sweep
+#                                       of the tile on 16 warps at 8K and the looped kernel on (2048, 16)
+#   bash benchmarks/device_s18.sh loop3 the looped forward with the next chunk loaded ahead in both passes, chunk x warps
+#                                       (up to 32 warps, as Inductor's 32K kernel), against the table and torch.compile
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -43,5 +48,14 @@ for i, (k, v) in enumerate(rows.items()):
     print(k, " ".join(f"{m.split('__')[1][:22]}={val}" for m, val in v.items() if m != "name"), v["name"])
 PY
     done
+    ;;
+loop3)
+    timeout 330 python3 benchmarks/fwd_sweep.py --out "$OUT/loop3" --widths 8192,16384,32768 \
+        --variants table,vl2k8,vl2k16,vl4k16,vl8k16,vl2k32,vl4k32,vl8k32,vl2k16e,vl4k16e,vl4k32e,vl8k32e \
+        > "$OUT/loop3.log" 2>&1
+    echo "loop3 rc $?"; grep -E "copy|FAIL|Error" "$OUT/loop3.log" | cut -c1-140
+    python3 benchmarks/csv_table.py "$OUT/loop3/fwd.csv"
+    gpu_tests 200 tests-rows.log -n 15 tests/test_row_norm.py tests/test_gate.py tests/test_modulation.py \
+        tests/test_fusion.py
     ;;
 esac

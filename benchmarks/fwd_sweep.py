@@ -39,11 +39,14 @@ VARIANTS = {
 # evict_last and its second with evict_first): normkit's looped forward at 8K-32K, chunk x warps, with the hints
 # ("e": configs.LOOPED_EVICT) or without. Run S17-9 measured the looped kernel of then (a row sum per chunk: a CTA
 # barrier between each chunk's loads and the next's) at LN 0.64-0.71 / 0.54-0.66, RMS 0.68-0.81 / 0.61-0.73 at
-# 16K / 32K; session 18's kernel sums per lane and reduces across the row once, after the loop, as Inductor's does.
+# 16K / 32K; session 18's kernel sums per lane and reduces across the row once, after the loop, as Inductor's does
+# (run S18-1), then (S18-3) loads the next chunk before working on the current one (S18-2's SASS: the chunk's own
+# loads had waited on each other).
 # name -> configs attributes set (every width above MAX_TILED_N loops)
 KNOBS = {f"vl{c // 1024}k{w}{'e' if e else ''}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "fwd": (c, w)},
                                                       LOOPED_EVICT=e)
-         for c, w in ((1024, 4), (2048, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 16))
+         for c, w in ((1024, 4), (2048, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 16), (2048, 32),
+                     (4096, 32), (8192, 32))
          for e in (False, True)}
 VARIANTS.update({name: {8192: None, 16384: None, 32768: None} for name in KNOBS})
 

@@ -52,7 +52,8 @@ def variants():
         cx = dict(IS_RMS=rms, HAS_W=True, HAS_B=not rms, PER_ROW_W=per_row, ACT=act, HAS_RES=res,
                   STORE_H=res, H_ROUND=1 if res else 0, FP8=fp8, SCALE_PTR=fp8 == 2, WANT_AMAX=amax,
                   BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024, SPLIT=4 if path == "split" else 1,
-                  LOOPED=path == "looped", PERSISTENT=path == "split", HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2),
+                  LOOPED=path == "looped", PERSISTENT=path == "split",
+                  LOOP_POLICY_1="evict_last" if path == "looped" else "", LOOP_POLICY_2="evict_first" if path == "looped" else "", HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2),
                   HAS_GATE=gate)
         types = dict(FWD_ARGS, Y="*u8" if fp8 else "*bf16")
         absent = [n for n, on in (("R", res or gate), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2), ("MS", mod & 1),

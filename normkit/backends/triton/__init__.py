@@ -172,7 +172,8 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=cfg.looped)
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
-        constexprs["LOOPED_EVICT"] = cfg.looped and configs.LOOPED_EVICT
+        evict = cfg.looped and configs.LOOPED_EVICT
+        constexprs["LOOP_POLICY_1"], constexprs["LOOP_POLICY_2"] = ("evict_last", "evict_first") if evict else ("", "")
     else:
         constexprs["PREFETCH"] = cfg.prefetch
         constexprs["PREFETCH_STATS"] = configs.prefetch_stats(_device_name(device_index), "rms" if rms else "ln")
