@@ -9,6 +9,8 @@
 #                                       of the tile on 16 warps at 8K and the looped kernel on (2048, 16)
 #   bash benchmarks/device_s18.sh loop3 the looped forward with the next chunk loaded ahead in both passes, chunk x warps
 #                                       (up to 32 warps, as Inductor's 32K kernel), against the table and torch.compile
+#   bash benchmarks/device_s18.sh probe Inductor's looped RMSNorm written out by hand (ind_probe.py), with and without
+#                                       normkit's 64-bit row offsets and runtime width, 8K-32K
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -57,5 +59,9 @@ loop3)
     python3 benchmarks/csv_table.py "$OUT/loop3/fwd.csv"
     gpu_tests 200 tests-rows.log -n 15 tests/test_row_norm.py tests/test_gate.py tests/test_modulation.py \
         tests/test_fusion.py
+    ;;
+probe)
+    timeout 200 python3 benchmarks/ind_probe.py --out "$OUT/probe" > "$OUT/probe.log" 2>&1
+    echo "probe rc $?"; grep -E "copy|N=|Error" "$OUT/probe.log" | cut -c1-120
     ;;
 esac

@@ -190,8 +190,9 @@ def main(argv=None):
     if os.path.exists(args.out):  # keep what was measured, and the routes to the CUDA cluster kernels
         old = json.load(open(args.out))
         doc["configs"] = old["configs"]
-        if "cuda" in old:
-            doc["cuda"] = old["cuda"]
+        for section in ("cuda", "looped"):  # routes and looped widths, measured by the sweeps, kept
+            if section in old:
+                doc[section] = old[section]
     logf = open(args.out + ".log", "a")
 
     def log(msg):

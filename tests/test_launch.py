@@ -106,3 +106,32 @@ def test_the_statistics_prefetch_is_per_gpu_data():
         assert not configs.prefetch_stats("NVIDIA H200", "ln")
     finally:
         configs.PREFETCH_STATS = saved
+
+
+def test_a_tables_looped_rows_walk_the_width_in_chunks(monkeypatch, tmp_path):
+    """A measured table's "looped" section sends a width (per op where given) to the looped kernels with its
+    chunk, warps and L2 hints; OVERRIDES (the sweeps' candidates) still win over it."""
+    import json
+
+    from normkit.backends.triton import configs
+
+    raw = {"configs": {"fwd": {"2": {"8192": [1, 1, 8, 0]}}},
+           "looped": {"fwd": {"2": {"16384": [2048, 16, True], "32768": {"rms": [4096, 32, False]}}}}}
+    (tmp_path / "sm_99.json").write_text(json.dumps(raw))
+    monkeypatch.setattr(configs, "_TUNED_DIR", str(tmp_path))
+    configs.tuned_table.cache_clear()
+    configs.row_config.cache_clear()
+    try:
+        a = configs.row_config("fwd", 16384, 2, "sm_99", False, "ln")
+        b = configs.row_config("fwd", 32768, 2, "sm_99", False, "rms")
+        c = configs.row_config("fwd", 32768, 2, "sm_99", False, "ln")
+        assert (a.looped, a.block_n, a.num_warps, a.evict) == (True, 2048, 16, True)
+        assert (b.looped, b.block_n, b.num_warps, b.evict) == (True, 4096, 32, False)
+        assert not c.looped  # RMSNorm's row only: LayerNorm keeps the default tile
+        configs.OVERRIDES[("fwd", 2, 16384)] = (1, 1, 8, 0)
+        configs.row_config.cache_clear()
+        assert not configs.row_config("fwd", 16384, 2, "sm_99", False, "ln").looped
+    finally:
+        configs.OVERRIDES.pop(("fwd", 2, 16384), None)
+        configs.tuned_table.cache_clear()
+        configs.row_config.cache_clear()

@@ -151,7 +151,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     if (per_row or sample_walk) and cfg.split > 1:  # per-head weight rows: no split rows (their programs must not wait on heads)
         chunk, num_warps = configs.LOOPED[direction]
         cfg = configs.RowConfig(1, min(chunk, cfg.block_n * cfg.split), 1, num_warps, configs.LOOPED_PROGRAMS_PER_SM,
-                                looped=True)
+                                looped=True, evict=configs.LOOPED_EVICT)
     constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b, PER_ROW_W=per_row)
     if direction == "bwd":
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
@@ -172,7 +172,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=cfg.looped)
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
-        evict = cfg.looped and configs.LOOPED_EVICT
+        evict = cfg.looped and cfg.evict
         constexprs["LOOP_POLICY_1"], constexprs["LOOP_POLICY_2"] = ("evict_last", "evict_first") if evict else ("", "")
     else:
         constexprs["PREFETCH"] = cfg.prefetch

@@ -13,7 +13,8 @@ A configuration is looked up by (direction, element size in bytes, padded row wi
                    room for programs_per_sm programs of num_warps on an SM (reg_cap_for), where
                    ptxas would otherwise take a few more registers and halve the programs per SM
 The tile is block_m x (padded_n / split). Rows wider than MAX_TILED_N are walked in chunks by the
-looped kernels. The tables below are the defaults; measured tables for a GPU architecture, written
+looped kernels, and so are the widths a measured table's "looped" section lists (its rows: chunk
+columns, num_warps, and whether the forward's two passes take L2 eviction hints). The tables below are the defaults; measured tables for a GPU architecture, written
 by benchmarks/tune.py, live in tuned/<arch>.json next to this file and take precedence over the
 defaults (a width's row there may be {"ln": row, "rms": row} where the ops were measured apart);
 OVERRIDES (used by the tuner to try candidates) take precedence over both.
@@ -40,6 +41,7 @@ class RowConfig:
     cuda: bool = False  # rows go to the CUDA backend's Hopper cluster kernels when the call allows
     prefetch: bool = False  # backward: the next tile's loads in flight while this one is worked on
     reg_cap: int = 0  # ptxas maxnreg (0: its own choice)
+    evict: bool = False  # looped forward: L2 keeps the row for the second pass, which then drops it
 
     @property
     def options(self):
@@ -83,8 +85,8 @@ FP8_HW_CAST = True
 MAX_TILED_N = 262144
 LOOPED = {"fwd": (8192, 16), "bwd": (4096, 16)}  # (chunk columns, num_warps)
 LOOPED_PROGRAMS_PER_SM = 1
-# the looped forward's L2 hints: its first pass asks L2 to keep the row, its second to drop it (Inductor's looped
-# reductions do; measured in benchmarks/fwd_sweep.py)
+# the looped forward's L2 hints where no table row says (above MAX_TILED_N): its first pass asks L2 to keep the
+# row, its second to drop it (Inductor's looped reductions do; measured in benchmarks/fwd_sweep.py)
 LOOPED_EVICT = False
 # column reduction of the weight-gradient partials (col_sum_kernel): BLOCK_N the widest in
 # COL_SUM_BLOCK_N that still gives every SM a program (a few wide programs walking hundreds of
@@ -121,6 +123,11 @@ def tuned_table(arch: str) -> dict:
                     table.update({(d, int(b), int(n), op): tuple(r) for op, r in v.items()})
                 else:
                     table[(d, int(b), int(n))] = tuple(v)
+    for d, by_bytes in raw.get("looped", {}).items():  # widths walked in chunks: (chunk, num_warps, evict)
+        for b, by_n in by_bytes.items():
+            for n, v in by_n.items():
+                rows = v.items() if isinstance(v, dict) else [(None, v)]
+                table.update({("looped", d, int(b), int(n)) + ((op,) if op else ()): tuple(r) for op, r in rows})
     for d, by_bytes in raw.get("cuda", {}).items():
         for b, by_op in by_bytes.items():
             for op, widths in by_op.items():
@@ -145,6 +152,13 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
     key = max(padded, 32)  # the narrowest tabulated width; narrower rows pack more rows per tile
     row = None
     cuda = not interpreted and _cuda_route(direction, elem_bytes, key, arch, op)
+    if padded <= MAX_TILED_N and arch and (direction, elem_bytes, key) not in OVERRIDES:
+        tuned = tuned_table(arch)
+        loop = tuned.get(("looped", direction, elem_bytes, key, op)) or tuned.get(("looped", direction, elem_bytes, key))
+        if loop:
+            chunk, num_warps, evict = loop
+            return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
+                             evict=bool(evict))
     if padded <= MAX_TILED_N:
         row = OVERRIDES.get((direction, elem_bytes, key))
         if arch and not row:
@@ -162,7 +176,8 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
             return RowConfig(block_m, padded // split, split, num_warps, programs_per_sm, False, num_stages,
                              cuda=cuda, prefetch=bool(prefetch), reg_cap=reg_cap)
     chunk, num_warps = LOOPED[direction]
-    return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda)
+    return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
+                     evict=LOOPED_EVICT)
 
 
 REGS_PER_SM = 65536  # every NVIDIA GPU from sm_70 to sm_120
