@@ -11,6 +11,8 @@
 #                                       (up to 32 warps, as Inductor's 32K kernel), against the table and torch.compile
 #   bash benchmarks/device_s18.sh probe Inductor's looped RMSNorm written out by hand (ind_probe.py), with and without
 #                                       normkit's 64-bit row offsets and runtime width, 8K-32K
+#   bash benchmarks/device_s18.sh static the looped forward compiled for the exact width (as the table's looped rows run),
+#                                       with L2 hints, chunk x warps at 8K-32K, against the table and torch.compile
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -63,5 +65,12 @@ loop3)
 probe)
     timeout 200 python3 benchmarks/ind_probe.py --out "$OUT/probe" > "$OUT/probe.log" 2>&1
     echo "probe rc $?"; grep -E "copy|N=|Error" "$OUT/probe.log" | cut -c1-120
+    ;;
+static)
+    timeout 260 python3 benchmarks/fwd_sweep.py --out "$OUT/static" --widths 8192,16384,32768 \
+        --variants table,s2k16,s4k16,s8k16,s4k32,s8k32 > "$OUT/static.log" 2>&1
+    echo "static rc $?"; grep -E "copy|FAIL|Error" "$OUT/static.log" | cut -c1-140
+    python3 benchmarks/csv_table.py "$OUT/static/fwd.csv"
+    gpu_tests 150 tests-rows.log -n 15 tests/test_row_norm.py tests/test_gate.py tests/test_modulation.py
     ;;
 esac

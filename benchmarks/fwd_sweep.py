@@ -48,6 +48,10 @@ KNOBS = {f"vl{c // 1024}k{w}{'e' if e else ''}": dict(MAX_TILED_N=4096, LOOPED={
          for c, w in ((1024, 4), (2048, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 16), (2048, 32),
                      (4096, 32), (8192, 32))
          for e in (False, True)}
+# S18-5: the looped kernel compiled for the exact width (LOOPED_STATIC_N), with the hints, as the table's looped rows run
+KNOBS.update({f"s{c // 1024}k{w}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "fwd": (c, w)}, LOOPED_EVICT=True,
+                                        LOOPED_STATIC_N=True)
+              for c, w in ((2048, 16), (4096, 16), (8192, 16), (4096, 32), (8192, 32))})
 VARIANTS.update({name: {8192: None, 16384: None, 32768: None} for name in KNOBS})
 
 

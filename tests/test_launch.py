@@ -125,7 +125,7 @@ def test_a_tables_looped_rows_walk_the_width_in_chunks(monkeypatch, tmp_path):
         a = configs.row_config("fwd", 16384, 2, "sm_99", False, "ln")
         b = configs.row_config("fwd", 32768, 2, "sm_99", False, "rms")
         c = configs.row_config("fwd", 32768, 2, "sm_99", False, "ln")
-        assert (a.looped, a.block_n, a.num_warps, a.evict) == (True, 2048, 16, True)
+        assert (a.looped, a.block_n, a.num_warps, a.evict, a.static_n) == (True, 2048, 16, True, True)
         assert (b.looped, b.block_n, b.num_warps, b.evict) == (True, 4096, 32, False)
         assert not c.looped  # RMSNorm's row only: LayerNorm keeps the default tile
         configs.OVERRIDES[("fwd", 2, 16384)] = (1, 1, 8, 0)

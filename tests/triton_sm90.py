@@ -53,7 +53,8 @@ def variants():
                   STORE_H=res, H_ROUND=1 if res else 0, FP8=fp8, SCALE_PTR=fp8 == 2, WANT_AMAX=amax,
                   BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024, SPLIT=4 if path == "split" else 1,
                   LOOPED=path == "looped", PERSISTENT=path == "split",
-                  LOOP_POLICY_1="evict_last" if path == "looped" else "", LOOP_POLICY_2="evict_first" if path == "looped" else "", HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2),
+                  LOOP_POLICY_1="evict_last" if path == "looped" else "", LOOP_POLICY_2="evict_first" if path == "looped" else "",
+                  N_STATIC=4099 if path == "looped" and rms else 0, HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2),
                   HAS_GATE=gate)
         types = dict(FWD_ARGS, Y="*u8" if fp8 else "*bf16")
         absent = [n for n, on in (("R", res or gate), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2), ("MS", mod & 1),

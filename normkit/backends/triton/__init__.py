@@ -174,6 +174,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
         evict = cfg.looped and cfg.evict
         constexprs["LOOP_POLICY_1"], constexprs["LOOP_POLICY_2"] = ("evict_last", "evict_first") if evict else ("", "")
+        constexprs["N_STATIC"] = n if cfg.looped and cfg.static_n else 0
     else:
         constexprs["PREFETCH"] = cfg.prefetch
         constexprs["PREFETCH_STATS"] = configs.prefetch_stats(_device_name(device_index), "rms" if rms else "ln")

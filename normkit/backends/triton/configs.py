@@ -14,7 +14,8 @@ A configuration is looked up by (direction, element size in bytes, padded row wi
                    ptxas would otherwise take a few more registers and halve the programs per SM
 The tile is block_m x (padded_n / split). Rows wider than MAX_TILED_N are walked in chunks by the
 looped kernels, and so are the widths a measured table's "looped" section lists (its rows: chunk
-columns, num_warps, and whether the forward's two passes take L2 eviction hints). The tables below are the defaults; measured tables for a GPU architecture, written
+columns, num_warps, and whether the forward's two passes take L2 eviction hints; the forward is then
+compiled for the exact width). The tables below are the defaults; measured tables for a GPU architecture, written
 by benchmarks/tune.py, live in tuned/<arch>.json next to this file and take precedence over the
 defaults (a width's row there may be {"ln": row, "rms": row} where the ops were measured apart);
 OVERRIDES (used by the tuner to try candidates) take precedence over both.
@@ -42,6 +43,7 @@ class RowConfig:
     prefetch: bool = False  # backward: the next tile's loads in flight while this one is worked on
     reg_cap: int = 0  # ptxas maxnreg (0: its own choice)
     evict: bool = False  # looped forward: L2 keeps the row for the second pass, which then drops it
+    static_n: bool = False  # looped forward: compiled for the exact width (a kernel per width)
 
     @property
     def options(self):
@@ -88,6 +90,9 @@ LOOPED_PROGRAMS_PER_SM = 1
 # the looped forward's L2 hints where no table row says (above MAX_TILED_N): its first pass asks L2 to keep the
 # row, its second to drop it (Inductor's looped reductions do; measured in benchmarks/fwd_sweep.py)
 LOOPED_EVICT = False
+# ... and whether they compile the forward for the exact width (the table's looped rows always do: run S18-4 measured
+# Inductor's looped kernel 0.03-0.13 of copy slower with the width at run time); rows past MAX_TILED_N keep one kernel
+LOOPED_STATIC_N = False
 # column reduction of the weight-gradient partials (col_sum_kernel): BLOCK_N the widest in
 # COL_SUM_BLOCK_N that still gives every SM a program (a few wide programs walking hundreds of
 # partial rows wait on one L2 round trip per step), BLOCK_P so a step loads COL_SUM_TILE elements
@@ -158,7 +163,7 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
         if loop:
             chunk, num_warps, evict = loop
             return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
-                             evict=bool(evict))
+                             evict=bool(evict), static_n=True)
     if padded <= MAX_TILED_N:
         row = OVERRIDES.get((direction, elem_bytes, key))
         if arch and not row:
@@ -177,7 +182,7 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
                              cuda=cuda, prefetch=bool(prefetch), reg_cap=reg_cap)
     chunk, num_warps = LOOPED[direction]
     return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
-                     evict=LOOPED_EVICT)
+                     evict=LOOPED_EVICT, static_n=LOOPED_STATIC_N)
 
 
 REGS_PER_SM = 65536  # every NVIDIA GPU from sm_70 to sm_120
