@@ -13,6 +13,8 @@
 #                                       normkit's 64-bit row offsets and runtime width, 8K-32K
 #   bash benchmarks/device_s18.sh static the looped forward compiled for the exact width (as the table's looped rows run),
 #                                       with L2 hints, chunk x warps at 8K-32K, against the table and torch.compile
+#   bash benchmarks/device_s18.sh final `normkit bench` fwd 8K-32K (bf16, fp16) with torch and torch.compile on the final
+#                                       table; the GPU test files but the CUDA backend's, plus the row and fusion files
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -72,5 +74,12 @@ static)
     echo "static rc $?"; grep -E "copy|FAIL|Error" "$OUT/static.log" | cut -c1-140
     python3 benchmarks/csv_table.py "$OUT/static/fwd.csv"
     gpu_tests 150 tests-rows.log -n 15 tests/test_row_norm.py tests/test_gate.py tests/test_modulation.py
+    ;;
+final)
+    bench 120 --ops ln,rms --dirs fwd --dtypes bf16,fp16 --widths 8192,16384,32768 --peers torch,compile --no-host \
+        --time-budget 100 --out "$OUT/bench-fwd"
+    # shellcheck disable=SC2086
+    gpu_tests 300 tests-b.log -n 15 $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend) \
+        tests/test_row_norm.py tests/test_fusion.py
     ;;
 esac

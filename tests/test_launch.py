@@ -135,3 +135,19 @@ def test_a_tables_looped_rows_walk_the_width_in_chunks(monkeypatch, tmp_path):
         configs.OVERRIDES.pop(("fwd", 2, 16384), None)
         configs.tuned_table.cache_clear()
         configs.row_config.cache_clear()
+
+
+def test_the_sm90_table_loops_rmsnorms_8k_and_32k_forward():
+    """Run S18-5 (H200): RMSNorm's 16-bit forward at 8K and 32K on the looped kernel compiled for its width, with
+    L2 hints (0.94 / 0.92 of copy against the tiles' 0.91 / 0.85); LayerNorm there and RMSNorm at 16K keep their
+    tiles (the looped LayerNorm lost at every width measured)."""
+    from normkit.backends.triton import configs
+
+    configs.row_config.cache_clear()
+    for n, chunk, warps in ((8192, 4096, 16), (5000, 4096, 16), (32768, 8192, 32)):
+        cfg = configs.row_config("fwd", n, 2, "sm_90", False, "rms")
+        assert (cfg.looped, cfg.block_n, cfg.num_warps, cfg.evict, cfg.static_n, cfg.cuda) == (
+            True, chunk, warps, True, True, False)
+    for n, op in ((8192, "ln"), (16384, "rms"), (16384, "ln"), (8192, "rms")):
+        cfg = configs.row_config("fwd", n, 4 if (n, op) == (8192, "rms") else 2, "sm_90", False, op)
+        assert not cfg.looped, (n, op)
