@@ -10,6 +10,12 @@ LATEST_PY := $(LATEST_VENV)/bin/python
 # pinned so pip never pulls the multi-GB CUDA build on a CPU machine; override on a GPU box
 TORCH_SPEC ?= torch==2.13.0
 TESTED := constraints/tested.txt
+# the Triton release on the GPU machine the benchmarks run on: tests/test_fusion.py compiles every kernel variant for
+# sm_90 with it too (code that triton 3.9 accepts has failed on 3.6), from a copy unpacked beside the venv's packages
+DEVICE_TRITON ?= 3.6.0
+device_triton = $(1)/bin/python -m pip download -q --no-deps "triton==$(DEVICE_TRITON)" -d $(1)/device-triton && \
+	$(1)/bin/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(1)/device-triton/triton-*.whl')[0]).extractall('$(1)/device-triton/site')" && \
+	chmod +x $(1)/device-triton/site/triton/backends/nvidia/bin/* && rm $(1)/device-triton/triton-*.whl
 PYTEST_ARGS ?=
 
 .PHONY: test test-latest bench setup lock clean
@@ -21,6 +27,7 @@ $(VENV)/.ready: pyproject.toml $(TESTED)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -c $(TESTED) -e ".[test,bench]"
+	$(call device_triton,$(VENV))
 	touch $@
 
 test: setup
@@ -32,6 +39,7 @@ test-latest:
 	$(LATEST_PY) -m pip install -q --upgrade pip
 	$(LATEST_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(LATEST_PY) -m pip install -q --upgrade --upgrade-strategy eager -c constraints/latest.txt -e ".[test,bench]"
+	$(call device_triton,$(LATEST_VENV))
 	@newer=$$($(LATEST_PY) -m pip freeze 2>/dev/null | grep -v -e '^-e ' -e '^#' -e '^normkit' -e '^torch==' \
 		| grep -v -x -F -f $(TESTED)); echo "make test-latest: versions that differ from $(TESTED):"; \
 		echo "$${newer:-(none: the newest releases are the tested set)}" | sed 's/^/    /'

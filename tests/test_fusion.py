@@ -444,14 +444,37 @@ def test_kernel_level_api_with_residual(backend):
 
 # ----------------------------------------------------------------------------- compiled for the GPU
 
-def test_kernels_compile_for_sm90_with_every_fused_flag():
-    """The interpreter accepts code the compiler may not: every fused flag and path of the row-norm
-    kernels is compiled for sm_90 here, without a GPU (tests/triton_sm90.py, Triton's own ptxas)."""
+def _compile_for_sm90(pythonpath=None):
     import os
     import subprocess
     import sys
     from pathlib import Path
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath)] + [p for p in [env.get("PYTHONPATH")] if p])
     script = Path(__file__).with_name("triton_sm90.py")
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_kernels_compile_for_sm90_with_every_fused_flag():
+    """The interpreter accepts code the compiler may not: every fused flag and path of the row-norm
+    kernels is compiled for sm_90 here, without a GPU (tests/triton_sm90.py, Triton's own ptxas)."""
+    _compile_for_sm90()
+
+
+def test_kernels_compile_for_sm90_under_the_devices_triton():
+    """The same under the Triton release of the GPU machine (the Makefile's DEVICE_TRITON, unpacked beside the
+    venv's packages): a default value on a helper's constexpr argument compiled on triton 3.9 and failed every
+    Triton forward on the device's 3.6 (session 17)."""
+    import os
+    import sys
+    from pathlib import Path
+    site = Path(sys.prefix) / "device-triton" / "site"
+    if not site.is_dir():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{site} is missing: `make test` unpacks the device's Triton there")
+        pytest.skip(f"{site} is missing (make test unpacks the device's Triton there)")
+    version = next(site.glob("triton-*.dist-info")).name.removesuffix(".dist-info").split("-")[1]
+    assert f"(triton {version}, sm_90)" in _compile_for_sm90(site)
