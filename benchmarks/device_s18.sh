@@ -15,6 +15,8 @@
 #                                       with L2 hints, chunk x warps at 8K-32K, against the table and torch.compile
 #   bash benchmarks/device_s18.sh final `normkit bench` fwd 8K-32K (bf16, fp16) with torch and torch.compile on the final
 #                                       table; the GPU test files but the CUDA backend's, plus the row and fusion files
+#   bash benchmarks/device_s18.sh h100  (on an H100: the sm_90 table serves it too) RMSNorm's 8K / 32K forward, the
+#                                       table's looped rows against the tiles they replaced
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -81,5 +83,11 @@ final)
     # shellcheck disable=SC2086
     gpu_tests 300 tests-b.log -n 15 $(echo $GPU_TEST_FILES | tr ' ' '\n' | grep -v test_cuda_backend) \
         tests/test_row_norm.py tests/test_fusion.py
+    ;;
+h100)
+    timeout 150 python3 benchmarks/fwd_sweep.py --out "$OUT/h100" --widths 8192,32768 --ops rms \
+        --variants table,tile > "$OUT/h100.log" 2>&1
+    echo "h100 rc $?"; grep -E "copy|FAIL|Error" "$OUT/h100.log" | cut -c1-140
+    python3 benchmarks/csv_table.py "$OUT/h100/fwd.csv"
     ;;
 esac

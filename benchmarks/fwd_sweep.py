@@ -32,6 +32,7 @@ VARIANTS = {
     "w32": {16384: (1, 1, 32, 0), 32768: (1, 1, 32, 0)},
     "w8": {16384: (1, 1, 8, 0)},
     "w16": {8192: (1, 1, 16, 0)},
+    "tile": {8192: (1, 1, 8, 0), 32768: (1, 1, 16, 0)},  # RMSNorm's tiles before the looped rows (S18-5)
     "p1": {16384: (1, 1, 16, 1), 32768: (1, 1, 16, 1)},
     "w32p1": {16384: (1, 1, 32, 1), 32768: (1, 1, 32, 1)},
 }
@@ -130,6 +131,7 @@ def main():
     ap.add_argument("--widths", default="16384,32768")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--ops", default="ln,rms")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     widths = [int(n) for n in args.widths.split(",")]
@@ -139,7 +141,7 @@ def main():
     log(f"copy ceiling {copy:.0f} GB/s")
     for N in widths:
         M = 2**26 // N
-        for op in ("ln", "rms"):
+        for op in args.ops.split(","):
             rms = op == "rms"
             ss = [s[:3] for s in _sets(dtype, M, N, rms)]  # (x, w, b) of input sets rotating over > 4x L2
             impls = [(n, VARIANTS[n]) for n in names if N in VARIANTS[n] or n == "table"] + [("compile", None)]
