@@ -13,9 +13,11 @@ TESTED := constraints/tested.txt
 # the Triton release on the GPU machine the benchmarks run on: tests/test_fusion.py compiles every kernel variant for
 # sm_90 with it too (code that triton 3.9 accepts has failed on 3.6), from a copy unpacked beside the venv's packages
 DEVICE_TRITON ?= 3.6.0
-device_triton = $(1)/bin/python -m pip download -q --no-deps "triton==$(DEVICE_TRITON)" -d $(1)/device-triton && \
+device_triton = rm -rf $(1)/device-triton && \
+	$(1)/bin/python -m pip download -q --no-deps --only-binary=:all: "triton==$(DEVICE_TRITON)" -d $(1)/device-triton && \
 	$(1)/bin/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(1)/device-triton/triton-*.whl')[0]).extractall('$(1)/device-triton/site')" && \
-	chmod +x $(1)/device-triton/site/triton/backends/nvidia/bin/* && rm $(1)/device-triton/triton-*.whl
+	chmod +x $(1)/device-triton/site/triton/backends/nvidia/bin/* && rm $(1)/device-triton/triton-*.whl && \
+	touch $(1)/device-triton/.ok-$(DEVICE_TRITON)
 PYTEST_ARGS ?=
 
 .PHONY: test test-latest bench setup lock clean
@@ -27,10 +29,13 @@ $(VENV)/.ready: pyproject.toml $(TESTED)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -c $(TESTED) -e ".[test,bench]"
-	$(call device_triton,$(VENV))
 	touch $@
 
-test: setup
+# a stamp of its own: a venv made before it (or for another DEVICE_TRITON) gets it without a rebuild
+$(VENV)/device-triton/.ok-$(DEVICE_TRITON): $(VENV)/.ready
+	$(call device_triton,$(VENV))
+
+test: setup $(VENV)/device-triton/.ok-$(DEVICE_TRITON)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
 test-latest:

@@ -179,7 +179,8 @@ def test_looped_kernels_outlier_first_element(looped):
 @pytest.mark.parametrize("op", OPS)
 def test_looped_hints_and_static_width_keep_the_bits(op, knob, looped, monkeypatch):
     """L2 hints on the looped forward's two passes (LOOPED_EVICT) and the width compiled in (LOOPED_STATIC_N,
-    as the measured table's looped rows are) change no bit; a width not a multiple of the chunk, a NaN row."""
+    as the measured table's looped rows are) change no bit; a width not a multiple of the chunk, a NaN row.
+    (The interpreter ignores eviction policies: the bits are a GPU check; the plan's constexprs are checked here.)"""
     x = randn(5, 1000, dtype=torch.bfloat16, device=DEVICE)
     x[2, 17] = float("nan")
     w, b = randn(1000, device=DEVICE), randn(1000, device=DEVICE) if op == "layer_norm" else None
@@ -187,8 +188,8 @@ def test_looped_hints_and_static_width_keep_the_bits(op, knob, looped, monkeypat
     monkeypatch.setattr(configs, knob, True)
     triton_backend.clear_caches()
     constexprs = triton_backend._plan("fwd", 1000, 2, x.device, (op == "rms_norm", True, b is not None, None, None))[1]
-    assert (constexprs["LOOP_POLICY_1"], constexprs["N_STATIC"]) == (
-        ("evict_last", 0) if knob == "LOOPED_EVICT" else ("", 1000))
+    assert (constexprs["LOOP_POLICY_1"], constexprs["LOOP_POLICY_2"], constexprs["N_STATIC"]) == (
+        ("evict_last", "evict_first", 0) if knob == "LOOPED_EVICT" else ("", "", 1000))
     y = run(op, x, (1000,), w, b)
     assert torch.equal(y.nan_to_num(), plain.nan_to_num()) and bool(y[2].isnan().all())
     assert bool(torch.isfinite(y[[0, 1, 3, 4]]).all())

@@ -54,7 +54,7 @@ def variants():
                   BLOCK_M=4 if path == "tile" else 1, BLOCK_N=1024, SPLIT=4 if path == "split" else 1,
                   LOOPED=path == "looped", PERSISTENT=path == "split",
                   LOOP_POLICY_1="evict_last" if path == "looped" else "", LOOP_POLICY_2="evict_first" if path == "looped" else "",
-                  N_STATIC=4099 if path == "looped" and rms else 0, HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2),
+                  N_STATIC=4099 if path == "looped" and not fp8 else 0, HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2),
                   HAS_GATE=gate)
         types = dict(FWD_ARGS, Y="*u8" if fp8 else "*bf16")
         absent = [n for n, on in (("R", res or gate), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2), ("MS", mod & 1),
@@ -85,7 +85,8 @@ def variants():
 
 
 def table_rows():
-    """(name, ASTSource, (num_warps, maxnreg)): the sm_90 table's 16-bit backward rows that carry a register cap,
+    """(name, ASTSource, (num_warps, maxnreg)): the sm_90 table's looped forward rows, and its 16-bit backward rows that
+    carry a register cap,
     plain LayerNorm / RMSNorm with the parameters in x's dtype (the models' case), aligned and 16-divisible as a launch
     specializes them: ptxas must fit them under the cap without spilling (a spill would undo what the cap buys)."""
     from normkit.backends.triton import configs
@@ -106,6 +107,21 @@ def table_rows():
                          if src.signature[k].startswith("*") or k in ("M", "N", "sdy_o", "sx_o", "sdy_i", "sx_i")}
             out.append((f"table row bwd bf16 {'rms' if rms else 'ln'} {n}: {cfg.block_m}x{cfg.block_n} x "
                         f"{cfg.num_warps} warps, maxnreg={cfg.reg_cap}, no spills", src, (cfg.num_warps, cfg.reg_cap)))
+    for n in (8192, 32768):  # the table's looped forward rows (RMSNorm, a kernel per width), parameters in x's dtype
+        cfg = configs.row_config("fwd", n, 2, "sm_90", op="rms")
+        if not cfg.looped:
+            continue
+        cx = dict(IS_RMS=True, HAS_W=True, HAS_B=False, PER_ROW_W=False, ACT=0, HAS_RES=False, STORE_H=False,
+                  H_ROUND=0, FP8=0, SCALE_PTR=False, WANT_AMAX=False, BLOCK_M=1, BLOCK_N=cfg.block_n, SPLIT=1,
+                  LOOPED=True, PERSISTENT=True, HAS_MS=False, HAS_MT=False, HAS_GATE=False,
+                  LOOP_POLICY_1="evict_last" if cfg.evict else "", LOOP_POLICY_2="evict_first" if cfg.evict else "",
+                  N_STATIC=n if cfg.static_n else 0)
+        src = _source(kernels.row_norm_fwd_kernel, dict(FWD_ARGS, W="*bf16"), cx,
+                      ["R", "H", "AMAX", "SCALE", "MS", "MT", "B"], ["INNER", "sx_c", "W_ROWS"])
+        src.attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(src.signature)
+                     if src.signature[k].startswith("*") or k in ("M", "N", "sx_o", "sx_i")}
+        out.append((f"table row fwd bf16 rms {n}: looped {cfg.block_n} x {cfg.num_warps} warps, width compiled in, "
+                    f"no spills", src, (cfg.num_warps, None)))
     return out
 
 

@@ -151,7 +151,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     if (per_row or sample_walk) and cfg.split > 1:  # per-head weight rows: no split rows (their programs must not wait on heads)
         chunk, num_warps = configs.LOOPED[direction]
         cfg = configs.RowConfig(1, min(chunk, cfg.block_n * cfg.split), 1, num_warps, configs.LOOPED_PROGRAMS_PER_SM,
-                                looped=True, evict=configs.LOOPED_EVICT)
+                                looped=True, evict=configs.LOOPED_EVICT, static_n=configs.LOOPED_STATIC_N)
     constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b, PER_ROW_W=per_row)
     if direction == "bwd":
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
