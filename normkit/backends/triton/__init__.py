@@ -149,9 +149,7 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     # the backward's sample walk (modulation) has no split rows either
     sample_walk = direction == "bwd" and bool(fusion) and (fusion[2] or fusion[3])
     if (per_row or sample_walk) and cfg.split > 1:  # per-head weight rows: no split rows (their programs must not wait on heads)
-        chunk, num_warps = configs.LOOPED[direction]
-        cfg = configs.RowConfig(1, min(chunk, cfg.block_n * cfg.split), 1, num_warps, configs.LOOPED_PROGRAMS_PER_SM,
-                                looped=True, evict=configs.LOOPED_EVICT, static_n=configs.LOOPED_STATIC_N)
+        cfg = configs.looped_config(direction, cfg.block_n * cfg.split)
     constexprs = dict(IS_RMS=rms, HAS_W=has_w, HAS_B=has_b, PER_ROW_W=per_row)
     if direction == "bwd":
         constexprs["WANT_DW"], constexprs["WANT_DB"] = extra
@@ -172,9 +170,9 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
     constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, LOOPED=cfg.looped)
     if direction == "fwd":
         constexprs["PERSISTENT"] = cfg.programs_per_sm > 0
-        evict = cfg.looped and cfg.evict
-        constexprs["LOOP_POLICY_1"], constexprs["LOOP_POLICY_2"] = ("evict_last", "evict_first") if evict else ("", "")
-        constexprs["N_STATIC"] = n if cfg.looped and cfg.static_n else 0
+        # only looped configurations carry evict / static_n
+        constexprs["LOOP_POLICY_1"], constexprs["LOOP_POLICY_2"] = ("evict_last", "evict_first") if cfg.evict else ("", "")
+        constexprs["N_STATIC"] = n if cfg.static_n else 0
     else:
         constexprs["PREFETCH"] = cfg.prefetch
         constexprs["PREFETCH_STATS"] = configs.prefetch_stats(_device_name(device_index), "rms" if rms else "ln")

@@ -80,6 +80,8 @@ PREFETCH_STATS_OFF = {"H100": ("rms",)}
 def prefetch_stats(device_name: str, op: str) -> bool:
     """Whether the backward of `op` ("ln" / "rms") on this GPU prefetches the next tile's statistics."""
     return PREFETCH_STATS and not any(gpu in device_name and op in ops for gpu, ops in PREFETCH_STATS_OFF.items())
+
+
 # float8 outputs by the GPU's conversion instruction (sm_89+) rather than the integer encoding the
 # interpreter runs (epilogue.py: same bits); False: the encoding everywhere (the bench's old variant)
 FP8_HW_CAST = True
@@ -157,17 +159,15 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
     key = max(padded, 32)  # the narrowest tabulated width; narrower rows pack more rows per tile
     row = None
     cuda = not interpreted and _cuda_route(direction, elem_bytes, key, arch, op)
-    if padded <= MAX_TILED_N and arch and (direction, elem_bytes, key) not in OVERRIDES:
-        tuned = tuned_table(arch)
-        loop = tuned.get(("looped", direction, elem_bytes, key, op)) or tuned.get(("looped", direction, elem_bytes, key))
-        if loop:
-            chunk, num_warps, evict = loop
-            return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
-                             evict=bool(evict), static_n=True)
     if padded <= MAX_TILED_N:
         row = OVERRIDES.get((direction, elem_bytes, key))
         if arch and not row:
             tuned = tuned_table(arch)
+            loop = tuned.get(("looped", direction, elem_bytes, key, op)) or tuned.get(("looped", direction, elem_bytes, key))
+            if loop:
+                chunk, num_warps, evict = loop
+                return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
+                                 evict=bool(evict), static_n=True)
             row = tuned.get((direction, elem_bytes, key, op)) or tuned.get((direction, elem_bytes, key))
         row = row or DEFAULTS[(direction, elem_bytes)].get(key)
     if row is not None:
@@ -180,6 +180,11 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
         if not (interpreted and split > 1):
             return RowConfig(block_m, padded // split, split, num_warps, programs_per_sm, False, num_stages,
                              cuda=cuda, prefetch=bool(prefetch), reg_cap=reg_cap)
+    return looped_config(direction, padded, cuda)
+
+
+def looped_config(direction: str, padded: int, cuda: bool = False) -> RowConfig:
+    """The looped kernels' default configuration (LOOPED's chunk and warps) for rows of `padded` columns."""
     chunk, num_warps = LOOPED[direction]
     return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
                      evict=LOOPED_EVICT, static_n=LOOPED_STATIC_N)
