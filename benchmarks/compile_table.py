@@ -9,6 +9,11 @@ key is the one the pass computes for it (so table and pass agree by construction
 when normkit's median GPU time (host hidden behind a GPU spin) is at most WIN_RATIO of Inductor's;
 a width class wins only if every point measured in it wins. Absent entries mean Inductor.
 
+--elements also measures smaller inputs (decoding, small batches, late UNet stages): a point of fewer
+than 2^22 elements goes under its size class's key ("...|e16", compile_fusion.size_class), and there
+the host counts too: it wins only if normkit's GPU time wins as above and its back-to-back call
+(host and GPU, a loop of calls as a host-bound step makes them) is no slower than Inductor's.
+
 Compiling dominates: --jobs worker processes compile in parallel and take turns at the GPU (a lock
 around the timing), and the run stops at --budget-s with what it has (every finished point is in
 points-*.jsonl; --merge rebuilds the table from them). On a machine without a GPU (CI), --tiny runs a
@@ -46,16 +51,44 @@ MODES = ("fwd", "train")
 
 
 def plan(args) -> list[dict]:
+    from normkit.compile_fusion import size_class
     pts = []
-    for dtype in args.dtypes:
-        for mode in args.modes:
-            for pattern in args.patterns:
-                if pattern.startswith(("gn", "pw+gn")):
-                    pts += [dict(pattern=pattern, dtype=dtype, mode=mode, shape=list(s)) for s in args.gn_shapes]
-                else:
-                    pts += [dict(pattern=pattern, dtype=dtype, mode=mode, width=w) for w in args.widths]
+    for elements in args.elements:
+        cls = size_class(elements)
+        # GroupNorm below 2^22 elements: the same shapes with fewer samples, where that reaches the class
+        gn_shapes = args.gn_shapes if cls is None or args.tiny else \
+            [s for s in ((max(1, elements // (c * sp)), c, sp, g) for _, c, sp, g in args.gn_shapes)
+             if size_class(s[0] * s[1] * s[2]) == cls]
+        extra = {} if elements == ELEMENTS else {"elements": elements}
+        for dtype in args.dtypes:
+            for mode in args.modes:
+                for pattern in args.patterns:
+                    if pattern.startswith(("gn", "pw+gn")):
+                        pts += [dict(pattern=pattern, dtype=dtype, mode=mode, shape=list(s)) for s in gn_shapes]
+                    else:
+                        pts += [dict(pattern=pattern, dtype=dtype, mode=mode, width=w, **extra) for w in args.widths]
     # the models' own widths after the sweep: a run cut short keeps the sweep
-    return pts
+    if args.winners is not None:  # only the classes whose plain entry says normkit
+        pts = [p for p in pts if _plain_key(p) in args.winners]
+    # the order a run cut short keeps: dtypes, then patterns as given, each key's points together
+    order = {name: i for i, name in enumerate(args.dtypes + args.patterns)}
+    pts.sort(key=lambda p: (order[p["dtype"]], order[p["pattern"]], _plain_key(p), p["mode"]))
+    seen, out = set(), []
+    for p in pts:  # one point per input (a wide row at a small --elements is one row whatever it asked)
+        size = (p["shape"][0] * p["shape"][1] * p["shape"][2]) if "shape" in p else \
+            max(1, p.get("elements", ELEMENTS) // p["width"]) * p["width"]
+        k = (p["pattern"], p["dtype"], p["mode"], p.get("width"), tuple(p.get("shape", ())), size)
+        if k not in seen:
+            seen.add(k)
+            out.append(p)
+    return out
+
+
+def _plain_key(p) -> str:
+    """The point's key without layout or size class (its width class: the row's, or the group's size)."""
+    from normkit.compile_fusion import width_class
+    width = p["width"] if "width" in p else p["shape"][1] // p["shape"][3] * p["shape"][2]
+    return f"{p['pattern']}|{p['dtype']}|{p['mode']}|{width_class(width)}"
 
 
 def _function(p):
@@ -131,9 +164,11 @@ def _call(compiled, inputs, params, train):
 
 
 def measure(p, lock, backend, warmup_ms, rep_ms) -> dict:
+    import contextlib
+
     import torch
     from normkit import compile_fusion as cf
-    from normkit.bench.timing import make_timer
+    from normkit.bench.timing import host_overheads, make_timer
     made = _function(p)
     if made is None:
         return dict(p, skipped="pattern not meaningful for this dtype")
@@ -158,6 +193,9 @@ def measure(p, lock, backend, warmup_ms, rep_ms) -> dict:
     if len(keys) != 1 or out["normkit_decisions"][0][1] != "normkit":
         return dict(out, skipped=f"the pass did not make one normkit op of it: {out['normkit_decisions']}")
     out["key"] = keys.pop()
+    cls = cf.size_class(inputs[0].numel())
+    if cls is not None:  # the pass looks this size up under its class first
+        out["key"] += f"|e{cls}"
     timer = make_timer(p["device"])
     with lock:
         for side in ("inductor", "normkit", "inductor", "normkit"):  # interleaved, best of two medians
@@ -167,8 +205,15 @@ def measure(p, lock, backend, warmup_ms, rep_ms) -> dict:
                 with torch.no_grad():
                     ms, _ = timer.median_ms([runs[side]], warmup_ms, rep_ms)
             out[f"{side}_ms"] = min(ms, out.get(f"{side}_ms", float("inf")))
+        if cls is not None:  # a small input: the back-to-back call, host included
+            with contextlib.nullcontext() if train else torch.no_grad():
+                loops = host_overheads({side: runs[side] for side in ("inductor", "normkit")}, timer.sync,
+                                       budget_s=0.2)
+            for side in ("inductor", "normkit"):
+                out[f"{side}_call_us"] = loops[side][0]
+            out["call_ratio"] = out["normkit_call_us"] / out["inductor_call_us"]
     out["ratio"] = out["normkit_ms"] / out["inductor_ms"]
-    out["wins"] = out["ratio"] <= WIN_RATIO
+    out["wins"] = out["ratio"] <= WIN_RATIO and out.get("call_ratio", 0.0) <= 1.0
     torch._dynamo.reset()
     return out
 
@@ -212,6 +257,13 @@ def _environment(device: str, argv) -> dict:
     return env
 
 
+ABOUT = ("normkit.compile_fusion's table: keys pattern|dtype|mode|width class[|layout][|e<size class>]; wins = "
+         "normkit's fused op measured faster than Inductor's code at every point of the class "
+         "(benchmarks/compile_table.py); a key without a size class was measured at 2^24 elements and decides "
+         "for sizes without an entry of their own; with one (inputs below 2^22 elements), the back-to-back call "
+         "(host included) must not be slower either")
+
+
 def merge(out_dir: Path, env: dict) -> dict:
     """The table from every points-*.jsonl under out_dir: one entry per key, winning only if every
     point of its width class wins."""
@@ -222,20 +274,29 @@ def merge(out_dir: Path, env: dict) -> dict:
         if "key" not in r or "ratio" not in r:
             continue
         e = entries.setdefault(r["key"], {"wins": True, "points": []})
-        e["points"].append({k: r[k] for k in ("width", "shape", "normkit_ms", "inductor_ms", "ratio") if k in r})
+        e["points"].append({k: r[k] for k in ("width", "shape", "elements", "normkit_ms", "inductor_ms", "ratio",
+                                              "normkit_call_us", "inductor_call_us", "call_ratio") if k in r})
         e["wins"] = e["wins"] and r["wins"]
     for e in entries.values():
         e["ratio_worst"] = max(pt["ratio"] for pt in e["points"])
+        calls = [pt["call_ratio"] for pt in e["points"] if "call_ratio" in pt]
+        if calls:
+            e["call_ratio_worst"] = max(calls)
     skipped = [r for r in rows if "key" not in r]
-    return {"about": "normkit.compile_fusion's table: keys pattern|dtype|mode|width class; wins = normkit's fused "
-                     "op measured faster than Inductor's code at every point of the class (benchmarks/compile_table.py)",
-            "environment": env,
-            # the entries speak for tensors of about the measured size: below half of it they are not
-            # measured (compile_fusion.MIN_ELEMENTS says why the floor stays)
-            "min_elements": env.get("elements_per_row_input", ELEMENTS) // 2,
-            "entries": dict(sorted(entries.items())),
+    return {"about": ABOUT, "environment": env, "entries": dict(sorted(entries.items())),
             "not_measured": [{k: r.get(k) for k in ("pattern", "dtype", "mode", "width", "shape", "skipped", "error")}
                              for r in skipped]}
+
+
+def write_table(path: Path, table: dict, old) -> None:
+    """The GPU's table: this run's entries, and the old table's entries of keys this run did not
+    measure (a run of some patterns or sizes adds to the table); each run's environment kept."""
+    out = dict(table)
+    if old:
+        out["entries"] = dict(sorted({**old.get("entries", {}), **table["entries"]}.items()))
+        runs = old.get("runs", [old["environment"]] if "environment" in old else [])
+        out["runs"] = runs + [table["environment"]]
+    path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def markdown(table: dict) -> str:
@@ -243,11 +304,14 @@ def markdown(table: dict) -> str:
     lines = [f"# normkit vs Inductor per pattern ({env.get('gpu')}, torch {env.get('torch')}, "
              f"triton {env.get('triton', '-')}, {env.get('date')})", "",
              f"`{env.get('command')}`; wins: normkit's median GPU time <= {env.get('win_ratio')} x Inductor's at every "
-             "point of the width class.", "",
-             "| pattern | dtype | mode | width class | points | worst normkit/Inductor | normkit? |", "|---|---|---|---|---|---|---|"]
+             "point of the width class (and, in a size class, its back-to-back call no slower).", "",
+             "| pattern | dtype | mode | width class | layout, size class | points | worst normkit/Inductor GPU | "
+             "worst call | normkit? |", "|---|---|---|---|---|---|---|---|---|"]
     for k, e in table["entries"].items():
-        pattern, dtype, mode, width = k.split("|")
-        lines.append(f"| {pattern} | {dtype} | {mode} | {width} | {len(e['points'])} | {e['ratio_worst']:.2f} | "
+        pattern, dtype, mode, width, *rest = k.split("|")
+        call = e.get("call_ratio_worst")
+        lines.append(f"| {pattern} | {dtype} | {mode} | {width} | {' '.join(rest) or '-'} | {len(e['points'])} | "
+                     f"{e['ratio_worst']:.2f} | {'-' if call is None else f'{call:.2f}'} | "
                      f"{'yes' if e['wins'] else 'no'} |")
     if table["not_measured"]:
         lines += ["", f"Not measured ({len(table['not_measured'])}):", ""]
@@ -266,12 +330,21 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--widths", default=",".join(map(str, ROW_WIDTHS + MODEL_WIDTHS)))
+    ap.add_argument("--elements", default=str(ELEMENTS),
+                    help="elements per input, comma-separated: 2^24 (the plain keys) and smaller sizes (their classes)")
+    ap.add_argument("--winners-of", type=Path, default=None,
+                    help="a table file: measure only the pattern / dtype / mode / width classes its plain entries "
+                         "say normkit wins (at --elements: where a smaller size has no entry, the plain one decides)")
     ap.add_argument("--write-table", action="store_true",
-                    help="also write normkit/backends/triton/tuned/compile_<arch>.json")
+                    help="also write normkit/backends/triton/tuned/compile_<arch>.json: this run's entries replace "
+                         "those of the same keys, the others stay")
     ap.add_argument("--merge", action="store_true", help="only rebuild the table from OUT's points")
     args = ap.parse_args(argv)
     args.patterns, args.dtypes, args.modes = (args.patterns.split(","), args.dtypes.split(","), args.modes.split(","))
     args.widths = [int(w) for w in args.widths.split(",")]
+    args.elements = [int(e) for e in args.elements.split(",")]
+    args.winners = None if args.winners_of is None else \
+        {k for k, e in json.loads(args.winners_of.read_text())["entries"].items() if e.get("wins") and k.count("|") == 3}
     args.gn_shapes = GN_SHAPES
     import torch
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -279,11 +352,11 @@ def main(argv=None) -> int:
     warmup_ms, rep_ms = (25, 100) if device == "cuda" else (1, 5)
     if args.tiny:
         args.patterns, args.dtypes, args.widths, args.jobs = ["add_rms", "ln_gelu", "pw+gn_silu"], ["float32"], [64], 1
-        args.gn_shapes = ((2, 16, 12, 4),)
+        args.gn_shapes, args.elements = ((2, 16, 12, 4),), [64 * 64]
     args.out.mkdir(parents=True, exist_ok=True)
     env = _environment(device, argv)
     if not args.merge:
-        points = [dict(p, device=device, **({"elements": 64 * 64} if args.tiny else {})) for p in plan(args)]
+        points = [dict(p, device=device) for p in plan(args)]
         print(f"compile_table: {len(points)} points on {env['gpu']}, {args.jobs} jobs, budget {args.budget_s:.0f} s",
               flush=True)
         deadline = time.time() + args.budget_s
@@ -305,7 +378,8 @@ def main(argv=None) -> int:
     (args.out / "compile_table.md").write_text(markdown(table))
     if args.write_table and env["arch"] != "cpu":
         from normkit.compile_fusion import table_path
-        table_path(env["arch"]).write_text(json.dumps(table, indent=1) + "\n")
+        path = table_path(env["arch"])
+        write_table(path, table, json.loads(path.read_text()) if path.exists() else None)
     n = sum(len(e["points"]) for e in table["entries"].values())
     print(f"compile_table: {n} points measured, {len(table['entries'])} keys "
           f"({sum(e['wins'] for e in table['entries'].values())} normkit), {len(table['not_measured'])} not measured; "

@@ -27,8 +27,10 @@ device) is keyed by "pattern|dtype|mode|width class": pattern as _pattern_name b
 ("add_rms", "gn_silu", "pw+gn_silu", ...: "pw+" / "+pw" mark a pointwise producer / consumer that
 stays outside normkit's op, which Inductor would have fused), dtype of x, mode "fwd" (inference) or
 "train" (forward and backward), width class the power of two at or below the normalized width (the
-group's size for GroupNorm). An absent entry, a CPU tensor or an unknown GPU: Inductor's code. The
-table's min_elements keeps Inductor's code for inputs smaller than that (why: MIN_ELEMENTS, below).
+group's size for GroupNorm). A key may end in a size class, "|e16" (see size_class): an entry measured
+at that input size, which decides for inputs of that class; a key without one was measured at 2^24
+elements and decides for every size that has no entry of its own. An absent entry, a CPU tensor or an
+unknown GPU: Inductor's code.
 NORMKIT_COMPILE_TABLE=path in the environment reads that table file instead (as use_table(path)).
 
 The pass is installed the first time dynamo traces a normkit op (or by enable_compile_fusion;
@@ -131,22 +133,29 @@ def table_path(arch: str) -> Path:
 
 def _read(path: Path) -> dict:
     data = json.loads(path.read_text())
-    entries = dict(data.get("entries", data))
-    if "min_elements" in data:
-        entries[MIN_ELEMENTS] = int(data["min_elements"])
-    return entries
+    return dict(data.get("entries", data))
 
 
-# The table's own key for its size floor: below it Inductor's code is kept whatever the entry says.
-# The entries compare GPU time with the host hidden, measured at 2^24 elements only. A kept op's call
-# used to cost 100-160 us more host time than Inductor's own kernel (its Python implementation); the
-# ops' C++ dispatcher kernels (normkit._host), forward and backward, bring that to within ~4 us
-# (H100, forward: benchmarks/results/2026-11-24-h100-session7-dispatch; GroupNorm+SiLU 80 us less;
-# the backward ops are served the same way, not yet timed on a GPU). So the host cost no longer
-# argues for the floor; what keeps it is that the entries' GPU-time wins are unmeasured below 2^24
-# elements (with ~20% GPU wins a ~4 us host difference breaks even near 2^23 elements, the current
-# floor). Dropping it waits for compiled Llama decode measured without it (notes/perf.md, session 9).
-MIN_ELEMENTS = "min_elements"
+# Size classes. The plain entries compare GPU time with the host hidden, at 2^24 elements. A smaller
+# input's call is short enough for the host to matter: a kept op costs a few microseconds of host
+# time more than Inductor's own kernel (the ops' C++ dispatcher kernels, normkit._host: session 7
+# measured ~4 us on an H100 host), and Inductor may fuse the norm into a neighbour's kernel. So
+# benchmarks/compile_table.py also measures each pattern at smaller sizes, timing the GPU and the
+# back-to-back call (host included), and writes those points under keys with a size class; where a
+# size class has no entry the plain one decides. (This replaced a floor, min_elements, below which
+# every entry was ignored.)
+SIZE_CLASS_STEP = 4   # log2 distance between size classes: a point speaks for sizes within 4x either side
+PLAIN_CLASS = 24      # the plain keys' size (2^24 elements) and every class at or above it
+
+
+def size_class(elements) -> Optional[int]:
+    """log2 of the size class of an input of `elements` elements: the multiple of SIZE_CLASS_STEP
+    nearest log2(elements). None for the plain keys' class (2^22 elements and more) or an unknown
+    size (0 / None)."""
+    if not elements or elements <= 0:
+        return None
+    c = SIZE_CLASS_STEP * math.floor(math.log2(elements) / SIZE_CLASS_STEP + 0.5)
+    return None if c >= PLAIN_CLASS else c
 
 
 if os.environ.get("NORMKIT_COMPILE_TABLE"):  # a table file in the GPU's table's place, as use_table(path)
@@ -173,12 +182,17 @@ def width_class(width: int) -> int:
 LAYOUTS = ("dense", "channels_last", "strided")  # of the norm's input; the tables measured "dense"
 
 
-def key(pattern: str, dtype: torch.dtype, mode: str, width: int, layout: str = "dense") -> str:
+def key(pattern: str, dtype: torch.dtype, mode: str, width: int, layout: str = "dense",
+        elements: Optional[int] = None) -> str:
     """The table key; a layout other than dense (contiguous rows / NCHW) is part of it, so a layout
     the table has not measured (column-strided rows, views of fused projections, channels_last)
-    finds no entry and keeps Inductor's code."""
+    finds no entry and keeps Inductor's code. `elements` (the input's size) adds its size class
+    below 2^22 elements ("|e16"); without it, or at and above, the plain key."""
     k = f"{pattern}|{str(dtype).replace('torch.', '')}|{mode}|{width_class(width)}"
-    return k if layout == "dense" else f"{k}|{layout}"
+    if layout != "dense":
+        k = f"{k}|{layout}"
+    c = size_class(elements)
+    return k if c is None else f"{k}|e{c}"
 
 
 def layout_of(t) -> str:
@@ -196,18 +210,25 @@ def layout_of(t) -> str:
 def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.device,
          elements: Optional[int] = None, layout: str = "dense") -> bool:
     """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?
-    `elements`: the input's size, held against the table's min_elements (None: not checked)."""
+    `elements`: the input's size; its size class's entry decides where the table has one, else the
+    plain entry (None: the plain entry)."""
+    return _lookup(pattern, dtype, mode, width, device, elements, layout)[1]
+
+
+def _lookup(pattern, dtype, mode, width, device, elements, layout) -> tuple[str, bool]:
+    """(the key that decided: the size class's where the table has it, else the plain one; wins?)."""
+    plain = key(pattern, dtype, mode, width, layout)
     if _state["policy"] != "table":
-        return _state["policy"] == "normkit"
+        return plain, _state["policy"] == "normkit"
     table = _state["table"]
     if table is None:
         if device.type != "cuda":
-            return False
+            return plain, False
         table = _file_table(_arch(device.index if device.index is not None else torch.cuda.current_device()))
-    if elements is not None and elements < table.get(MIN_ELEMENTS, 0):
-        return False
-    entry = table.get(key(pattern, dtype, mode, width, layout))
-    return bool(entry and entry.get("wins"))
+    sized = key(pattern, dtype, mode, width, layout, elements)
+    k = sized if sized in table else plain
+    entry = table.get(k)
+    return k, bool(entry and entry.get("wins"))
 
 
 def _size_hint(t) -> int:
@@ -627,8 +648,9 @@ def _decide(site: _Site) -> tuple[str, bool]:
     width = _width(site)
     name = _pattern_name(site)
     layout = layout_of(ev)
-    k = key(name, ev.dtype, mode, width or 1, layout)
-    return k, width is not None and wins(name, ev.dtype, mode, width, ev.device, _size_hint(ev), layout)
+    if width is None:
+        return key(name, ev.dtype, mode, 1, layout), False
+    return _lookup(name, ev.dtype, mode, width, ev.device, _size_hint(ev), layout)
 
 
 def _replace(graph, site: _Site) -> None:

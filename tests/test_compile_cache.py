@@ -132,8 +132,8 @@ def test_uuid_follows_the_settings_and_only_them(monkeypatch):
             assert cf._pass().uuid() == winning
     with cf.use_table({"rms|float32|fwd|64": {"wins": False}}):
         losing = cf._pass().uuid()
-    with cf.use_table({"rms|float32|fwd|64": {"wins": True}, "min_elements": 1 << 16}):
-        floored = cf._pass().uuid()
+    with cf.use_table({"rms|float32|fwd|64": {"wins": True}, "rms|float32|fwd|64|e12": {"wins": False}}):
+        floored = cf._pass().uuid()  # a size class's entry added
     with cf.use_table({}):
         empty = cf._pass().uuid()
     assert len({base, winning, losing, floored, empty}) == 5

@@ -284,13 +284,20 @@ def test_inductor_code_has_no_normkit_op_where_it_steps_aside_and_has_it_where_n
         out, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
     assert "normkit.group_norm_fwd" in "\n".join(code)
     assert dict(cf.decisions())["gn_mish|float32|train|16"] == "normkit"
-    # a tensor below the table's min_elements keeps Inductor's code whatever the entry says
+    # an entry of the input's size class decides over the plain one, and is the key logged
     torch._dynamo.reset()
     cf.decisions(clear=True)
-    with cf.use_table({"gn_mish|float32|train|16": {"wins": True}, "min_elements": x.numel() + 1}):
+    sized = f"gn_mish|float32|train|16|e{cf.size_class(x.numel())}"
+    with cf.use_table({"gn_mish|float32|train|16": {"wins": True}, sized: {"wins": False}}):
         out, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
     assert "normkit" not in "\n".join(code)
     assert cf.decisions() and all(d == "inductor" for _, d in cf.decisions()), cf.decisions()
+    with cf.use_table({"gn_mish|float32|train|16": {"wins": False}, sized: {"wins": True}}):
+        torch._dynamo.reset()
+        cf.decisions(clear=True)
+        out, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    assert "normkit.group_norm_fwd" in "\n".join(code)
+    assert cf.decisions() == [(sized, "normkit")], cf.decisions()  # the key that decided
 
 
 def test_table_file_from_the_environment(tmp_path):
@@ -300,10 +307,11 @@ def test_table_file_from_the_environment(tmp_path):
     import sys
 
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"min_elements": 1 << 10, "entries": {"rms|bfloat16|fwd|4096": {"wins": True}}}))
+    path.write_text(json.dumps({"entries": {"rms|bfloat16|fwd|4096": {"wins": True},
+                                            "rms|bfloat16|fwd|4096|e12": {"wins": False}}}))
     code = ("import torch; from normkit import compile_fusion as cf; cpu = torch.device('cpu'); "
             "print(cf.wins('rms', torch.bfloat16, 'fwd', 5000, cpu), "
-            "cf.wins('rms', torch.bfloat16, 'fwd', 5000, cpu, elements=(1 << 10) - 1))")
+            "cf.wins('rms', torch.bfloat16, 'fwd', 5000, cpu, elements=5000))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, NORMKIT_COMPILE_TABLE=str(path), PYTHONPATH=root)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -321,12 +329,23 @@ def test_table_keys_and_lookup(tmp_path):
     path.write_text(json.dumps({"entries": {"rms|bfloat16|fwd|4096": {"wins": True}}}))
     with cf.use_table(path):
         assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu)
-        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1)  # no floor in this table
+        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=5000)  # no entry of its class: the plain one
         assert not cf.wins("rms", torch.bfloat16, "fwd", 8192, cpu)
-    path.write_text(json.dumps({"min_elements": 1 << 20, "entries": {"rms|bfloat16|fwd|4096": {"wins": True}}}))
+    # size classes: the multiple of 4 nearest log2(elements); 2^22 and up is the plain keys' class
+    sizes = (0, 1, 3, 4096, 5000, (1 << 14) - 1, 1 << 14, 1 << 21, (1 << 22) - 1, 1 << 22, 1 << 30)
+    assert [cf.size_class(e) for e in sizes] == [None, 0, 0, 12, 12, 12, 16, 20, 20, None, None]
+    assert cf.key("rms", torch.bfloat16, "fwd", 4096, elements=1 << 16) == "rms|bfloat16|fwd|4096|e16"
+    assert cf.key("rms", torch.bfloat16, "fwd", 4096, "strided", 1 << 16) == "rms|bfloat16|fwd|4096|strided|e16"
+    assert cf.key("rms", torch.bfloat16, "fwd", 4096, elements=1 << 24) == "rms|bfloat16|fwd|4096"
+    path.write_text(json.dumps({"entries": {"rms|bfloat16|fwd|4096": {"wins": True},
+                                            "rms|bfloat16|fwd|4096|e16": {"wins": False},
+                                            "rms|bfloat16|fwd|4096|e12": {"wins": True}}}))
     with cf.use_table(path):
-        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1 << 20)
-        assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=(1 << 20) - 1)
+        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1 << 24)
+        assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1 << 16)
+        assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=(1 << 14) + 1)
+        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=5000)
+        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1 << 20)  # class 20: no entry, the plain one
         with cf.policy("torch"):
             assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cuda)
     with cf.policy("normkit"):
@@ -395,14 +414,26 @@ def test_measurement_script_tiny_run_writes_a_table_the_pass_reads(tmp_path):
     spec.loader.exec_module(script)
     assert script.main(["--out", str(tmp_path), "--tiny"]) == 0
     table = json.loads((tmp_path / "compile_table.json").read_text())
-    assert set(table["entries"]) == {f"{p}|float32|{m}|{w}" for p, w in (("add_rms", 64), ("ln_gelu", 64),
-                                                                          ("pw+gn_silu", 32)) for m in ("fwd", "train")}
+    # 4096-element row inputs (size class 12), a 384-element GroupNorm input (class 8): keys with the class
+    assert set(table["entries"]) == {f"{p}|float32|{m}|{w}|e{c}" for p, w, c in (
+        ("add_rms", 64, 12), ("ln_gelu", 64, 12), ("pw+gn_silu", 32, 8)) for m in ("fwd", "train")}
     for entry in table["entries"].values():
-        assert entry["points"][0]["normkit_ms"] > 0 and entry["points"][0]["inductor_ms"] > 0
-    assert "| add_rms | float32 | train | 64 |" in (tmp_path / "compile_table.md").read_text()
+        point = entry["points"][0]
+        assert point["normkit_ms"] > 0 and point["inductor_ms"] > 0
+        assert point["normkit_call_us"] > 0 and point["inductor_call_us"] > 0  # small inputs: the call timed too
+        assert entry["wins"] == (point["ratio"] <= script.WIN_RATIO and point["call_ratio"] <= 1.0)
+    assert "| add_rms | float32 | train | 64 | e12 |" in (tmp_path / "compile_table.md").read_text()
     with cf.use_table(tmp_path / "compile_table.json"):
-        key = "add_rms|float32|train|64"
-        assert cf.wins("add_rms", torch.float32, "train", 64, torch.device("cpu")) == table["entries"][key]["wins"]
+        key = "add_rms|float32|train|64|e12"
+        assert cf.wins("add_rms", torch.float32, "train", 64, torch.device("cpu"), elements=4096) == \
+            table["entries"][key]["wins"]
+        assert not cf.wins("add_rms", torch.float32, "train", 64, torch.device("cpu"))  # no plain entry
+    # --write-table's merge: this run's keys replace the old ones, the others stay
+    old = {"environment": {"date": "before"}, "entries": {key: {"wins": "old"}, "rms|float32|fwd|64": {"wins": True}}}
+    script.write_table(tmp_path / "gpu.json", table, old)
+    merged = json.loads((tmp_path / "gpu.json").read_text())
+    assert merged["entries"][key] == table["entries"][key] and merged["entries"]["rms|float32|fwd|64"] == {"wins": True}
+    assert [r["date"] for r in merged["runs"]] == ["before", table["environment"]["date"]]
 
 
 def test_layouts_the_table_did_not_measure_keep_inductors_code():
