@@ -6,7 +6,8 @@
 #                                          normkit; the GPU's table gets the new size-class entries (--write-table)
 #   bash benchmarks/device_s19.sh models   compiled Llama decode and training, UNet2DModel training and inference,
 #                                          unpatched vs normkit, with the table as committed (no floor)
-#   bash benchmarks/device_s19.sh tests    the compile and wide-row GPU tests
+#   bash benchmarks/device_s19.sh tests    the compile and wide-row GPU tests; eager DiT and SD3 (the eager cases below
+#                                          1.00 at their medians in session 15)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -28,8 +29,10 @@ models)
         --time-budget 220 --out "$OUT/unet2d"
     ;;
 tests)
-    gpu_tests 400 tests.log -n 12 tests/test_compile_fusion.py tests/test_compile.py tests/test_host_gpu.py \
-        "tests/test_gpu.py::test_wide_rows"
+    gpu_tests 300 tests.log -n 12 tests/test_compile_fusion.py tests/test_compile.py tests/test_compile_cache.py \
+        tests/test_host_gpu.py "tests/test_gpu.py::test_wide_rows"
+    bench 170 --models dit,sd3 --exec eager --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 150 --out "$OUT/dit-sd3"
     ;;
 esac
 tar czf "/tmp/s19-${1:-table}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s19-${1:-table}.tgz" "$OUT/"
