@@ -360,10 +360,18 @@ def test_committed_tables_are_well_formed():
     for path in sorted(cf.TABLE_DIR.glob("compile_*.json")):
         data = json.loads(path.read_text())
         assert "environment" in data and "entries" in data, path
+        assert "min_elements" not in data, path  # size classes replaced the floor
         for k, entry in data["entries"].items():
-            pattern, dtype, mode, width = k.split("|")
+            pattern, dtype, mode, width, *rest = k.split("|")
             assert mode in ("fwd", "train") and getattr(torch, dtype).is_floating_point, k
             assert int(width) == cf.width_class(int(width)) and isinstance(entry["wins"], bool), k
+            sized = rest[-1:] if rest and rest[-1].startswith("e") else []
+            layout = rest[:len(rest) - len(sized)]
+            assert layout == [] or (len(layout) == 1 and layout[0] in cf.LAYOUTS and layout[0] != "dense"), k
+            if sized:  # a size class: what key() makes for an input of that many elements
+                c = int(sized[0][1:])
+                assert cf.size_class(1 << c) == c, k
+                assert k == cf.key(pattern, getattr(torch, dtype), mode, int(width), *(layout or ["dense"]), 1 << c), k
 
 
 def test_install_chains_a_users_pass_and_the_uuid_follows_the_settings():
