@@ -442,6 +442,19 @@ def test_measurement_script_tiny_run_writes_a_table_the_pass_reads(tmp_path):
     merged = json.loads((tmp_path / "gpu.json").read_text())
     assert merged["entries"][key] == table["entries"][key] and merged["entries"]["rms|float32|fwd|64"] == {"wins": True}
     assert [r["date"] for r in merged["runs"]] == ["before", table["environment"]["date"]]
+    # --elements / --winners-of: points at each size for the classes a table gives normkit, one per input
+    import types
+    args = types.SimpleNamespace(dtypes=["bfloat16"], modes=["fwd"], patterns=["rms", "gn"], widths=[2048, 65536],
+                                 gn_shapes=((8, 320, 64 * 64, 32),), tiny=False, elements=[4096, 1 << 24],
+                                 winners={"rms|bfloat16|fwd|2048", "rms|bfloat16|fwd|65536", "gn|bfloat16|fwd|32768"})
+    points = script.plan(args)
+    assert points == [dict(pattern="rms", dtype="bfloat16", mode="fwd", width=2048, elements=4096),
+                      dict(pattern="rms", dtype="bfloat16", mode="fwd", width=2048),
+                      dict(pattern="rms", dtype="bfloat16", mode="fwd", width=65536, elements=4096),
+                      dict(pattern="rms", dtype="bfloat16", mode="fwd", width=65536),
+                      dict(pattern="gn", dtype="bfloat16", mode="fwd", shape=[8, 320, 4096, 32])], points
+    args.winners = None  # every class; GroupNorm's shape has no batch at 4096 elements (one sample is 2^20)
+    assert len(script.plan(args)) == 5
 
 
 def test_layouts_the_table_did_not_measure_keep_inductors_code():
