@@ -9,7 +9,7 @@
 #   bash benchmarks/device_s19.sh tests    the compile and wide-row GPU tests; eager DiT and SD3 (the eager cases below
 #                                          1.00 at their medians in session 15)
 #   bash benchmarks/device_s19.sh eager    the host table and the other eager model cases of issue 22 (device_lead.sh
-#                                          models without DiT / SD3, Whisper and SD-1.5 batch 2: the device time left)
+#                                          models without DiT / SD3, Whisper and SD-1.5 batch 2, which eager2 runs)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -43,6 +43,13 @@ eager)
         --time-budget 90 --out "$OUT/llm"
     bench 60 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch 1 $steps \
         --time-budget 42 --out "$OUT/sd15-b1"
+    ;;
+eager2)
+    steps="--steps 40 --rounds 10"
+    bench 70 --models whisper-encoder --exec eager --variants unpatched,normkit $steps --time-budget 55 \
+        --out "$OUT/whisper"
+    bench 60 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch 2 $steps \
+        --time-budget 42 --out "$OUT/sd15-b2"
     ;;
 esac
 tar czf "/tmp/s19-${1:-table}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s19-${1:-table}.tgz" "$OUT/"
