@@ -334,7 +334,7 @@ def main(argv=None) -> int:
                     help="elements per input, comma-separated: 2^24 (the plain keys) and smaller sizes (their classes)")
     ap.add_argument("--winners-of", type=Path, default=None,
                     help="a table file: measure only the pattern / dtype / mode / width classes its plain entries "
-                         "say normkit wins (at --elements: where a smaller size has no entry, the plain one decides)")
+                         "say normkit wins (at --elements: where a size has no entry of its own, the nearest measured size decides)")
     ap.add_argument("--write-table", action="store_true",
                     help="also write normkit/backends/triton/tuned/compile_<arch>.json: this run's entries replace "
                          "those of the same keys, the others stay")

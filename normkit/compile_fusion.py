@@ -29,8 +29,8 @@ stays outside normkit's op, which Inductor would have fused), dtype of x, mode "
 "train" (forward and backward), width class the power of two at or below the normalized width (the
 group's size for GroupNorm). A key may end in a size class, "|e16" (see size_class): an entry measured
 at that input size, which decides for inputs of that class; a key without one was measured at 2^24
-elements and decides for every size that has no entry of its own. An absent entry, a CPU tensor or an
-unknown GPU: Inductor's code.
+elements. An input whose class has no entry takes the nearest size measured for its pattern, dtype,
+mode and width (_lookup). An absent entry, a CPU tensor or an unknown GPU: Inductor's code.
 NORMKIT_COMPILE_TABLE=path in the environment reads that table file instead (as use_table(path)).
 
 The pass is installed the first time dynamo traces a normkit op (or by enable_compile_fusion;
@@ -142,8 +142,8 @@ def _read(path: Path) -> dict:
 # measured ~4 us on an H100 host), and Inductor may fuse the norm into a neighbour's kernel. So
 # benchmarks/compile_table.py also measures each pattern at smaller sizes, timing the GPU and the
 # back-to-back call (host included), and writes those points under keys with a size class; where a
-# size class has no entry the plain one decides. (This replaced a floor, min_elements, below which
-# every entry was ignored.)
+# size class has no entry the nearest measured size decides. (This replaced a floor, min_elements,
+# below which every entry was ignored.)
 SIZE_CLASS_STEP = 4   # log2 distance between size classes: a point speaks for sizes within 4x either side
 PLAIN_CLASS = 24      # the plain keys' size (2^24 elements) and every class at or above it
 
@@ -216,7 +216,9 @@ def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.
 
 
 def _lookup(pattern, dtype, mode, width, device, elements, layout) -> tuple[str, bool]:
-    """(the key that decided: the size class's where the table has it, else the plain one; wins?)."""
+    """(the key that decided, wins?): the entry of the input's size class, else of the nearest size
+    the table measured for this pattern / dtype / mode / width (the plain key counts as class 24; the
+    smaller class on a tie), else the plain key."""
     plain = key(pattern, dtype, mode, width, layout)
     if _state["policy"] != "table":
         return plain, _state["policy"] == "normkit"
@@ -225,10 +227,20 @@ def _lookup(pattern, dtype, mode, width, device, elements, layout) -> tuple[str,
         if device.type != "cuda":
             return plain, False
         table = _file_table(_arch(device.index if device.index is not None else torch.cuda.current_device()))
-    sized = key(pattern, dtype, mode, width, layout, elements)
-    k = sized if sized in table else plain
+    k = _nearest_measured(table, plain, size_class(elements))
     entry = table.get(k)
     return k, bool(entry and entry.get("wins"))
+
+
+def _nearest_measured(table: dict, plain: str, c: Optional[int]) -> str:
+    if c is None:
+        return plain
+    classes = sorted(range(0, PLAIN_CLASS + 1, SIZE_CLASS_STEP), key=lambda cc: (abs(cc - c), cc))
+    for cc in classes:
+        k = plain if cc == PLAIN_CLASS else f"{plain}|e{cc}"
+        if k in table:
+            return k
+    return plain
 
 
 def _size_hint(t) -> int:

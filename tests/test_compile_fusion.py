@@ -345,7 +345,14 @@ def test_table_keys_and_lookup(tmp_path):
         assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1 << 16)
         assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=(1 << 14) + 1)
         assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=5000)
-        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1 << 20)  # class 20: no entry, the plain one
+        # class 20: no entry; e16 and the plain key (class 24) are as near: the smaller class decides
+        assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1 << 20)
+        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1 << 22)
+    path.write_text(json.dumps({"entries": {"rms|bfloat16|fwd|4096": {"wins": False},
+                                            "rms|bfloat16|fwd|4096|e16": {"wins": True}}}))
+    with cf.use_table(path):  # the nearest measured size: e16 for classes 12 and 20, the plain key at 2^22 on
+        assert [cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=e) for e in (1, 5000, 1 << 20, 1 << 22)] == \
+            [True, True, True, False]
         with cf.policy("torch"):
             assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cuda)
     with cf.policy("normkit"):
