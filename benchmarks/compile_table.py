@@ -7,7 +7,9 @@ compiled twice on the same inputs: under policy("torch") (Inductor's own code) a
 policy("normkit") with enable_compile_fusion() (the pass folds the pattern into normkit's op). The
 key is the one the pass computes for it (so table and pass agree by construction); a point wins
 when normkit's median GPU time (host hidden behind a GPU spin) is at most WIN_RATIO of Inductor's;
-a width class wins only if every point measured in it wins. Absent entries mean Inductor.
+a width class wins only if every point measured in it wins. Absent entries mean Inductor. A point's key
+has the size class of its own input (below): a GroupNorm shape of GN_SHAPES under 2^22 elements files
+under "|e16" / "|e20" even in the default run.
 
 --elements also measures smaller inputs (decoding, small batches, late UNet stages): a point of fewer
 than 2^22 elements goes under its size class's key ("...|e16", compile_fusion.size_class), and there
@@ -67,12 +69,11 @@ def plan(args) -> list[dict]:
                         pts += [dict(pattern=pattern, dtype=dtype, mode=mode, shape=list(s)) for s in gn_shapes]
                     else:
                         pts += [dict(pattern=pattern, dtype=dtype, mode=mode, width=w, **extra) for w in args.widths]
-    # the models' own widths after the sweep: a run cut short keeps the sweep
     if args.winners is not None:  # only the classes whose plain entry says normkit
         pts = [p for p in pts if _plain_key(p) in args.winners]
     # the order a run cut short keeps: dtypes, then patterns as given, each key's points together
     order = {name: i for i, name in enumerate(args.dtypes + args.patterns)}
-    pts.sort(key=lambda p: (order[p["dtype"]], order[p["pattern"]], _plain_key(p), p["mode"]))
+    pts.sort(key=lambda p: (order[p["dtype"]], order[p["pattern"]], _width(p), p["mode"]))
     seen, out = set(), []
     for p in pts:  # one point per input (a wide row at a small --elements is one row whatever it asked)
         size = (p["shape"][0] * p["shape"][1] * p["shape"][2]) if "shape" in p else \
@@ -84,11 +85,15 @@ def plan(args) -> list[dict]:
     return out
 
 
-def _plain_key(p) -> str:
-    """The point's key without layout or size class (its width class: the row's, or the group's size)."""
+def _width(p) -> int:
+    """The point's width class: the row's, or the group's size."""
     from normkit.compile_fusion import width_class
-    width = p["width"] if "width" in p else p["shape"][1] // p["shape"][3] * p["shape"][2]
-    return f"{p['pattern']}|{p['dtype']}|{p['mode']}|{width_class(width)}"
+    return width_class(p["width"] if "width" in p else p["shape"][1] // p["shape"][3] * p["shape"][2])
+
+
+def _plain_key(p) -> str:
+    """The point's key without layout or size class."""
+    return f"{p['pattern']}|{p['dtype']}|{p['mode']}|{_width(p)}"
 
 
 def _function(p):

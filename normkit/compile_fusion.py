@@ -55,6 +55,7 @@ import json
 import math
 import operator
 import os
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -133,6 +134,9 @@ def table_path(arch: str) -> Path:
 
 def _read(path: Path) -> dict:
     data = json.loads(path.read_text())
+    if "min_elements" in data:
+        warnings.warn(f"{path}: min_elements is no longer read (the table's size classes replaced it: "
+                      "compile_fusion.size_class)", stacklevel=2)
     return dict(data.get("entries", data))
 
 
@@ -146,6 +150,7 @@ def _read(path: Path) -> dict:
 # below which every entry was ignored.)
 SIZE_CLASS_STEP = 4   # log2 distance between size classes: a point speaks for sizes within 4x either side
 PLAIN_CLASS = 24      # the plain keys' size (2^24 elements) and every class at or above it
+ANY_SIZE = -1         # `elements` of a graph compiled for symbolic sizes: it serves every size
 
 
 def size_class(elements) -> Optional[int]:
@@ -211,7 +216,8 @@ def wins(pattern: str, dtype: torch.dtype, mode: str, width: int, device: torch.
          elements: Optional[int] = None, layout: str = "dense") -> bool:
     """Is normkit's op for `pattern` measured faster than Inductor's code (see the module docstring)?
     `elements`: the input's size; its size class's entry decides where the table has one, else the
-    plain entry (None: the plain entry)."""
+    nearest size measured (None: the plain entry; ANY_SIZE: a graph for symbolic sizes, normkit only
+    where every size measured says so)."""
     return _lookup(pattern, dtype, mode, width, device, elements, layout)[1]
 
 
@@ -227,13 +233,18 @@ def _lookup(pattern, dtype, mode, width, device, elements, layout) -> tuple[str,
         if device.type != "cuda":
             return plain, False
         table = _file_table(_arch(device.index if device.index is not None else torch.cuda.current_device()))
-    k = _nearest_measured(table, plain, size_class(elements))
+    if elements == ANY_SIZE:  # one graph for every size: normkit only where it won at every size measured
+        found = [table[k] for k in (plain, *(f"{plain}|e{c}" for c in range(0, PLAIN_CLASS, SIZE_CLASS_STEP)))
+                 if k in table]
+        return plain, bool(found) and all(e.get("wins") for e in found)
+    c = size_class(elements)
+    k = _nearest_measured(table, plain, PLAIN_CLASS if c is None and elements else c)
     entry = table.get(k)
     return k, bool(entry and entry.get("wins"))
 
 
 def _nearest_measured(table: dict, plain: str, c: Optional[int]) -> str:
-    if c is None:
+    if c is None:  # size unknown
         return plain
     classes = sorted(range(0, PLAIN_CLASS + 1, SIZE_CLASS_STEP), key=lambda cc: (abs(cc - c), cc))
     for cc in classes:
@@ -244,11 +255,14 @@ def _nearest_measured(table: dict, plain: str, c: Optional[int]) -> str:
 
 
 def _size_hint(t) -> int:
-    """t's element count; with symbolic shapes the value this graph is compiled for (0 if unknown)."""
+    """t's element count, or ANY_SIZE where it is symbolic: the graph then serves other sizes than the
+    one it is compiled for (a dynamic recompile after a second size), so no one size class decides."""
     n = t.numel()
     if isinstance(n, torch.SymInt):
-        hint = getattr(n.node, "hint", None)
-        return int(hint) if hint is not None else 0
+        try:
+            return int(n.node.maybe_as_int()) if n.node.maybe_as_int() is not None else ANY_SIZE
+        except AttributeError:
+            return ANY_SIZE
     return int(n)
 
 

@@ -353,8 +353,21 @@ def test_table_keys_and_lookup(tmp_path):
     with cf.use_table(path):  # the nearest measured size: e16 for classes 12 and 20, the plain key at 2^22 on
         assert [cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=e) for e in (1, 5000, 1 << 20, 1 << 22)] == \
             [True, True, True, False]
+        # a graph for symbolic sizes serves every size: normkit only where every measured size says so
+        assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=cf.ANY_SIZE)
         with cf.policy("torch"):
             assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cuda)
+    path.write_text(json.dumps({"entries": {"rms|bfloat16|fwd|4096|e20": {"wins": True},
+                                            "rms|bfloat16|fwd|4096|e16": {"wins": True}}}))
+    path.write_text(json.dumps({"min_elements": 1 << 23, "entries": {}}))
+    with pytest.warns(UserWarning, match="min_elements is no longer read"), cf.use_table(path):
+        pass
+    path.write_text(json.dumps({"entries": {"rms|bfloat16|fwd|4096|e20": {"wins": True},
+                                            "rms|bfloat16|fwd|4096|e16": {"wins": True}}}))
+    with cf.use_table(path):  # no plain entry: inputs of 2^22 and more take the nearest class measured (e20)
+        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=1 << 26)
+        assert cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu, elements=cf.ANY_SIZE)
+        assert not cf.wins("rms", torch.bfloat16, "fwd", 5000, cpu)  # size unknown: the plain key, absent
     with cf.policy("normkit"):
         assert cf.wins("anything", torch.float32, "fwd", 1, cpu)
     with pytest.raises(ValueError, match="name"):
@@ -489,3 +502,24 @@ def test_layouts_the_table_did_not_measure_keep_inductors_code():
         torch.compile(f, backend=Rewritten())(x.detach().permute(0, 2, 1).contiguous().permute(0, 2, 1),
                                               img.detach().contiguous())
     assert set(d for _, d in cf.decisions()) == {"normkit"}, cf.decisions()
+
+
+def test_a_graph_for_symbolic_sizes_is_decided_for_every_size():
+    """After a second batch size dynamo recompiles with a symbolic batch: that graph serves every later
+    size, so the size class of the size it was compiled for must not decide; normkit's op stays only
+    where every size the table measured says normkit."""
+    ln = nn.LayerNorm(24).to(DEVICE)
+    normkit.patch(ln)
+    plain = "ln|float32|fwd|16"
+    for sized_wins, kept in ((True, True), (False, False)):
+        torch._dynamo.reset()
+        cf.decisions(clear=True)
+        table = {plain: {"wins": True}, f"{plain}|e12": {"wins": sized_wins}}
+        backend = Rewritten()
+        compiled = torch.compile(ln, backend=backend)
+        with cf.use_table(table), torch.no_grad():
+            for batch in (170, 171, 3):  # 170 x 24 = 4080 elements: class 12; then a symbolic batch
+                compiled(_t(batch, 24))
+        made = cf.decisions()
+        assert len(made) == 2 and made[0] == (f"{plain}|e12", "normkit" if sized_wins else "inductor"), made
+        assert made[1] == (plain, "normkit" if kept else "inductor"), made  # the dynamic graph: every size
