@@ -76,13 +76,21 @@ def plan(args) -> list[dict]:
     pts.sort(key=lambda p: (order[p["dtype"]], order[p["pattern"]], _width(p), p["mode"]))
     seen, out = set(), []
     for p in pts:  # one point per input (a wide row at a small --elements is one row whatever it asked)
-        size = (p["shape"][0] * p["shape"][1] * p["shape"][2]) if "shape" in p else \
-            max(1, p.get("elements", ELEMENTS) // p["width"]) * p["width"]
-        k = (p["pattern"], p["dtype"], p["mode"], p.get("width"), tuple(p.get("shape", ())), size)
+        k = (p["pattern"], p["dtype"], p["mode"], p.get("width"), tuple(p.get("shape", ())), _input_size(p))
         if k not in seen:
             seen.add(k)
             out.append(p)
     return out
+
+
+def _rows(p) -> int:
+    """A row pattern's row count: its --elements in rows of its width, at least one."""
+    return max(1, p.get("elements", ELEMENTS) // p["width"])
+
+
+def _input_size(p) -> int:
+    """Elements of the point's input x."""
+    return p["shape"][0] * p["shape"][1] * p["shape"][2] if "shape" in p else _rows(p) * p["width"]
 
 
 def _width(p) -> int:
@@ -110,7 +118,7 @@ def _function(p):
     pattern = p["pattern"]
     if "width" in p:
         n = p["width"]
-        m = max(1, p.get("elements", ELEMENTS) // n)
+        m = _rows(p)
         x, r, w, b = t(m, n), t(m, n), t(n, shift=1.0, scale=0.3), t(n, scale=0.3)
         norm = (lambda h: F.rms_norm(h, (n,), w, 1e-6)) if "rms" in pattern else \
             (lambda h: F.layer_norm(h, (n,), w, b, 1e-5))
@@ -199,8 +207,7 @@ def measure(p, lock, backend, warmup_ms, rep_ms) -> dict:
         return dict(out, skipped=f"the pass did not make one normkit op of it: {out['normkit_decisions']}")
     out["key"] = keys.pop()
     cls = cf.size_class(inputs[0].numel())
-    if cls is not None:  # the pass looks this size up under its class first
-        out["key"] += f"|e{cls}"
+    out["key"] = cf.sized_key(out["key"], cls)  # the pass looks this size up under its class first
     timer = make_timer(p["device"])
     with lock:
         for side in ("inductor", "normkit", "inductor", "normkit"):  # interleaved, best of two medians
@@ -264,9 +271,9 @@ def _environment(device: str, argv) -> dict:
 
 ABOUT = ("normkit.compile_fusion's table: keys pattern|dtype|mode|width class[|layout][|e<size class>]; wins = "
          "normkit's fused op measured faster than Inductor's code at every point of the class "
-         "(benchmarks/compile_table.py); a key without a size class was measured at 2^24 elements and decides "
-         "for sizes without an entry of their own; with one (inputs below 2^22 elements), the back-to-back call "
-         "(host included) must not be slower either")
+         "(benchmarks/compile_table.py); a key without a size class was measured at 2^22 elements or more, one "
+         "with one (inputs below 2^22 elements) also with the back-to-back call (host included), which must not be "
+         "slower either; a size without an entry takes the nearest size measured (compile_fusion._lookup)")
 
 
 def merge(out_dir: Path, env: dict) -> dict:

@@ -153,6 +153,14 @@ PLAIN_CLASS = 24      # the plain keys' size (2^24 elements) and every class at 
 ANY_SIZE = -1         # `elements` of a graph compiled for symbolic sizes: it serves every size
 
 
+SIZE_CLASSES = range(0, PLAIN_CLASS + 1, SIZE_CLASS_STEP)  # the plain keys' class last
+
+
+def sized_key(plain: str, c: Optional[int]) -> str:
+    """The key of size class c for `plain` (the plain key itself for None or PLAIN_CLASS)."""
+    return plain if c is None or c >= PLAIN_CLASS else f"{plain}|e{c}"
+
+
 def size_class(elements) -> Optional[int]:
     """log2 of the size class of an input of `elements` elements: the multiple of SIZE_CLASS_STEP
     nearest log2(elements). None for the plain keys' class (2^22 elements and more) or an unknown
@@ -196,8 +204,7 @@ def key(pattern: str, dtype: torch.dtype, mode: str, width: int, layout: str = "
     k = f"{pattern}|{str(dtype).replace('torch.', '')}|{mode}|{width_class(width)}"
     if layout != "dense":
         k = f"{k}|{layout}"
-    c = size_class(elements)
-    return k if c is None else f"{k}|e{c}"
+    return sized_key(k, size_class(elements))
 
 
 def layout_of(t) -> str:
@@ -234,8 +241,7 @@ def _lookup(pattern, dtype, mode, width, device, elements, layout) -> tuple[str,
             return plain, False
         table = _file_table(_arch(device.index if device.index is not None else torch.cuda.current_device()))
     if elements == ANY_SIZE:  # one graph for every size: normkit only where it won at every size measured
-        found = [table[k] for k in (plain, *(f"{plain}|e{c}" for c in range(0, PLAIN_CLASS, SIZE_CLASS_STEP)))
-                 if k in table]
+        found = [table[k] for k in (sized_key(plain, c) for c in SIZE_CLASSES) if k in table]
         return plain, bool(found) and all(e.get("wins") for e in found)
     c = size_class(elements)
     k = _nearest_measured(table, plain, PLAIN_CLASS if c is None and elements else c)
@@ -246,11 +252,9 @@ def _lookup(pattern, dtype, mode, width, device, elements, layout) -> tuple[str,
 def _nearest_measured(table: dict, plain: str, c: Optional[int]) -> str:
     if c is None:  # size unknown
         return plain
-    classes = sorted(range(0, PLAIN_CLASS + 1, SIZE_CLASS_STEP), key=lambda cc: (abs(cc - c), cc))
-    for cc in classes:
-        k = plain if cc == PLAIN_CLASS else f"{plain}|e{cc}"
-        if k in table:
-            return k
+    for cc in sorted(SIZE_CLASSES, key=lambda cc: (abs(cc - c), cc)):
+        if sized_key(plain, cc) in table:
+            return sized_key(plain, cc)
     return plain
 
 
@@ -259,10 +263,8 @@ def _size_hint(t) -> int:
     one it is compiled for (a dynamic recompile after a second size), so no one size class decides."""
     n = t.numel()
     if isinstance(n, torch.SymInt):
-        try:
-            return int(n.node.maybe_as_int()) if n.node.maybe_as_int() is not None else ANY_SIZE
-        except AttributeError:
-            return ANY_SIZE
+        fixed = getattr(n.node, "maybe_as_int", lambda: None)()
+        return ANY_SIZE if fixed is None else int(fixed)
     return int(n)
 
 

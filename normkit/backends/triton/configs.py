@@ -166,8 +166,7 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
             loop = tuned.get(("looped", direction, elem_bytes, key, op)) or tuned.get(("looped", direction, elem_bytes, key))
             if loop:
                 chunk, num_warps, evict = loop
-                return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
-                                 evict=bool(evict), static_n=True)
+                return looped_config(direction, padded, cuda, (chunk, num_warps), bool(evict), True)
             row = tuned.get((direction, elem_bytes, key, op)) or tuned.get((direction, elem_bytes, key))
         row = row or DEFAULTS[(direction, elem_bytes)].get(key)
     if row is not None:
@@ -183,11 +182,14 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
     return looped_config(direction, padded, cuda)
 
 
-def looped_config(direction: str, padded: int, cuda: bool = False) -> RowConfig:
-    """The looped kernels' default configuration (LOOPED's chunk and warps) for rows of `padded` columns."""
-    chunk, num_warps = LOOPED[direction]
+def looped_config(direction: str, padded: int, cuda: bool = False, shape=None, evict=None,
+                  static_n=None) -> RowConfig:
+    """The looped kernels' configuration for rows of `padded` columns: `shape` (chunk columns, num_warps), evict
+    and static_n from a table's looped row, else LOOPED and the LOOPED_EVICT / LOOPED_STATIC_N knobs (read now)."""
+    chunk, num_warps = shape or LOOPED[direction]
     return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
-                     evict=LOOPED_EVICT, static_n=LOOPED_STATIC_N)
+                     evict=LOOPED_EVICT if evict is None else evict,
+                     static_n=LOOPED_STATIC_N if static_n is None else static_n)
 
 
 REGS_PER_SM = 65536  # every NVIDIA GPU from sm_70 to sm_120
