@@ -52,8 +52,10 @@ KNOBS = {f"vl{c // 1024}k{w}{'e' if e else ''}": dict(MAX_TILED_N=4096, LOOPED={
 # S18-5: the looped kernel compiled for the exact width (LOOPED_STATIC_N), with the hints, as the table's looped rows run
 KNOBS.update({f"s{c // 1024}k{w}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "fwd": (c, w)}, LOOPED_EVICT=True,
                                         LOOPED_STATIC_N=True)
-              for c, w in ((2048, 16), (4096, 16), (8192, 16), (4096, 32), (8192, 32))})
-VARIANTS.update({name: {8192: None, 16384: None, 32768: None} for name in KNOBS})
+              for c, w in ((2048, 16), (4096, 16), (8192, 16), (4096, 32), (8192, 32), (16384, 32))})
+# session 20: the looped LayerNorm sums shifted values per lane (no Welford update): its static rows at 8K-128K too,
+# against the table's tiles (8K-16K) and the CUDA backend's cluster kernels (32K-128K)
+VARIANTS.update({name: {8192: None, 16384: None, 32768: None, 65536: None, 131072: None} for name in KNOBS})
 
 
 def _row(eb, v):

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 20 (issues 22, 24), one device call each (carry .whl), files in one archive in $OUT:
+#   bash benchmarks/device_s20.sh sweep   the looped forward with the width compiled in (fwd_sweep.py s<chunk>k<warps>),
+#                                         LayerNorm's now summing shifted values per lane, 8K-128K, both ops, against
+#                                         the table (tiles, CUDA clusters) and torch.compile; the compile and row GPU tests
+#   bash benchmarks/device_s20.sh final   `normkit bench` fwd 8K-256K with torch and torch.compile on the final table;
+#                                         the GPU test files; compiled Llama decode / UNet2DModel
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh" env.txt
+bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
+case "${1:-sweep}" in
+sweep)
+    timeout 290 python3 benchmarks/fwd_sweep.py --out "$OUT/static" --widths 8192,16384,32768,65536,131072 \
+        --variants table,s2k16,s4k16,s8k16,s4k32,s8k32,s16k32 > "$OUT/static.log" 2>&1
+    echo "static rc $?"; grep -E "copy|FAIL|Error" "$OUT/static.log" | cut -c1-140
+    python3 benchmarks/csv_table.py "$OUT/static/fwd.csv"
+    gpu_tests 250 tests.log -n 14 tests/test_compile_fusion.py tests/test_compile.py tests/test_compile_cache.py \
+        tests/test_row_norm.py tests/test_gate.py tests/test_modulation.py tests/test_host_gpu.py
+    ;;
+final)
+    bench 150 --ops ln,rms --dirs fwd --dtypes bf16,fp16 --widths 8192,16384,32768,65536,131072,262144 \
+        --peers torch,compile --no-host --out "$OUT/fwd"
+    gpu_tests 250 tests.log -n 14 $GPU_TEST_FILES
+    bench 180 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 150 --out "$OUT/llama"
+    ;;
+esac
+tar czf "/tmp/s20-${1:-sweep}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s20-${1:-sweep}.tgz" "$OUT/"
