@@ -3,6 +3,8 @@
 #   bash benchmarks/device_s20.sh sweep   the looped forward with the width compiled in (fwd_sweep.py s<chunk>k<warps>),
 #                                         LayerNorm's now summing shifted values per lane, 8K-128K, both ops, against
 #                                         the table (tiles, CUDA clusters) and torch.compile; the compile and row GPU tests
+#   bash benchmarks/device_s20.sh sweep2  the same sweep after the looped forward issues its next loads before each
+#                                         CTA barrier (the shift's reduction, the row's statistics); the row GPU tests
 #   bash benchmarks/device_s20.sh final   `normkit bench` fwd 8K-256K with torch and torch.compile on the final table;
 #                                         the GPU test files; compiled Llama decode / UNet2DModel
 set -uo pipefail
@@ -16,6 +18,14 @@ sweep)
     python3 benchmarks/csv_table.py "$OUT/static/fwd.csv"
     gpu_tests 250 tests.log -n 14 tests/test_compile_fusion.py tests/test_compile.py tests/test_compile_cache.py \
         tests/test_row_norm.py tests/test_gate.py tests/test_modulation.py tests/test_host_gpu.py
+    ;;
+sweep2)
+    timeout 200 python3 benchmarks/fwd_sweep.py --out "$OUT/static" --widths 8192,16384,32768,65536,131072 \
+        --variants table,s2k16,s4k16,s8k16,s4k32,s8k32,s16k32 > "$OUT/static.log" 2>&1
+    echo "static rc $?"; grep -E "copy|FAIL|Error" "$OUT/static.log" | cut -c1-140
+    python3 benchmarks/csv_table.py "$OUT/static/fwd.csv"
+    gpu_tests 200 tests.log -n 14 tests/test_row_norm.py tests/test_gate.py tests/test_modulation.py \
+        "tests/test_compile_fusion.py::test_a_graph_for_symbolic_sizes_is_decided_for_every_size"
     ;;
 final)
     bench 150 --ops ln,rms --dirs fwd --dtypes bf16,fp16 --widths 8192,16384,32768,65536,131072,262144 \

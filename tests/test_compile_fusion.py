@@ -519,7 +519,7 @@ def test_a_graph_for_symbolic_sizes_is_decided_for_every_size():
         compiled = torch.compile(ln, backend=backend)
         with cf.use_table(table), torch.no_grad():
             for batch in (170, 171, 3):  # 170 x 24 = 4080 elements: class 12; then a symbolic batch
-                compiled(_t(batch, 24))
+                compiled(_t(batch, 24).to(DEVICE))
         made = cf.decisions()
         assert len(made) == 2 and made[0] == (f"{plain}|e12", "normkit" if sized_wins else "inductor"), made
         assert made[1] == (plain, "normkit" if kept else "inductor"), made  # the dynamic graph: every size

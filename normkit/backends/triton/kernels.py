@@ -386,13 +386,21 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
     num_chunks = tl.cdiv(n, BLOCK_N)
     amax = tl.full([], 0, tl.int32)
     lane = tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_next = _load_h_as(X, R, rows, row_mask, lane, lane < n, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES,
                         H_ROUND, HAS_GATE, POLICY_1)
-    if not IS_RMS:  # the first chunk's mean (its masked lanes load 0)
-        shift = tl.sum(x_next, axis=1) / tl.minimum(n, BLOCK_N)
-        acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for chunk in range(0, num_chunks):
+    if IS_RMS:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        first = 0
+    else:  # the first chunk's mean (its masked lanes load 0), the second chunk's loads issued before its reduction:
+        # loads are not moved across the reduction's CTA barrier, so they would otherwise wait for the first's data
+        x = x_next
+        x_next = _load_h_as(X, R, rows, row_mask, lane + BLOCK_N, lane + BLOCK_N < n, INNER, sx_o, sx_i, sx_c, sr_o,
+                            sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE, POLICY_1)
+        shift = tl.sum(x, axis=1) / tl.minimum(n, BLOCK_N)
+        acc1 = tl.where(row_mask[:, None] & (lane < n)[None, :], x - shift[:, None], 0.0)
+        acc = acc1 * acc1
+        first = 1
+    for chunk in range(first, num_chunks):
         x = x_next
         cols = chunk * BLOCK_N + lane
         mask = row_mask[:, None] & (cols < n)[None, :]
@@ -405,16 +413,17 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
             xs = tl.where(mask, x - shift[:, None], 0.0)
             acc1 += xs
             acc += xs * xs
+    # normalize, last chunk first: it is the one most likely still in L2; its loads issued before the row's
+    # reduction (whose CTA barrier loads are not moved across)
+    cols = (num_chunks - 1) * BLOCK_N + lane
+    x_next = _load_h_as(X, R, rows, row_mask, cols, cols < n, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES,
+                        H_ROUND, HAS_GATE, POLICY_2)
+    w_next, b_next = _load_params(W, B, rows, cols, cols < n, n, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
     if IS_RMS:
         rstd = tl.rsqrt(tl.sum(acc, axis=1) / n + eps)
     else:
         mean_s = tl.sum(acc1, axis=1) / n
         rstd = tl.rsqrt(tl.maximum(tl.sum(acc, axis=1) / n - mean_s * mean_s, 0.0) + eps)
-    # normalize, last chunk first: it is the one most likely still in L2
-    cols = (num_chunks - 1) * BLOCK_N + lane
-    x_next = _load_h_as(X, R, rows, row_mask, cols, cols < n, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, HAS_RES,
-                        H_ROUND, HAS_GATE, POLICY_2)
-    w_next, b_next = _load_params(W, B, rows, cols, cols < n, n, W_ROWS, w_offset, HAS_W, HAS_B, PER_ROW_W)
     for i in range(0, num_chunks):
         x, w, b = x_next, w_next, b_next
         cols = (num_chunks - 1 - i) * BLOCK_N + lane
