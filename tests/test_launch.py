@@ -137,14 +137,16 @@ def test_a_tables_looped_rows_walk_the_width_in_chunks(monkeypatch, tmp_path):
         configs.row_config.cache_clear()
 
 
-def test_the_sm90_table_loops_rmsnorms_8k_and_32k_forward():
+def test_the_sm90_table_loops_rmsnorms_8k_32k_and_64k_forward():
     """Run S18-5 (H200): RMSNorm's 16-bit forward at 8K and 32K on the looped kernel compiled for its width, with
-    L2 hints (0.94 / 0.92 of copy against the tiles' 0.91 / 0.85); LayerNorm there and RMSNorm at 16K keep their
-    tiles (the looped LayerNorm lost at every width measured)."""
+    L2 hints (0.94 / 0.92 of copy against the tiles' 0.91 / 0.85); runs S20-1 / S20-2: at 64K too, 16K chunks on 32
+    warps (0.85-0.86 against the CUDA cluster kernel's 0.78-0.80); LayerNorm there and RMSNorm at 16K keep their
+    tiles (the looped LayerNorm lost at every width measured), RMSNorm at 128K its cluster kernel."""
     from normkit.backends.triton import configs
 
     configs.row_config.cache_clear()
-    for n, chunk, warps in ((8192, 4096, 16), (5000, 4096, 16), (32768, 8192, 32)):
+    assert configs.row_config("fwd", 131072, 2, "sm_90", False, "rms").cuda
+    for n, chunk, warps in ((8192, 4096, 16), (5000, 4096, 16), (32768, 8192, 32), (65536, 16384, 32)):
         cfg = configs.row_config("fwd", n, 2, "sm_90", False, "rms")
         assert (cfg.looped, cfg.block_n, cfg.num_warps, cfg.evict, cfg.static_n, cfg.cuda) == (
             True, chunk, warps, True, True, False)

@@ -107,7 +107,7 @@ def table_rows():
                          if src.signature[k].startswith("*") or k in ("M", "N", "sdy_o", "sx_o", "sdy_i", "sx_i")}
             out.append((f"table row bwd bf16 {'rms' if rms else 'ln'} {n}: {cfg.block_m}x{cfg.block_n} x "
                         f"{cfg.num_warps} warps, maxnreg={cfg.reg_cap}, no spills", src, (cfg.num_warps, cfg.reg_cap)))
-    for n in (8192, 32768):  # the table's looped forward rows (RMSNorm, a kernel per width), parameters in x's dtype
+    for n in (8192, 32768, 65536):  # the table's looped forward rows (RMSNorm, a kernel per width), parameters in x's dtype
         cfg = configs.row_config("fwd", n, 2, "sm_90", op="rms")
         if not cfg.looped:
             continue
