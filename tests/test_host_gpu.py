@@ -9,6 +9,7 @@ import torch
 
 import normkit
 from normkit import _host
+from normkit.backends.triton import configs
 
 pytestmark = pytest.mark.gpu
 
@@ -75,9 +76,11 @@ ROW_CASES = [
     # both ways on sm_90
     ((4, 262144), 1, fp32, fp32, "wb", None, False),
     # 16-bit rows from 64K run the CUDA backend's cluster kernels on sm_90 (tuned/sm_90.json "cuda"):
-    # plan launches with a cluster shape (the LayerNorm backward's at 128K: 16 CTAs, a non-portable size)
+    # plan launches with a cluster shape (the LayerNorm backward's at 128K: 16 CTAs, a non-portable size);
+    # RMSNorm's 64K forward runs Triton's looped kernel compiled for the width (its backward the clusters)
     ((4, 65536), 1, bf16, bf16, "wb", None, False),
     ((2, 65536), 1, bf16, bf16, "w", None, True),
+    ((2, 131072), 1, bf16, bf16, "w", None, True),
     ((3, 131072), 1, fp16, fp32, "wb", None, False),
     ((5, 1), 1, fp32, fp32, "wb", None, False),
     ((33, 128), 1, fp16, fp16, "", None, True),
@@ -107,7 +110,9 @@ def test_row_norm_matches_the_python_path(fast, case, grad):
     x, w, b = _row_inputs(shape, ndim, dtype, wdtype, affine)
     fn = _row_fn(ndim, act, rms, shape[len(shape) - ndim:])
     wanted = {i for i, t in enumerate((x, w, b)) if t is not None} if grad else set()
-    wide = x.element_size() == 2 and shape[-1] >= 65536 and torch.cuda.get_device_capability() >= (9, 0)
+    # the forward on the table's cluster route (sm_90)
+    wide = x.element_size() == 2 and torch.cuda.get_device_capability() >= (9, 0) and \
+        configs.row_config("fwd", shape[-1], 2, "sm_90", False, "rms" if rms else "ln").cuda
     if wide:
         _host.clear()  # the plans of this case's other test start afresh too
     failures = _host.stats()["record_failures"]
