@@ -5,6 +5,8 @@ for float64 inputs. Same interface as every backend: x is [M, N] with unit colum
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -80,7 +82,8 @@ def _affine(xhat, weight, bias, acc, weight_offset=0.0):
 def _per_sample(t, table):
     """t (rows, any leading shape) as [S, rows per sample, N] for a modulation table [S, N]."""
     S, n = table.shape
-    return t.reshape(S, t[..., 0].numel() // S if S else 0, n)
+    # the row count from the shape: t[..., 0].numel() builds a view (a microsecond a CPU call)
+    return t.reshape(S, math.prod(t.shape[:-1]) // S if S else 0, n)
 
 
 def _modulate(z, mod_scale, mod_shift):
@@ -88,11 +91,12 @@ def _modulate(z, mod_scale, mod_shift):
     if mod_scale is None and mod_shift is None:
         return z
     zs = _per_sample(z, mod_scale if mod_scale is not None else mod_shift)
+    # unsqueeze, not [:, None]: the same view without Python indexing's cost
     if mod_scale is not None:
-        zs = zs * (1 + mod_scale.to(z.dtype)[:, None])
+        zs = zs * (1 + _to(mod_scale, z.dtype).unsqueeze(1))
     if mod_shift is not None:
-        zs = zs + mod_shift.to(z.dtype)[:, None]
-    return zs.reshape(z.shape)
+        zs = zs + _to(mod_shift, z.dtype).unsqueeze(1)
+    return zs.view(z.shape)
 
 
 def _param_sum(t, heads: int):
