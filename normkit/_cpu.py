@@ -66,10 +66,10 @@ class CpuRowNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, residual, eps, rms, activation, opts, _8=None, _9=None, _10=None,
                 mod_scale=None, mod_shift=None):
         n = x.shape[-1]
-        y, mean, rstd, h, _ = _tb.row_norm_fwd_fused(
+        y, mean, rstd, h, _, ctx.centred = _tb.row_norm_fwd_fused(
             x, weight, bias, eps, rms, activation=activation, residual=residual, h_dtype=opts.residual_dtype,
             store_h=residual is not None, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype,
-            mod_scale=mod_table(mod_scale, n), mod_shift=mod_table(mod_shift, n))
+            mod_scale=mod_table(mod_scale, n), mod_shift=mod_table(mod_shift, n), with_centred=True)
         ctx.save_for_backward(x if h is None else h, weight, bias, mean, rstd, mod_scale, mod_shift, None)
         ctx.args = (1, eps, rms, activation, opts, _tb, x.dtype, None if residual is None else residual.dtype)
         ctx.set_materialize_grads(False)
@@ -85,7 +85,7 @@ class CpuRowNorm(torch.autograd.Function):
         _, _, rms, activation, opts = ctx.args[:5]
         dx, _, dw, db = _tb.row_norm_bwd_fused(dy, z, weight, mean, rstd, rms, weight.dtype if nw else None,
                                                bias.dtype if nb else None, bias=bias, activation=activation,
-                                               weight_offset=opts.weight_offset)
+                                               weight_offset=opts.weight_offset, centred=ctx.centred)
         return dx if nx else None, dw, db, None, None, None, None, None
 
 
@@ -122,16 +122,18 @@ _group_apply = super(torch.autograd.Function, CpuGroupNorm).apply
 def _modulation_served(x, scale, shift, n: int) -> bool:
     """Whether the adaLN modulation tensors are served here: each None or a plain CPU float tensor of one row per
     sample of x (sample_rows), both of the same samples."""
-    samples = None
+    samples = shape = None
     for t in (scale, shift):
         if t is None:
             continue
         if not (type(t) in _PLAIN and t.is_cpu and t.dtype in _FLOAT and t.dim() >= 1 and t.shape[-1] == n):
             return False
+        if t.shape == shape:  # shift of scale's shape (the common call): the same samples
+            continue
         rows = sample_rows(t.shape, x.shape, 1)
         if rows is None or (samples is not None and rows != samples):
             return False
-        samples = rows
+        samples, shape = rows, t.shape
     return True
 
 
@@ -139,20 +141,29 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
              weight_offset, out_dtype, scale=None, shift=None):
     """y (or (y, h) with prenorm) of a CPU LayerNorm/RMSNorm call, or None: not served here. scale / shift (the
     adaLN modulation) are served over one normalized dim."""
+    # the checks as loops and single-dim special cases, not generators and slices: at model sizes they are a good
+    # part of the call
     kind = type(normalized_shape)
     if kind is int:
         shape = (normalized_shape,)
-    elif kind is torch.Size or (kind is tuple and all(type(s) is int for s in normalized_shape)):
+    elif kind is tuple or kind is torch.Size:
+        for s in normalized_shape:
+            if type(s) is not int:
+                return None
         shape = tuple(normalized_shape)
     else:
         return None
     k = len(shape)
     # x's trailing sizes (positive: _eligible asks for elements)
-    if not k or x.dim() < k or x.shape[x.dim() - k:] != shape:
+    if k == 1:
+        if x.dim() < 1 or x.shape[-1] != shape[0]:
+            return None
+    elif not k or x.dim() < k or x.shape[x.dim() - k:] != shape:
         return None
-    if rms and eps is None:
-        eps = default_rms_eps(x.dtype)
-    elif not rms and math.prod(shape) == 1:
+    if rms:
+        if eps is None:
+            eps = default_rms_eps(x.dtype)
+    elif math.prod(shape) == 1:
         return None
     if not (_param(weight, shape) and _param(bias, shape) and _eligible(x, backend, activation, eps)):
         return None
