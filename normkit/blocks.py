@@ -62,7 +62,7 @@ from typing import Callable, Iterable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from . import functional as F
+from . import _cpu, functional as F
 from ._layout import sample_rows
 
 _patch = importlib.import_module("normkit.patch")  # the module: normkit.patch is the function
@@ -71,6 +71,7 @@ __all__ = ["fuse", "unfuse", "add_norm", "norm_act", "norm_modulate"]
 
 OPS = _patch.OPS
 _KERNEL_DTYPES, _LOW_PRECISION = _patch._KERNEL_DTYPES, _patch._LOW_PRECISION
+_is_compiling = torch.compiler.is_compiling
 
 
 # ----------------------------------------------------------------------------- what a norm module computes
@@ -193,7 +194,7 @@ def norm_modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift, 
     if not shape or _hooked(norm):
         return _modulated(norm, x, scale, shift)
     device, nd, k = x.device, x.dim(), len(shape)
-    mods = []
+    mods, checked = [], None
     for t in (scale, shift):
         if t is not None:
             if t.device != device or t.dim() > nd:
@@ -201,19 +202,27 @@ def norm_modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift, 
             # torch broadcasts from the right: with leading ones, normkit's per-sample rule (from the left) agrees
             if t.dim() != nd:
                 t = t.reshape((1,) * (nd - t.dim()) + tuple(t.shape))
-            if t.shape[nd - k:] != shape or sample_rows(t.shape, x.shape, k) is None:
-                return _modulated(norm, x, scale, shift)
-            for a, n in zip(t.shape, x.shape):
-                if a != 1 and a != n:
+            if t.shape != checked:  # shift of scale's shape (the common call) passes what scale passed
+                if t.shape[nd - k:] != shape or sample_rows(t.shape, x.shape, k) is None:
                     return _modulated(norm, x, scale, shift)
+                for a, n in zip(t.shape, x.shape):
+                    if a != 1 and a != n:
+                        return _modulated(norm, x, scale, shift)
+                checked = t.shape
         mods.append(t)
     y_dtype = x.dtype if style == "rms" or not F._autocast_upcasts("layer_norm", device.type) or \
         not torch.is_autocast_enabled(device.type) else torch.float32
     for t in mods:
         if t is not None and t.dtype != y_dtype:
             y_dtype = torch.promote_types(y_dtype, t.dtype)
-    return F.row_norm_as_written(x, shape, w, b, norm.eps, style == "rms", scale=mods[0], shift=mods[1],
-                                 backend=backend, out_dtype=y_dtype)
+    rms = style == "rms"
+    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+        # the CPU fast path directly, with the arguments row_norm_as_written would offer it first
+        y = _cpu.row_norm(x, shape, w, b, norm.eps, rms, None, None, None, False, None, 0, y_dtype, mods[0], mods[1])
+        if y is not None:
+            return y
+    return F.row_norm_as_written(x, shape, w, b, norm.eps, rms, scale=mods[0], shift=mods[1], backend=backend,
+                                 out_dtype=y_dtype)
 
 
 def _norm_then_act(norm, act, x, backend, relaxed):
