@@ -241,5 +241,5 @@ def group_norm(x, num_groups, weight, bias, eps, activation, backend):
             _tb._group_norm_fwd(x3, num_groups, weight, bias, eps, activation, shift=False)
         y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb) if out is None else out[0]
     else:
-        y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]
+        y = _tb._group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]  # (group_norm_fwd wraps it)
     return y if x.dim() == 3 else y.view_as(x)

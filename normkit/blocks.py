@@ -193,11 +193,12 @@ def norm_modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift, 
     shape = tuple(getattr(norm, "normalized_shape", ()) or ())
     if not shape or _hooked(norm):
         return _modulated(norm, x, scale, shift)
-    device, nd, k = x.device, x.dim(), len(shape)
+    cpu, device, nd, k = x.is_cpu, x.device, x.dim(), len(shape)
     mods, checked = [], None
     for t in (scale, shift):
         if t is not None:
-            if t.device != device or t.dim() > nd:
+            # on the CPU is_cpu says it (t.device builds a device object: most of this check's cost)
+            if not (t.is_cpu if cpu else t.device == device) or t.dim() > nd:
                 return _modulated(norm, x, scale, shift)
             # torch broadcasts from the right: with leading ones, normkit's per-sample rule (from the left) agrees
             if t.dim() != nd:
@@ -216,7 +217,7 @@ def norm_modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift, 
         if t is not None and t.dtype != y_dtype:
             y_dtype = torch.promote_types(y_dtype, t.dtype)
     rms = style == "rms"
-    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+    if backend is None and not _is_compiling() and type(x) is torch.Tensor and cpu:
         # the CPU fast path directly, with the arguments row_norm_as_written would offer it first
         y = _cpu.row_norm(x, shape, w, b, norm.eps, rms, None, None, None, False, None, 0, y_dtype, mods[0], mods[1])
         if y is not None:

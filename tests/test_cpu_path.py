@@ -1,6 +1,9 @@
 """The CPU fast path (normkit/_cpu.py): plain CPU calls run torch's own ops, against the float64
 oracle, forward and backward, with rows and groups offset by 1e4; calls it does not serve (and
 every bad argument) take the general path with its errors."""
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -441,3 +444,29 @@ def test_row_options_are_reused():
     assert a == RowOptions(torch.float32, 1.0, None, mod_scale=True, mod_shift=False)
     assert _cpu._options(torch.float32, 1.0, None, True, False) is a
     assert _cpu._options(torch.float32, 1.0, None, False, True) != a
+
+
+def _sample_rows_as_written(t_shape, x_shape, k):
+    """sample_rows' rule spelled out: t's lead padded with ones on the right must equal a prefix of x's lead
+    followed by broadcast ones; (S, rows per sample), else None."""
+    lead, slead = tuple(x_shape[: len(x_shape) - k]), tuple(t_shape[: len(t_shape) - k])
+    if len(slead) > len(lead):
+        return None
+    padded = slead + (1,) * (len(lead) - len(slead))
+    last = max([i for i, s in enumerate(padded) if s != 1], default=-1)
+    if padded[: last + 1] != lead[: last + 1]:
+        return None
+    return math.prod(lead[: last + 1]), math.prod(lead[last + 1:])
+
+
+def test_sample_rows_follows_its_rule():
+    """_layout.sample_rows (loops without a padded copy) against the rule spelled out, on every lead of up to
+    three dims of sizes 1-3 for t, against x leads of up to three dims."""
+    from normkit._layout import sample_rows
+    leads = [()] + [tuple(s) for n in (1, 2, 3) for s in itertools.product((1, 2, 3), repeat=n)]
+    for x_lead in ((2, 3), (3,), (2, 1, 3), (1, 2), ()):
+        for t_lead in leads:
+            for k in (1, 2):
+                x_shape, t_shape = x_lead + (4,) * k, t_lead + (4,) * k
+                assert sample_rows(t_shape, x_shape, k) == _sample_rows_as_written(t_shape, x_shape, k), \
+                    (t_shape, x_shape, k)
