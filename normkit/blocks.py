@@ -166,6 +166,11 @@ def norm_act(norm: nn.Module, act: nn.Module, x: torch.Tensor, backend: Optional
         return None
     if not (relaxed or x.dtype == torch.float32 or _autocast_fp32(x)):
         return None  # the norm's output would be rounded to x's dtype before the activation
+    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+        # the CPU fast path directly, with the arguments F.group_norm would offer it first
+        y = _cpu.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, name, None)
+        if y is not None:
+            return y
     return F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation=name, backend=backend)
 
 

@@ -470,3 +470,20 @@ def test_sample_rows_follows_its_rule():
                 x_shape, t_shape = x_lead + (4,) * k, t_lead + (4,) * k
                 assert sample_rows(t_shape, x_shape, k) == _sample_rows_as_written(t_shape, x_shape, k), \
                     (t_shape, x_shape, k)
+
+
+def test_norm_act_goes_straight_to_the_fast_path(monkeypatch):
+    """blocks.norm_act hands a CPU call to _cpu itself, with normkit.group_norm's bits (forward and gradients);
+    with a backend named it calls normkit.group_norm."""
+    from normkit import blocks, functional as F
+    norm, act = torch.nn.GroupNorm(4, 16), torch.nn.Mish()
+    x = randn(2, 16, 9).requires_grad_()
+    y = normkit.group_norm(x, 4, norm.weight, norm.bias, norm.eps, activation="mish")
+    want = [y.detach(), *torch.autograd.grad(y, [x, norm.weight, norm.bias], torch.ones_like(y))]
+    real, calls = F.group_norm, []
+    monkeypatch.setattr(F, "group_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = blocks.norm_act(norm, act, x)
+    got = [y.detach(), *torch.autograd.grad(y, [x, norm.weight, norm.bias], torch.ones_like(y))]
+    assert all(torch.equal(g, e) for g, e in zip(got, want)) and not calls
+    blocks.norm_act(norm, act, x, backend="torch")
+    assert calls == [1]

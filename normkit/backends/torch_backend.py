@@ -161,6 +161,8 @@ def _native_layer_norm(x, weight, bias, eps, store_stats=True, weight_offset=0.0
     if not centred:
         xs, shift = _shifted(xf)
         y, mean_s, rstd = torch.native_layer_norm(xs, n, w, b, eps)
+        if not store_stats:  # (the mean's add only where it is kept)
+            return y, None, None, centred
         mean = shift + mean_s
     if not store_stats:
         return y, None, None, centred
