@@ -37,6 +37,9 @@ from .backends import torch_backend as _tb
 from .reference import ACTIVATIONS, default_rms_eps
 
 _FLOAT = _tb.DTYPES
+# default_rms_eps calls torch.finfo (~0.5 us a call). Cached here, not there: that one is traced under torch.compile,
+# where a float read from a module global becomes a symbolic input that dynamic=True specializes by restarting
+_RMS_EPS = {t: default_rms_eps(t) for t in _FLOAT}
 _PLAIN = _library._PLAIN
 _is_compiling, _dispatch_modes = _library._is_compiling, _library._dispatch_modes
 
@@ -66,7 +69,7 @@ class CpuRowNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, residual, eps, rms, activation, opts, _8=None, _9=None, _10=None,
                 mod_scale=None, mod_shift=None):
         n = x.shape[-1]
-        y, mean, rstd, h, _, ctx.centred = _tb.row_norm_fwd_fused(
+        y, mean, rstd, h, _, ctx.centred = _tb._row_norm_fwd(
             x, weight, bias, eps, rms, activation=activation, residual=residual, h_dtype=opts.residual_dtype,
             store_h=residual is not None, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype,
             mod_scale=mod_table(mod_scale, n), mod_shift=mod_table(mod_shift, n), with_centred=True)
@@ -83,9 +86,9 @@ class CpuRowNorm(torch.autograd.Function):
         # no residual: the torch backend's backward with the arguments RowNormFn's would pass it, minus its plumbing
         z, weight, bias, mean, rstd = ctx.saved_tensors[:5]
         _, _, rms, activation, opts = ctx.args[:5]
-        dx, _, dw, db = _tb.row_norm_bwd_fused(dy, z, weight, mean, rstd, rms, weight.dtype if nw else None,
-                                               bias.dtype if nb else None, bias=bias, activation=activation,
-                                               weight_offset=opts.weight_offset, centred=ctx.centred)
+        dx, _, dw, db = _tb._row_norm_bwd(dy, z, weight, mean, rstd, rms, weight.dtype if nw else None,
+                                          bias.dtype if nb else None, bias=bias, activation=activation,
+                                          weight_offset=opts.weight_offset, centred=ctx.centred)
         return dx if nx else None, dw, db, None, None, None, None, None
 
 
@@ -173,8 +176,8 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
     elif not k or x.dim() < k or x.shape[x.dim() - k:] != shape:
         return None
     if rms:
-        if eps is None:
-            eps = default_rms_eps(x.dtype)
+        if eps is None:  # (None for a dtype not served: _eligible then declines)
+            eps = _RMS_EPS.get(x.dtype)
     elif math.prod(shape) == 1:
         return None
     if not (_param(weight, shape) and _param(bias, shape) and _eligible(x, backend, activation, eps)):
@@ -206,11 +209,11 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
             _options(h_dtype, weight_offset, out_dtype, False, False)
         y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, opts)
     else:  # no autograd: the general path's call to the same function (the modulation as [S, N] tables)
-        y, _, _, h, _ = _tb.row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=False,
-                                               residual=residual, h_dtype=h_dtype, store_h=prenorm,
-                                               weight_offset=weight_offset, out_dtype=out_dtype,
-                                               mod_scale=mod_table(scale, shape[0]) if modulated else None,
-                                               mod_shift=mod_table(shift, shape[0]) if modulated else None)
+        y, _, _, h, _ = _tb._row_norm_fwd(x, weight, bias, eps, rms, activation=activation, store_stats=False,
+                                          residual=residual, h_dtype=h_dtype, store_h=prenorm,
+                                          weight_offset=weight_offset, out_dtype=out_dtype,
+                                          mod_scale=mod_table(scale, shape[0]) if modulated else None,
+                                          mod_shift=mod_table(shift, shape[0]) if modulated else None)
     if k > 1:
         y, h = y.unflatten(-1, shape), None if h is None else h.unflatten(-1, shape)
     return (y, h) if prenorm else y

@@ -32,12 +32,9 @@ __all__ = [
 _f64 = torch.float64
 
 
-_EPS64, _EPS32 = torch.finfo(torch.float64).eps, torch.finfo(torch.float32).eps  # finfo costs ~0.5 us a call
-
-
 def default_rms_eps(dtype: torch.dtype) -> float:
     """The eps torch's F.rms_norm uses when eps=None: machine epsilon of the compute (opmath) type."""
-    return _EPS64 if dtype == torch.float64 else _EPS32
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
 
 ACTIVATIONS = ("silu", "mish", "gelu", "gelu_tanh", "relu")

@@ -270,15 +270,23 @@ def _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activati
 
 
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
-    y, mean, rstd, _, _ = row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=store_stats)
+    y, mean, rstd, _, _ = _row_norm_fwd(x, weight, bias, eps, rms, activation, store_stats)
     return y, mean, rstd
 
 
 def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=None, store_stats: bool = True,
                        residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
-                       want_amax=False, mod_scale=None, mod_shift=None, gate=None, with_centred=False):
-    """with_centred (the CPU fast path's autograd Function): a sixth output, True where torch's LayerNorm
-    kernel ran on the rows unshifted (row_norm_bwd_fused's centred= then skips its check of the statistics)."""
+                       want_amax=False, mod_scale=None, mod_shift=None, gate=None):
+    return _row_norm_fwd(x, weight, bias, eps, rms, activation, store_stats, residual, h_dtype, store_h, weight_offset,
+                         out_dtype, out_scale, want_amax, mod_scale, mod_shift, gate)
+
+
+def _row_norm_fwd(x, weight, bias, eps, rms, activation=None, store_stats=True, residual=None, h_dtype=None,
+                  store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None, want_amax=False, mod_scale=None,
+                  mod_shift=None, gate=None, with_centred=False):
+    """row_norm_fwd_fused (the interface's keyword-only arguments by position too: the CPU fast path calls it
+    directly). with_centred (the fast path's autograd Function): a sixth output, True where torch's LayerNorm
+    kernel ran on the rows unshifted (_row_norm_bwd's centred= then skips its check of the statistics)."""
     acc = _acc(x)
     xf = _to(x, acc) if gate is None else _gated(x, gate, acc)
     h = None
@@ -336,17 +344,24 @@ def _gated(x, gate, acc):
 
 
 def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None):
-    dx, _, dw, db = row_norm_bwd_fused(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias=bias,
-                                       activation=activation)
+    dx, _, dw, db = _row_norm_bwd(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias, activation)
     return dx, dw, db
 
 
 def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None,
                        weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
-                       dmod_dtypes=(None, None), gate=None, centred=False):
-    """With gate: x is the ungated input, and (dx, dres, dw, db, dgate) comes back. centred: the forward
-    found these statistics centred (row_norm_fwd_fused's with_centred output): torch's LayerNorm backward
-    kernel then skips the check, whose answer on them is the same."""
+                       dmod_dtypes=(None, None), gate=None):
+    """With gate: x is the ungated input, and (dx, dres, dw, db, dgate) comes back."""
+    return _row_norm_bwd(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias, activation, weight_offset,
+                         dh, dx_dtype, dres_dtype, mod_scale, mod_shift, dmod_dtypes, gate)
+
+
+def _row_norm_bwd(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias=None, activation=None,
+                  weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
+                  dmod_dtypes=(None, None), gate=None, centred=False):
+    """row_norm_bwd_fused (its keyword-only arguments by position too). centred: the forward found these
+    statistics centred (_row_norm_fwd's with_centred output): torch's LayerNorm backward kernel then skips
+    the check, whose answer on them is the same."""
     acc = _acc(x)
     N = x.shape[-1]
     modulated = mod_scale is not None or mod_shift is not None
