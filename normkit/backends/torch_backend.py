@@ -96,7 +96,7 @@ def _modulate(z, mod_scale, mod_shift):
         zs = zs * (1 + _to(mod_scale, z.dtype).unsqueeze(1))
     if mod_shift is not None:
         zs = zs + _to(mod_shift, z.dtype).unsqueeze(1)
-    return zs.view(z.shape)
+    return zs.reshape(z.shape)
 
 
 def _param_sum(t, heads: int):
