@@ -37,6 +37,9 @@ from .backends import torch_backend as _tb
 from .reference import ACTIVATIONS, default_rms_eps
 
 _FLOAT = _tb.DTYPES
+# default_rms_eps calls torch.finfo (~0.5 us a call). Cached here, not there: that one is traced under torch.compile,
+# where a float read from a module global becomes a symbolic input that dynamic=True specializes by restarting
+_RMS_EPS = {t: default_rms_eps(t) for t in _FLOAT}
 _PLAIN = _library._PLAIN
 _is_compiling, _dispatch_modes = _library._is_compiling, _library._dispatch_modes
 
@@ -66,10 +69,10 @@ class CpuRowNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, residual, eps, rms, activation, opts, _8=None, _9=None, _10=None,
                 mod_scale=None, mod_shift=None):
         n = x.shape[-1]
-        y, mean, rstd, h, _ = _tb.row_norm_fwd_fused(
+        y, mean, rstd, h, _, ctx.centred = _tb._row_norm_fwd(
             x, weight, bias, eps, rms, activation=activation, residual=residual, h_dtype=opts.residual_dtype,
             store_h=residual is not None, weight_offset=opts.weight_offset, out_dtype=opts.out_dtype,
-            mod_scale=mod_table(mod_scale, n), mod_shift=mod_table(mod_shift, n))
+            mod_scale=mod_table(mod_scale, n), mod_shift=mod_table(mod_shift, n), with_centred=True)
         ctx.save_for_backward(x if h is None else h, weight, bias, mean, rstd, mod_scale, mod_shift, None)
         ctx.args = (1, eps, rms, activation, opts, _tb, x.dtype, None if residual is None else residual.dtype)
         ctx.set_materialize_grads(False)
@@ -83,9 +86,9 @@ class CpuRowNorm(torch.autograd.Function):
         # no residual: the torch backend's backward with the arguments RowNormFn's would pass it, minus its plumbing
         z, weight, bias, mean, rstd = ctx.saved_tensors[:5]
         _, _, rms, activation, opts = ctx.args[:5]
-        dx, _, dw, db = _tb.row_norm_bwd_fused(dy, z, weight, mean, rstd, rms, weight.dtype if nw else None,
-                                               bias.dtype if nb else None, bias=bias, activation=activation,
-                                               weight_offset=opts.weight_offset)
+        dx, _, dw, db = _tb._row_norm_bwd(dy, z, weight, mean, rstd, rms, weight.dtype if nw else None,
+                                          bias.dtype if nb else None, bias=bias, activation=activation,
+                                          weight_offset=opts.weight_offset, centred=ctx.centred)
         return dx if nx else None, dw, db, None, None, None, None, None
 
 
@@ -119,19 +122,33 @@ _group_apply = super(torch.autograd.Function, CpuGroupNorm).apply
 
 # ----------------------------------------------------------------------------- entry points
 
+_OPTIONS: dict = {}  # RowOptions by its fields: building the frozen dataclass costs ~1 us a call, a lookup ~0.1
+
+
+def _options(h_dtype, weight_offset: float, out_dtype, mod_scale: bool, mod_shift: bool) -> RowOptions:
+    key = (h_dtype, weight_offset, out_dtype, mod_scale, mod_shift)  # weight_offset: a finite float (-0.0 acts as 0.0)
+    opts = _OPTIONS.get(key)
+    if opts is None:
+        opts = RowOptions(h_dtype, weight_offset, out_dtype, mod_scale=mod_scale, mod_shift=mod_shift)
+        if len(_OPTIONS) < 256:  # a few combinations per model; bounded for callers that vary weight_offset
+            _OPTIONS[key] = opts
+    return opts
+
 def _modulation_served(x, scale, shift, n: int) -> bool:
     """Whether the adaLN modulation tensors are served here: each None or a plain CPU float tensor of one row per
     sample of x (sample_rows), both of the same samples."""
-    samples = None
+    samples = shape = None
     for t in (scale, shift):
         if t is None:
             continue
         if not (type(t) in _PLAIN and t.is_cpu and t.dtype in _FLOAT and t.dim() >= 1 and t.shape[-1] == n):
             return False
+        if t.shape == shape:  # shift of scale's shape (the common call): the same samples
+            continue
         rows = sample_rows(t.shape, x.shape, 1)
         if rows is None or (samples is not None and rows != samples):
             return False
-        samples = rows
+        samples, shape = rows, t.shape
     return True
 
 
@@ -139,20 +156,29 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
              weight_offset, out_dtype, scale=None, shift=None):
     """y (or (y, h) with prenorm) of a CPU LayerNorm/RMSNorm call, or None: not served here. scale / shift (the
     adaLN modulation) are served over one normalized dim."""
+    # the checks as loops and single-dim special cases, not generators and slices: at model sizes they are a good
+    # part of the call
     kind = type(normalized_shape)
     if kind is int:
         shape = (normalized_shape,)
-    elif kind is torch.Size or (kind is tuple and all(type(s) is int for s in normalized_shape)):
+    elif kind is tuple or kind is torch.Size:
+        for s in normalized_shape:
+            if type(s) is not int:
+                return None
         shape = tuple(normalized_shape)
     else:
         return None
     k = len(shape)
     # x's trailing sizes (positive: _eligible asks for elements)
-    if not k or x.dim() < k or x.shape[x.dim() - k:] != shape:
+    if k == 1:
+        if x.dim() < 1 or x.shape[-1] != shape[0]:
+            return None
+    elif not k or x.dim() < k or x.shape[x.dim() - k:] != shape:
         return None
-    if rms and eps is None:
-        eps = default_rms_eps(x.dtype)
-    elif not rms and math.prod(shape) == 1:
+    if rms:
+        if eps is None:  # (None for a dtype not served: _eligible then declines)
+            eps = _RMS_EPS.get(x.dtype)
+    elif math.prod(shape) == 1:
         return None
     if not (_param(weight, shape) and _param(bias, shape) and _eligible(x, backend, activation, eps)):
         return None
@@ -176,18 +202,18 @@ def row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, r
     h_dtype = None if residual is None else (residual_dtype or residual.dtype)
     weight_offset, out_dtype = float(weight_offset), None if out_dtype == x.dtype else out_dtype
     if modulated and needs_autograd(x, weight, bias, residual, scale, shift):  # the modulation's gradients too
-        opts = RowOptions(h_dtype, weight_offset, out_dtype, mod_scale=scale is not None, mod_shift=shift is not None)
+        opts = _options(h_dtype, weight_offset, out_dtype, scale is not None, shift is not None)
         y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, opts, None, None, None, scale, shift)
-    elif not modulated and needs_autograd(x, weight, bias, residual):  # RowOptions only here: a dataclass costs a us
+    elif not modulated and needs_autograd(x, weight, bias, residual):  # RowOptions only here
         opts = PLAIN if h_dtype is None and not weight_offset and out_dtype is None else \
-            RowOptions(h_dtype, weight_offset, out_dtype)
+            _options(h_dtype, weight_offset, out_dtype, False, False)
         y, h = _row_apply(x, weight, bias, residual, eps, rms, activation, opts)
     else:  # no autograd: the general path's call to the same function (the modulation as [S, N] tables)
-        y, _, _, h, _ = _tb.row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=False,
-                                               residual=residual, h_dtype=h_dtype, store_h=prenorm,
-                                               weight_offset=weight_offset, out_dtype=out_dtype,
-                                               mod_scale=mod_table(scale, shape[0]) if modulated else None,
-                                               mod_shift=mod_table(shift, shape[0]) if modulated else None)
+        y, _, _, h, _ = _tb._row_norm_fwd(x, weight, bias, eps, rms, activation=activation, store_stats=False,
+                                          residual=residual, h_dtype=h_dtype, store_h=prenorm,
+                                          weight_offset=weight_offset, out_dtype=out_dtype,
+                                          mod_scale=mod_table(scale, shape[0]) if modulated else None,
+                                          mod_shift=mod_table(shift, shape[0]) if modulated else None)
     if k > 1:
         y, h = y.unflatten(-1, shape), None if h is None else h.unflatten(-1, shape)
     return (y, h) if prenorm else y
@@ -218,5 +244,5 @@ def group_norm(x, num_groups, weight, bias, eps, activation, backend):
             _tb._group_norm_fwd(x3, num_groups, weight, bias, eps, activation, shift=False)
         y = _group_apply(x3, weight, bias, num_groups, eps, activation, _tb) if out is None else out[0]
     else:
-        y = _tb.group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]
+        y = _tb._group_norm_fwd(x3, num_groups, weight, bias, eps, activation)[0]  # (group_norm_fwd wraps it)
     return y if x.dim() == 3 else y.view_as(x)

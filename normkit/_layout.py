@@ -121,16 +121,17 @@ def sample_rows(t_shape, x_shape, k: int):
     left ((B, N) and (B, 1, N) both mean one row per sample of a (B, T, N) x), and must equal a
     prefix of them followed by ones only, so that rows r of x use table row r // (rows per sample).
     None where t's lead is not of that form (per token, or not broadcastable)."""
-    lead, slead = tuple(x_shape[: len(x_shape) - k]), tuple(t_shape[: len(t_shape) - k])
-    if len(slead) > len(lead):
+    lead, nt = tuple(x_shape[: len(x_shape) - k]), len(t_shape) - k
+    if nt > len(lead):
         return None
-    padded = slead + (1,) * (len(lead) - len(slead))
-    last = -1  # the last dim that is not broadcast (a plain loop: dynamo traces this)
-    for i in range(len(padded)):
-        if padded[i] != 1:
+    # plain loops over t's lead (dynamo traces them), no padded copy: asked at every modulated CPU call
+    last = -1  # the last dim that is not broadcast (t's lead padded with ones)
+    for i in range(nt):
+        if t_shape[i] != 1:
             last = i
-    if padded[: last + 1] != lead[: last + 1]:
-        return None
+    for i in range(last + 1):
+        if t_shape[i] != lead[i]:
+            return None
     return math.prod(lead[: last + 1]), math.prod(lead[last + 1:])
 
 

@@ -62,7 +62,8 @@ from typing import Callable, Iterable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from . import functional as F
+from . import _cpu, functional as F
+from ._layout import sample_rows
 
 _patch = importlib.import_module("normkit.patch")  # the module: normkit.patch is the function
 
@@ -70,6 +71,7 @@ __all__ = ["fuse", "unfuse", "add_norm", "norm_act", "norm_modulate"]
 
 OPS = _patch.OPS
 _KERNEL_DTYPES, _LOW_PRECISION = _patch._KERNEL_DTYPES, _patch._LOW_PRECISION
+_is_compiling = torch.compiler.is_compiling
 
 
 # ----------------------------------------------------------------------------- what a norm module computes
@@ -164,50 +166,69 @@ def norm_act(norm: nn.Module, act: nn.Module, x: torch.Tensor, backend: Optional
         return None
     if not (relaxed or x.dtype == torch.float32 or _autocast_fp32(x)):
         return None  # the norm's output would be rounded to x's dtype before the activation
+    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+        # the CPU fast path directly, with the arguments F.group_norm would offer it first
+        y = _cpu.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, name, None)
+        if y is not None:
+            return y
     return F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation=name, backend=backend)
+
+
+def _modulated(norm, x, scale, shift):
+    """norm(x) * (1 + scale) + shift (shift may be None), as the block writes it."""
+    y = norm(x) * (1 + scale)
+    return y + shift if shift is not None else y
 
 
 def norm_modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift, backend: Optional[str] = None,
                   relaxed: bool = False) -> torch.Tensor:
     """norm(x) * (1 + scale) + shift (shift may be None), as one normkit call with the adaLN
     modulation fused where that computes what the block does (see the module docstring: all fp32,
-    or relaxed); else as written."""
-    def as_written():
-        y = norm(x) * (1 + scale)
-        return y + shift if shift is not None else y
-
+    or relaxed); else as written. The checks are loops, not generators: asked at every block's call."""
     style = _norm_style(norm)
     if style not in ("ln", "rms") or x.dtype not in _KERNEL_DTYPES:
-        return as_written()
+        return _modulated(norm, x, scale, shift)
     w, b = getattr(norm, "weight", None), getattr(norm, "bias", None) if style == "ln" else None
-    mods = [t for t in (scale, shift) if t is not None]
-    operands = [x, *mods, *(p for p in (w, b) if p is not None)]
     # first the test that decides the common case (bf16/fp16 without relaxed: the module's own
     # roundings, as written) so that it costs no more host time than the module itself
-    if not all(isinstance(t, torch.Tensor) and t.dtype in _KERNEL_DTYPES for t in operands) or \
-            not (relaxed or all(t.dtype == torch.float32 for t in operands)):
-        return as_written()
+    for t in (x, scale, shift, w, b):
+        if t is not None and not (isinstance(t, torch.Tensor) and t.dtype in _KERNEL_DTYPES and
+                                  (relaxed or t.dtype == torch.float32)):
+            return _modulated(norm, x, scale, shift)
     shape = tuple(getattr(norm, "normalized_shape", ()) or ())
-    if not shape or _hooked(norm) or not all(t.device == x.device and t.dim() <= x.dim() for t in mods):
-        return as_written()
-    # torch broadcasts from the right: with leading ones, normkit's per-sample rule (from the left) agrees
-    scale, shift = (t if t is None or t.dim() == x.dim() else t.reshape((1,) * (x.dim() - t.dim()) + tuple(t.shape))
-                    for t in (scale, shift))
-    k = len(shape)
-    from ._layout import sample_rows
-    for t in (scale, shift):
-        if t is not None and (tuple(t.shape[x.dim() - k:]) != shape or sample_rows(t.shape, x.shape, k) is None or
-                              any(a not in (1, b) for a, b in zip(t.shape, x.shape))):
-            return as_written()
-    y_dtype = x.dtype if style == "rms" or not F._autocast_upcasts("layer_norm", x.device.type) or \
-        not torch.is_autocast_enabled(x.device.type) else torch.float32
+    if not shape or _hooked(norm):
+        return _modulated(norm, x, scale, shift)
+    cpu, device, nd, k = x.is_cpu, x.device, x.dim(), len(shape)
+    mods, checked = [], None
     for t in (scale, shift):
         if t is not None:
+            # on the CPU is_cpu says it (t.device builds a device object: most of this check's cost)
+            if not (t.is_cpu if cpu else t.device == device) or t.dim() > nd:
+                return _modulated(norm, x, scale, shift)
+            # torch broadcasts from the right: with leading ones, normkit's per-sample rule (from the left) agrees
+            if t.dim() != nd:
+                t = t.reshape((1,) * (nd - t.dim()) + tuple(t.shape))
+            if t.shape != checked:  # shift of scale's shape (the common call) passes what scale passed
+                if t.shape[nd - k:] != shape or sample_rows(t.shape, x.shape, k) is None:
+                    return _modulated(norm, x, scale, shift)
+                for a, n in zip(t.shape, x.shape):
+                    if a != 1 and a != n:
+                        return _modulated(norm, x, scale, shift)
+                checked = t.shape
+        mods.append(t)
+    y_dtype = x.dtype if style == "rms" or not F._autocast_upcasts("layer_norm", device.type) or \
+        not torch.is_autocast_enabled(device.type) else torch.float32
+    for t in mods:
+        if t is not None and t.dtype != y_dtype:
             y_dtype = torch.promote_types(y_dtype, t.dtype)
-    kw = dict(scale=scale, shift=shift, backend=backend, out_dtype=y_dtype)
-    if style == "ln":
-        return F.row_norm_as_written(x, shape, w, b, norm.eps, False, **kw)
-    return F.row_norm_as_written(x, shape, w, None, norm.eps, True, **kw)
+    rms = style == "rms"
+    if backend is None and not _is_compiling() and type(x) is torch.Tensor and cpu:
+        # the CPU fast path directly, with the arguments row_norm_as_written would offer it first
+        y = _cpu.row_norm(x, shape, w, b, norm.eps, rms, None, None, None, False, None, 0, y_dtype, mods[0], mods[1])
+        if y is not None:
+            return y
+    return F.row_norm_as_written(x, shape, w, b, norm.eps, rms, scale=mods[0], shift=mods[1], backend=backend,
+                                 out_dtype=y_dtype)
 
 
 def _norm_then_act(norm, act, x, backend, relaxed):

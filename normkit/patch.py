@@ -94,18 +94,41 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- replacement forwards
-# Each runs on a patched module; self._normkit_backend is the backend chosen at patch time.
+# Each runs on a patched module; self._normkit_backend is the backend chosen at patch time. A plain
+# CPU call goes straight to the CPU fast path (normkit/_cpu.py), with the arguments F.layer_norm /
+# rms_norm / group_norm would offer it first: two Python layers less a call (microseconds at model
+# sizes); a call it declines (and a backend named, torch.compile) takes the public function.
+
+_cpu, _is_compiling = F._cpu, torch.compiler.is_compiling
+
 
 def _layer_norm_forward(self, x):
-    return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, backend=self._normkit_backend)
+    backend = self._normkit_backend
+    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+        y = _cpu.row_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, False, None, None, None, False,
+                          None, 0, None)
+        if y is not None:
+            return y
+    return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, backend=backend)
 
 
 def _rms_norm_forward(self, x):
-    return F.rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self._normkit_backend)
+    backend = self._normkit_backend
+    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+        y = _cpu.row_norm(x, self.normalized_shape, self.weight, None, self.eps, True, None, None, None, False, None,
+                          0, None)
+        if y is not None:
+            return y
+    return F.rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=backend)
 
 
 def _group_norm_forward(self, x):
-    return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, backend=self._normkit_backend)
+    backend = self._normkit_backend
+    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+        y = _cpu.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, None, None)
+        if y is not None:
+            return y
+    return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, backend=backend)
 
 
 def _layer_norm_2d_forward(self, x):

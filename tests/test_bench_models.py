@@ -276,15 +276,15 @@ def test_encoder_and_dit_cases_build_patch_and_match(name):
 def test_relaxed_variant_fuses_the_modulation_in_bf16_where_the_default_does_not(monkeypatch):
     """The bench's normkit-relaxed variant is normkit.patch(fuse="relaxed"): DiT's adaLN modulation
     runs in normkit's kernel in bf16, where the default variant keeps the module's own roundings."""
-    import normkit.functional as nkf
+    from normkit import _cpu
     from normkit.bench import models as bench_models
     spec = model_zoo.SPECS["dit"]
     size = model_zoo.size_of(spec, "tiny")
-    # every normkit row norm call goes through _via_host first (the CPU fast path, then the host path): its
-    # mod_scale argument (the 17th) says whether the modulation reached normkit
-    real, modulated = nkf._via_host, []
-    monkeypatch.setattr(nkf, "_via_host", lambda *a, **k: modulated.append(
-        (a[16] if len(a) > 16 else k.get("mod_scale")) is not None) or real(*a, **k))
+    # every normkit row norm call on CPU tensors is offered to the CPU fast path first (by the public functions,
+    # the patched modules' forwards and the fused blocks, all with positional arguments): its scale argument
+    # (the 14th) says whether the modulation reached normkit
+    real, modulated = _cpu.row_norm, []
+    monkeypatch.setattr(_cpu, "row_norm", lambda *a: modulated.append(len(a) > 13 and a[13] is not None) or real(*a))
     calls = {}
     for variant in ("normkit", "normkit-relaxed"):
         modulated.clear()

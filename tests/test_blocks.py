@@ -34,12 +34,14 @@ class FusedCalls:
         self.residual = self.activation = 0
         self.row_ptrs = []
         be = backends.resolve(None, torch.empty(1, device=DEVICE), "layer_norm")
-        fused, plain = be.row_norm_fwd_fused, be.row_norm_fwd
+        # the torch backend's row_norm_fwd(_fused) and the CPU fast path all call its _row_norm_fwd
+        row_name = "_row_norm_fwd" if hasattr(be, "_row_norm_fwd") else "row_norm_fwd_fused"
+        fused, plain = getattr(be, row_name), be.row_norm_fwd
 
-        def row_fused(x, *a, residual=None, **k):
-            self.residual += residual is not None
+        def row_fused(x, *a, **k):  # residual: a keyword, or _row_norm_fwd's 8th argument
+            self.residual += k.get("residual", a[6] if len(a) > 6 else None) is not None
             self.row_ptrs.append(x.data_ptr())
-            return fused(x, *a, residual=residual, **k)
+            return fused(x, *a, **k)
 
         def row_plain(x, *a, **k):
             self.row_ptrs.append(x.data_ptr())
@@ -56,7 +58,7 @@ class FusedCalls:
             self.activation += activation is not None and out is not None
             return out
 
-        monkeypatch.setattr(be, "row_norm_fwd_fused", row_fused)
+        monkeypatch.setattr(be, row_name, row_fused)
         monkeypatch.setattr(be, "row_norm_fwd", row_plain)
         monkeypatch.setattr(be, gn_name, group)
 

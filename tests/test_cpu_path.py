@@ -1,6 +1,9 @@
 """The CPU fast path (normkit/_cpu.py): plain CPU calls run torch's own ops, against the float64
 oracle, forward and backward, with rows and groups offset by 1e4; calls it does not serve (and
 every bad argument) take the general path with its errors."""
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -329,3 +332,158 @@ def test_group_norm_outputs_take_in_place_ops(shape, offset, activation):
         grads.append(torch.autograd.grad((y * y).sum(), [x, w, b]))
     for got, want, name in zip(*grads, ("dx", "dweight", "dbias")):
         assert_close(got, want, 1e-4 if offset else 1e-5, name)
+
+
+# ----------------------------------------------------------------------------- per-call shortcuts (session 20)
+
+@pytest.mark.parametrize("offset", [0.0, 1e4], ids=["centred", "offset1e4"])
+def test_patched_modules_go_straight_to_the_fast_path(offset, monkeypatch):
+    """A patched torch LayerNorm / RMSNorm / GroupNorm hands a plain CPU call to _cpu itself, not through
+    normkit.functional, with the public function's bits (output and gradients); with a backend named, and
+    for a call _cpu declines (a one-element LayerNorm row), the public function runs."""
+    from normkit import functional as F
+    mods = [torch.nn.LayerNorm(24), torch.nn.RMSNorm(24), torch.nn.GroupNorm(4, 16)]
+    for m in mods:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(randn(*p.shape))
+    xs = [randn(3, 5, 24) + offset, randn(3, 5, 24) + offset, randn(2, 16, 6) + offset]
+    calls = [lambda m, x: normkit.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps),
+             lambda m, x: normkit.rms_norm(x, m.normalized_shape, m.weight, m.eps),
+             lambda m, x: normkit.group_norm(x, m.num_groups, m.weight, m.bias, m.eps)]
+    want = []
+    for m, x, call in zip(mods, xs, calls):
+        xr = x.clone().requires_grad_()
+        y = call(m, xr)
+        want.append([y.detach(), *torch.autograd.grad(y, [xr, *m.parameters()], torch.ones_like(y))])
+    patched = torch.nn.Sequential(*mods)
+    normkit.patch(patched)
+    public = {"layer_norm": 0, "rms_norm": 0, "group_norm": 0}
+    for name in public:
+        def spy(*a, _real=getattr(F, name), _name=name, **k):
+            public[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(F, name, spy)
+    for m, x, w in zip(mods, xs, want):
+        xr = x.clone().requires_grad_()
+        y = m(xr)
+        got = [y.detach(), *torch.autograd.grad(y, [xr, *m.parameters()], torch.ones_like(y))]
+        assert all(torch.equal(g, e) for g, e in zip(got, w)), type(m).__name__
+    assert public == {"layer_norm": 0, "rms_norm": 0, "group_norm": 0}
+    for m in mods:
+        m._normkit_backend = "torch"
+    for m, x in zip(mods, xs):
+        m(x)
+    assert public == {"layer_norm": 1, "rms_norm": 1, "group_norm": 1}
+    one = torch.nn.LayerNorm(1)
+    normkit.patch(one)
+    one(randn(4, 1))
+    assert public["layer_norm"] == 2
+
+
+def test_norm_modulate_goes_straight_to_the_fast_path(monkeypatch):
+    """blocks.norm_modulate hands a CPU call to _cpu itself, with row_norm_as_written's bits; shift of
+    scale's shape is taken as checked, a shift of another shape is still checked."""
+    from normkit import blocks, functional as F
+    norm = torch.nn.LayerNorm(16)
+    x, scale, shift = randn(2, 5, 16), randn(2, 1, 16), randn(2, 1, 16)
+    want = F.row_norm_as_written(x, (16,), norm.weight, norm.bias, norm.eps, False, scale=scale, shift=shift,
+                                 out_dtype=torch.float32)
+    real = F.row_norm_as_written
+    calls = []
+    monkeypatch.setattr(F, "row_norm_as_written", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert torch.equal(blocks.norm_modulate(norm, x, scale, shift), want) and not calls
+    # per token: not one row per sample, as written (torch's ops), whichever of the two it is
+    per_token = randn(2, 5, 16)[:, :, :1].expand(2, 5, 16)
+    for s, t in ((scale, per_token[:1]), (per_token[:1], shift)):
+        got = blocks.norm_modulate(norm, x, s, t)
+        assert torch.equal(got, norm(x) * (1 + s) + t) and not calls
+
+
+def test_modulation_check_of_a_shift_shaped_unlike_scale():
+    """_modulation_served takes a shift of scale's shape as checked, and checks one of another shape."""
+    x = randn(2, 5, 16)
+    assert _cpu._modulation_served(x, randn(2, 1, 16), randn(2, 1, 16), 16)
+    assert _cpu._modulation_served(x, randn(2, 1, 16), randn(2, 16), 16)
+    assert not _cpu._modulation_served(x, randn(2, 1, 16), randn(1, 5, 16), 16)  # per token
+    assert not _cpu._modulation_served(x, randn(2, 5, 16), randn(2, 1, 16), 16)  # other samples than scale's
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4], ids=["centred", "offset1e4"])
+def test_layer_norm_backward_takes_the_forwards_centring_result(offset, monkeypatch):
+    """With autograd, the LayerNorm backward skips the centring check where the forward found the rows
+    centred (one check per call), and checks again where it shifted (two): the general path's bits."""
+    from normkit.backends import torch_backend as tb
+    x = (randn(3, 7, 32) + offset).requires_grad_()
+    w, b = randn(32).requires_grad_(), randn(32).requires_grad_()
+    dy = randn(3, 7, 32)
+    want = torch.autograd.grad(normkit.layer_norm(x, 32, w, b, backend="torch"), [x, w, b], dy)
+    real, checks = tb._centred, []
+    monkeypatch.setattr(tb, "_centred", lambda m, r: checks.append(1) or real(m, r))
+    got = torch.autograd.grad(normkit.layer_norm(x, 32, w, b), [x, w, b], dy)
+    assert len(checks) == (2 if offset else 1)
+    assert all(torch.equal(g, e) for g, e in zip(got, want))
+
+
+def test_torchs_layer_norm_backward_reads_no_bias_values():
+    """The torch backend passes torch's LayerNorm backward kernel the bias itself (zeros only without one):
+    the kernel asks only whether there is one, so any bias gives the same gradients."""
+    x, dy, w = randn(9, 40), randn(9, 40), randn(40)
+    _, mean, rstd = torch.native_layer_norm(x, [40], w, None, 1e-5)
+    mask = [True, True, True]
+    ln_bwd = torch.ops.aten.native_layer_norm_backward
+    a = ln_bwd(dy, x, [40], mean, rstd, w, torch.zeros(40), mask)
+    b = ln_bwd(dy, x, [40], mean, rstd, w, randn(40) * 7, mask)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_row_options_are_reused():
+    """_options gives RowOptions equal to the constructed ones, the same object for the same fields."""
+    from normkit._autograd import RowOptions
+    a = _cpu._options(torch.float32, 1.0, None, True, False)
+    assert a == RowOptions(torch.float32, 1.0, None, mod_scale=True, mod_shift=False)
+    assert _cpu._options(torch.float32, 1.0, None, True, False) is a
+    assert _cpu._options(torch.float32, 1.0, None, False, True) != a
+
+
+def _sample_rows_as_written(t_shape, x_shape, k):
+    """sample_rows' rule spelled out: t's lead padded with ones on the right must equal a prefix of x's lead
+    followed by broadcast ones; (S, rows per sample), else None."""
+    lead, slead = tuple(x_shape[: len(x_shape) - k]), tuple(t_shape[: len(t_shape) - k])
+    if len(slead) > len(lead):
+        return None
+    padded = slead + (1,) * (len(lead) - len(slead))
+    last = max([i for i, s in enumerate(padded) if s != 1], default=-1)
+    if padded[: last + 1] != lead[: last + 1]:
+        return None
+    return math.prod(lead[: last + 1]), math.prod(lead[last + 1:])
+
+
+def test_sample_rows_follows_its_rule():
+    """_layout.sample_rows (loops without a padded copy) against the rule spelled out, on every lead of up to
+    three dims of sizes 1-3 for t, against x leads of up to three dims."""
+    from normkit._layout import sample_rows
+    leads = [()] + [tuple(s) for n in (1, 2, 3) for s in itertools.product((1, 2, 3), repeat=n)]
+    for x_lead in ((2, 3), (3,), (2, 1, 3), (1, 2), ()):
+        for t_lead in leads:
+            for k in (1, 2):
+                x_shape, t_shape = x_lead + (4,) * k, t_lead + (4,) * k
+                assert sample_rows(t_shape, x_shape, k) == _sample_rows_as_written(t_shape, x_shape, k), \
+                    (t_shape, x_shape, k)
+
+
+def test_norm_act_goes_straight_to_the_fast_path(monkeypatch):
+    """blocks.norm_act hands a CPU call to _cpu itself, with normkit.group_norm's bits (forward and gradients);
+    with a backend named it calls normkit.group_norm."""
+    from normkit import blocks, functional as F
+    norm, act = torch.nn.GroupNorm(4, 16), torch.nn.Mish()
+    x = randn(2, 16, 9).requires_grad_()
+    y = normkit.group_norm(x, 4, norm.weight, norm.bias, norm.eps, activation="mish")
+    want = [y.detach(), *torch.autograd.grad(y, [x, norm.weight, norm.bias], torch.ones_like(y))]
+    real, calls = F.group_norm, []
+    monkeypatch.setattr(F, "group_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = blocks.norm_act(norm, act, x)
+    got = [y.detach(), *torch.autograd.grad(y, [x, norm.weight, norm.bias], torch.ones_like(y))]
+    assert all(torch.equal(g, e) for g, e in zip(got, want)) and not calls
+    blocks.norm_act(norm, act, x, backend="torch")
+    assert calls == [1]

@@ -465,9 +465,10 @@ def test_patched_diffusers_models_match(name, monkeypatch):
     assert fused, (report.fused, report.unfused)
     from normkit.backends import torch_backend
     calls = []
-    real = torch_backend.row_norm_fwd_fused
-    monkeypatch.setattr(torch_backend, "row_norm_fwd_fused",
-                        lambda *a, **k: calls.append(k.get("mod_scale") is not None) or real(*a, **k))
+    real = torch_backend._row_norm_fwd  # what row_norm_fwd_fused and the CPU fast path call
+    monkeypatch.setattr(torch_backend, "_row_norm_fwd",
+                        lambda *a, **k: calls.append(k.get("mod_scale", a[14] if len(a) > 14 else None) is not None)
+                        or real(*a, **k))
     got = run()
     assert any(calls), "no modulated normkit call ran"
     got_grads = torch.autograd.grad(got.square().mean(), list(model.parameters()), allow_unused=True)

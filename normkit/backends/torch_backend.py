@@ -5,6 +5,8 @@ for float64 inputs. Same interface as every backend: x is [M, N] with unit colum
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -80,7 +82,8 @@ def _affine(xhat, weight, bias, acc, weight_offset=0.0):
 def _per_sample(t, table):
     """t (rows, any leading shape) as [S, rows per sample, N] for a modulation table [S, N]."""
     S, n = table.shape
-    return t.reshape(S, t[..., 0].numel() // S if S else 0, n)
+    # the row count from the shape: t[..., 0].numel() builds a view (a microsecond a CPU call)
+    return t.reshape(S, math.prod(t.shape[:-1]) // S if S else 0, n)
 
 
 def _modulate(z, mod_scale, mod_shift):
@@ -88,10 +91,11 @@ def _modulate(z, mod_scale, mod_shift):
     if mod_scale is None and mod_shift is None:
         return z
     zs = _per_sample(z, mod_scale if mod_scale is not None else mod_shift)
+    # unsqueeze, not [:, None]: the same view without Python indexing's cost
     if mod_scale is not None:
-        zs = zs * (1 + mod_scale.to(z.dtype)[:, None])
+        zs = zs * (1 + _to(mod_scale, z.dtype).unsqueeze(1))
     if mod_shift is not None:
-        zs = zs + mod_shift.to(z.dtype)[:, None]
+        zs = zs + _to(mod_shift, z.dtype).unsqueeze(1)
     return zs.reshape(z.shape)
 
 
@@ -147,18 +151,22 @@ def _shifted(xf):
 
 
 def _native_layer_norm(x, weight, bias, eps, store_stats=True, weight_offset=0.0):
-    """(y in the compute dtype, mean, rstd) of rows x [..., N]; no statistics unless store_stats."""
+    """(y in the compute dtype, mean, rstd, centred) of rows x [..., N]; no statistics unless store_stats;
+    centred: the kernel ran on x unshifted (the backward's check on these statistics would say so again)."""
     acc = _acc(x)
     xf, w, b, n = _to(x, acc), _to(weight, acc), _to(bias, acc), (x.shape[-1],)
     w = w + weight_offset if weight_offset else w
     y, mean, rstd = torch.native_layer_norm(xf, n, w, b, eps)
-    if not _centred(mean, rstd):
+    centred = _centred(mean, rstd)
+    if not centred:
         xs, shift = _shifted(xf)
         y, mean_s, rstd = torch.native_layer_norm(xs, n, w, b, eps)
+        if not store_stats:  # (the mean's add only where it is kept)
+            return y, None, None, centred
         mean = shift + mean_s
     if not store_stats:
-        return y, None, None
-    return y, mean.squeeze(-1), rstd.squeeze(-1)
+        return y, None, None, centred
+    return y, mean.squeeze(-1), rstd.squeeze(-1), centred
 
 
 def _param_grads(dw, db, dweight_dtype, dbias_dtype):
@@ -177,12 +185,15 @@ def _centred_or_shifted(xf, mean, rstd, dims, centred=False):
     return xs, xs.mean(dims, keepdim=True)
 
 
-def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype, weight_offset=0.0):
+def _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype, weight_offset=0.0, centred=False,
+                           bias=None):
     N, acc = x.shape[-1], _acc(x)
     rstd = _to(rstd, acc).unsqueeze(-1)
-    xs, mean = _centred_or_shifted(_to(x, acc), _to(mean, acc).unsqueeze(-1), rstd, -1)
+    xs, mean = _centred_or_shifted(_to(x, acc), _to(mean, acc).unsqueeze(-1), rstd, -1, centred)
     w = _to(weight, acc)
-    b = xs.new_zeros(N) if dbias_dtype is not None else None  # torch's backward only asks whether there is one
+    # torch's backward only asks whether there is a bias (its values never enter): the bias where there is one (no
+    # allocation), zeros where dbias is asked for without one
+    b = None if dbias_dtype is None else xs.new_zeros(N) if bias is None else _to(bias, acc)
     dx, dw, db = _ln_bwd(_to(dy, acc), xs, [N], mean, rstd, w + weight_offset if weight_offset else w, b,
                          [True, dweight_dtype is not None, dbias_dtype is not None])
     return (dx, *_param_grads(dw, db, dweight_dtype, dbias_dtype))
@@ -259,13 +270,23 @@ def _native_group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activati
 
 
 def row_norm_fwd(x, weight, bias, eps: float, rms: bool, activation=None, store_stats: bool = True):
-    y, mean, rstd, _, _ = row_norm_fwd_fused(x, weight, bias, eps, rms, activation=activation, store_stats=store_stats)
+    y, mean, rstd, _, _ = _row_norm_fwd(x, weight, bias, eps, rms, activation, store_stats)
     return y, mean, rstd
 
 
 def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=None, store_stats: bool = True,
                        residual=None, h_dtype=None, store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None,
                        want_amax=False, mod_scale=None, mod_shift=None, gate=None):
+    return _row_norm_fwd(x, weight, bias, eps, rms, activation, store_stats, residual, h_dtype, store_h, weight_offset,
+                         out_dtype, out_scale, want_amax, mod_scale, mod_shift, gate)
+
+
+def _row_norm_fwd(x, weight, bias, eps, rms, activation=None, store_stats=True, residual=None, h_dtype=None,
+                  store_h=False, weight_offset=0.0, out_dtype=None, out_scale=None, want_amax=False, mod_scale=None,
+                  mod_shift=None, gate=None, with_centred=False):
+    """row_norm_fwd_fused (the interface's keyword-only arguments by position too: the CPU fast path calls it
+    directly). with_centred (the fast path's autograd Function): a sixth output, True where torch's LayerNorm
+    kernel ran on the rows unshifted (_row_norm_bwd's centred= then skips its check of the statistics)."""
     acc = _acc(x)
     xf = _to(x, acc) if gate is None else _gated(x, gate, acc)
     h = None
@@ -277,6 +298,7 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     # the composite below applies it, before the one rounding)
     if gate is None and out_dtype not in FP8_MAX and not want_amax and \
             (not rms or not store_stats or _fused_rms_norm is not None) and _native_cpu(xf, weight, bias):
+        centred = False
         if rms:  # torch's rms_norm (with rstd: its _fused_rms_norm): the ops below, bitwise
             w = _to(weight, acc)
             w = w + weight_offset if weight_offset else w
@@ -287,11 +309,12 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
             else:
                 y, rstd = torch.rms_norm(xf, (xf.shape[-1],), w, eps), None
         else:
-            y, mean, rstd = _native_layer_norm(xf, weight, bias, eps, store_stats, weight_offset)
+            y, mean, rstd, centred = _native_layer_norm(xf, weight, bias, eps, store_stats, weight_offset)
         y = _modulate(y, mod_scale, mod_shift)
         if activation is not None:  # y in fp32: one rounding to the output's dtype
             y = _ACTIVATIONS[activation](y)
-        return _to(y, out_dtype or x.dtype).contiguous(), mean, rstd, h, None
+        y = _to(y, out_dtype or x.dtype).contiguous()
+        return (y, mean, rstd, h, None, centred) if with_centred else (y, mean, rstd, h, None)
     if rms:
         mean, xc = None, xf
     else:
@@ -311,7 +334,8 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
         scale = out_scale.to(acc).reshape(()) if isinstance(out_scale, torch.Tensor) else out_scale
         y = (y * scale).clamp(-FP8_MAX[out_dtype], FP8_MAX[out_dtype])
     y = y.to(out_dtype).contiguous()
-    return y, (None if mean is None else mean.contiguous()), rstd.contiguous(), h, amax
+    out = y, (None if mean is None else mean.contiguous()), rstd.contiguous(), h, amax
+    return out + (False,) if with_centred else out
 
 
 def _gated(x, gate, acc):
@@ -320,8 +344,7 @@ def _gated(x, gate, acc):
 
 
 def row_norm_bwd(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbias_dtype, *, bias=None, activation=None):
-    dx, _, dw, db = row_norm_bwd_fused(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias=bias,
-                                       activation=activation)
+    dx, _, dw, db = _row_norm_bwd(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias, activation)
     return dx, dw, db
 
 
@@ -329,6 +352,16 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
                        weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
                        dmod_dtypes=(None, None), gate=None):
     """With gate: x is the ungated input, and (dx, dres, dw, db, dgate) comes back."""
+    return _row_norm_bwd(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias, activation, weight_offset,
+                         dh, dx_dtype, dres_dtype, mod_scale, mod_shift, dmod_dtypes, gate)
+
+
+def _row_norm_bwd(dy, x, weight, mean, rstd, rms, dweight_dtype, dbias_dtype, bias=None, activation=None,
+                  weight_offset=0.0, dh=None, dx_dtype=None, dres_dtype=None, mod_scale=None, mod_shift=None,
+                  dmod_dtypes=(None, None), gate=None, centred=False):
+    """row_norm_bwd_fused (its keyword-only arguments by position too). centred: the forward found these
+    statistics centred (_row_norm_fwd's with_centred output): torch's LayerNorm backward kernel then skips
+    the check, whose answer on them is the same."""
     acc = _acc(x)
     N = x.shape[-1]
     modulated = mod_scale is not None or mod_shift is not None
@@ -337,7 +370,8 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
         x = _gated(x, gate, acc)
     if not rms and activation is None and gate is None and not modulated and dh is None and dres_dtype is None and \
             N > 1 and _native_cpu(x, weight, bias):  # N = 1: dx is exactly 0 below
-        dx, dw, db = _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype, weight_offset)
+        dx, dw, db = _native_layer_norm_bwd(dy, x, weight, mean, rstd, dweight_dtype, dbias_dtype, weight_offset,
+                                            centred, bias)
         return _to(dx, dx_dtype or x.dtype).contiguous(), None, dw, db
     lead = x.shape[:-1]  # the statistics come flat, one per row
     rstd = rstd.reshape(lead)
