@@ -49,6 +49,12 @@ def _param(p, shape) -> bool:
     return p is None or (type(p) in _PLAIN and p.is_cpu and p.dtype in _FLOAT and p.shape == shape)
 
 
+def offered(x, backend) -> bool:
+    """Whether a call may try this fast path at all: the default backend and a plain CPU tensor, eagerly (the
+    served functions check the rest). Callers ask it before gathering their arguments; on the GPU it is all they pay."""
+    return backend is None and type(x) is torch.Tensor and x.is_cpu and not _is_compiling()
+
+
 def _eligible(x, backend, activation, eps) -> bool:
     """An eager call of the default backend on a float x with elements, outside torch.compile, dispatch
     modes, torch.func transforms, forward AD and CPU autocast (x is a plain tensor, the parameters

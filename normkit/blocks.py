@@ -71,7 +71,6 @@ __all__ = ["fuse", "unfuse", "add_norm", "norm_act", "norm_modulate"]
 
 OPS = _patch.OPS
 _KERNEL_DTYPES, _LOW_PRECISION = _patch._KERNEL_DTYPES, _patch._LOW_PRECISION
-_is_compiling = torch.compiler.is_compiling
 
 
 # ----------------------------------------------------------------------------- what a norm module computes
@@ -166,7 +165,7 @@ def norm_act(norm: nn.Module, act: nn.Module, x: torch.Tensor, backend: Optional
         return None
     if not (relaxed or x.dtype == torch.float32 or _autocast_fp32(x)):
         return None  # the norm's output would be rounded to x's dtype before the activation
-    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+    if _cpu.offered(x, backend):
         # the CPU fast path directly, with the arguments F.group_norm would offer it first
         y = _cpu.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, name, None)
         if y is not None:
@@ -222,7 +221,7 @@ def norm_modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift, 
         if t is not None and t.dtype != y_dtype:
             y_dtype = torch.promote_types(y_dtype, t.dtype)
     rms = style == "rms"
-    if backend is None and not _is_compiling() and type(x) is torch.Tensor and cpu:
+    if _cpu.offered(x, backend):
         # the CPU fast path directly, with the arguments row_norm_as_written would offer it first
         y = _cpu.row_norm(x, shape, w, b, norm.eps, rms, None, None, None, False, None, 0, y_dtype, mods[0], mods[1])
         if y is not None:

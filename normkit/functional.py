@@ -377,9 +377,9 @@ def _via_host(x, normalized_shape, weight, bias, eps, rms, activation, backend, 
     normkit/_cpu.py) or of the C++ host path, or None where neither serves the call. The adaLN
     modulation (mod_scale, mod_shift) and the gate are passed only when given: the common call keeps
     the shorter argument list."""
-    if type(x) is torch.Tensor and x.is_cpu and gate is None and out_scale is None and return_amax is False and \
-            not _is_compiling():  # (_cpu checks that too; here a trace need not read its checks, and guard them)
-        # first: the host path serves no CPU call outside tests
+    if _cpu.offered(x, backend) and gate is None and out_scale is None and return_amax is False:
+        # first: the host path serves no CPU call outside tests (_cpu checks the options too; asked here, a trace
+        # need not read its checks, and guard them)
         y = _cpu.row_norm(x, normalized_shape, weight, bias, eps, rms, activation, backend, residual, prenorm,
                           residual_dtype, weight_offset, out_dtype, mod_scale, mod_shift)
         if y is not None:
@@ -513,7 +513,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     (None, "silu", "mish", "gelu", "gelu_tanh", "relu") in the same kernel. NCHW and channels_last
     inputs are read in place, and the output keeps the input's memory format. Under CUDA autocast it
     computes in float32 and returns float32, as torch's group_norm does."""
-    if type(x) is torch.Tensor and x.is_cpu and not _is_compiling():  # torch's own ops for plain arguments
+    if _cpu.offered(x, backend):  # torch's own ops for plain arguments
         y = _cpu.group_norm(x, num_groups, weight, bias, eps, activation, backend)
         if y is not None:
             return y

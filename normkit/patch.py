@@ -99,12 +99,12 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # rms_norm / group_norm would offer it first: two Python layers less a call (microseconds at model
 # sizes); a call it declines (and a backend named, torch.compile) takes the public function.
 
-_cpu, _is_compiling = F._cpu, torch.compiler.is_compiling
+_cpu = F._cpu
 
 
 def _layer_norm_forward(self, x):
     backend = self._normkit_backend
-    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+    if _cpu.offered(x, backend):
         y = _cpu.row_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, False, None, None, None, False,
                           None, 0, None)
         if y is not None:
@@ -114,7 +114,7 @@ def _layer_norm_forward(self, x):
 
 def _rms_norm_forward(self, x):
     backend = self._normkit_backend
-    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+    if _cpu.offered(x, backend):
         y = _cpu.row_norm(x, self.normalized_shape, self.weight, None, self.eps, True, None, None, None, False, None,
                           0, None)
         if y is not None:
@@ -124,7 +124,7 @@ def _rms_norm_forward(self, x):
 
 def _group_norm_forward(self, x):
     backend = self._normkit_backend
-    if backend is None and not _is_compiling() and type(x) is torch.Tensor and x.is_cpu:
+    if _cpu.offered(x, backend):
         y = _cpu.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, None, None)
         if y is not None:
             return y
