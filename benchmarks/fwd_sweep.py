@@ -55,7 +55,15 @@ KNOBS.update({f"s{c // 1024}k{w}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "
               for c, w in ((2048, 16), (4096, 16), (8192, 16), (4096, 32), (8192, 32), (16384, 32))})
 # session 20: the looped LayerNorm sums shifted values per lane (no Welford update): its static rows at 8K-128K too,
 # against the table's tiles (8K-16K) and the CUDA backend's cluster kernels (32K-128K)
-VARIANTS.update({name: {8192: None, 16384: None, 32768: None, 65536: None, 131072: None} for name in KNOBS})
+# session 21: offline ptxas (triton 3.6, sm_90) gives the looped LayerNorm 46-64 registers where RMSNorm's takes 30-32
+# (two per-lane sums instead of one; bias loads): one program of 32 warps per SM (s8k32) or two of 16 (s4k16) against
+# RMSNorm's two / four, so half the bytes in flight. `p<n>`: compiled under the register cap for n programs per SM
+# (configs.reg_cap_for; ptxas spills 8-128 bytes for LayerNorm at 32 registers, none at 40)
+KNOBS.update({f"s{c // 1024}k{w}p{p}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "fwd": (c, w, p)},
+                                            LOOPED_EVICT=True, LOOPED_STATIC_N=True)
+              for c, w, p in ((4096, 16, 3), (4096, 16, 4), (8192, 32, 2), (2048, 16, 4), (4096, 32, 2), (2048, 8, 8))})
+VARIANTS.update({name: {8192: None, 16384: None, 32768: None, 65536: None, 131072: None, 262144: None}
+                 for name in KNOBS})
 
 
 def _row(eb, v):

@@ -110,13 +110,15 @@ def test_the_statistics_prefetch_is_per_gpu_data():
 
 def test_a_tables_looped_rows_walk_the_width_in_chunks(monkeypatch, tmp_path):
     """A measured table's "looped" section sends a width (per op where given) to the looped kernels with its
-    chunk, warps and L2 hints; OVERRIDES (the sweeps' candidates) still win over it."""
+    chunk, warps and L2 hints, and a register cap where the row names programs per SM; OVERRIDES (the sweeps'
+    candidates) still win over it."""
     import json
 
     from normkit.backends.triton import configs
 
     raw = {"configs": {"fwd": {"2": {"8192": [1, 1, 8, 0]}}},
-           "looped": {"fwd": {"2": {"16384": [2048, 16, True], "32768": {"rms": [4096, 32, False]}}}}}
+           "looped": {"fwd": {"2": {"16384": [2048, 16, True], "32768": {"rms": [4096, 32, False]},
+                                     "65536": [4096, 16, True, 3]}}}}
     (tmp_path / "sm_99.json").write_text(json.dumps(raw))
     monkeypatch.setattr(configs, "_TUNED_DIR", str(tmp_path))
     configs.tuned_table.cache_clear()
@@ -128,6 +130,9 @@ def test_a_tables_looped_rows_walk_the_width_in_chunks(monkeypatch, tmp_path):
         assert (a.looped, a.block_n, a.num_warps, a.evict, a.static_n) == (True, 2048, 16, True, True)
         assert (b.looped, b.block_n, b.num_warps, b.evict) == (True, 4096, 32, False)
         assert not c.looped  # RMSNorm's row only: LayerNorm keeps the default tile
+        assert a.reg_cap == b.reg_cap == 0 and len(a.options) == 2
+        d = configs.row_config("fwd", 65536, 2, "sm_99", False, "ln")  # 3 programs of 16 warps: 65536 // 1536 -> 40
+        assert (d.looped, d.block_n, d.num_warps, d.reg_cap, d.options) == (True, 4096, 16, 40, (16, 1, 40))
         configs.OVERRIDES[("fwd", 2, 16384)] = (1, 1, 8, 0)
         configs.row_config.cache_clear()
         assert not configs.row_config("fwd", 16384, 2, "sm_99", False, "ln").looped

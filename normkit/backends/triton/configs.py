@@ -14,8 +14,9 @@ A configuration is looked up by (direction, element size in bytes, padded row wi
                    ptxas would otherwise take a few more registers and halve the programs per SM
 The tile is block_m x (padded_n / split). Rows wider than MAX_TILED_N are walked in chunks by the
 looped kernels, and so are the widths a measured table's "looped" section lists (its rows: chunk
-columns, num_warps, and whether the forward's two passes take L2 eviction hints; the forward is then
-compiled for the exact width). The tables below are the defaults; measured tables for a GPU architecture, written
+columns, num_warps, whether the forward's two passes take L2 eviction hints, and optionally the programs
+per SM whose register cap ptxas compiles at (reg_cap_for: one program per row, so the registers decide
+how many share an SM); the forward is then compiled for the exact width). The tables below are the defaults; measured tables for a GPU architecture, written
 by benchmarks/tune.py, live in tuned/<arch>.json next to this file and take precedence over the
 defaults (a width's row there may be {"ln": row, "rms": row} where the ops were measured apart);
 OVERRIDES (used by the tuner to try candidates) take precedence over both.
@@ -87,7 +88,7 @@ def prefetch_stats(device_name: str, op: str) -> bool:
 FP8_HW_CAST = True
 
 MAX_TILED_N = 262144
-LOOPED = {"fwd": (8192, 16), "bwd": (4096, 16)}  # (chunk columns, num_warps)
+LOOPED = {"fwd": (8192, 16), "bwd": (4096, 16)}  # (chunk columns, num_warps[, programs per SM: a register cap])
 LOOPED_PROGRAMS_PER_SM = 1
 # the looped forward's L2 hints where no table row says (above MAX_TILED_N): its first pass asks L2 to keep the
 # row, its second to drop it (Inductor's looped reductions do; measured in benchmarks/fwd_sweep.py)
@@ -130,7 +131,7 @@ def tuned_table(arch: str) -> dict:
                     table.update({(d, int(b), int(n), op): tuple(r) for op, r in v.items()})
                 else:
                     table[(d, int(b), int(n))] = tuple(v)
-    for d, by_bytes in raw.get("looped", {}).items():  # widths walked in chunks: (chunk, num_warps, evict)
+    for d, by_bytes in raw.get("looped", {}).items():  # widths walked in chunks: (chunk, num_warps, evict[, programs per SM])
         for b, by_n in by_bytes.items():
             for n, v in by_n.items():
                 rows = v.items() if isinstance(v, dict) else [(None, v)]
@@ -165,8 +166,8 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
             tuned = tuned_table(arch)
             loop = tuned.get(("looped", direction, elem_bytes, key, op)) or tuned.get(("looped", direction, elem_bytes, key))
             if loop:
-                chunk, num_warps, evict = loop
-                return looped_config(direction, padded, cuda, (chunk, num_warps), bool(evict), True)
+                chunk, num_warps, evict, *per_sm = loop
+                return looped_config(direction, padded, cuda, (chunk, num_warps, *per_sm), bool(evict), True)
             row = tuned.get((direction, elem_bytes, key, op)) or tuned.get((direction, elem_bytes, key))
         row = row or DEFAULTS[(direction, elem_bytes)].get(key)
     if row is not None:
@@ -184,11 +185,13 @@ def row_config(direction: str, n: int, elem_bytes: int, arch: str = "", interpre
 
 def looped_config(direction: str, padded: int, cuda: bool = False, shape=None, evict=None,
                   static_n=None) -> RowConfig:
-    """The looped kernels' configuration for rows of `padded` columns: `shape` (chunk columns, num_warps), evict
-    and static_n from a table's looped row, else LOOPED and the LOOPED_EVICT / LOOPED_STATIC_N knobs (read now)."""
-    chunk, num_warps = shape or LOOPED[direction]
+    """The looped kernels' configuration for rows of `padded` columns: `shape` (chunk columns, num_warps[, programs
+    per SM to cap the registers for]), evict and static_n from a table's looped row, else LOOPED and the
+    LOOPED_EVICT / LOOPED_STATIC_N knobs (read now)."""
+    chunk, num_warps, *per_sm = shape or LOOPED[direction]
+    reg_cap = reg_cap_for(num_warps, per_sm[0]) if per_sm else 0
     return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
-                     evict=LOOPED_EVICT if evict is None else evict,
+                     reg_cap=reg_cap, evict=LOOPED_EVICT if evict is None else evict,
                      static_n=LOOPED_STATIC_N if static_n is None else static_n)
 
 
