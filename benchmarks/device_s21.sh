@@ -3,6 +3,11 @@
 #   bash benchmarks/device_s21.sh sweep   the looped forward compiled under a register cap (fwd_sweep.py s<chunk>k<warps>p<programs
 #                                         per SM>): LayerNorm 16K-256K, RMSNorm 128K-256K, against the table (tiles, CUDA
 #                                         clusters, looped rows) and torch.compile
+#   bash benchmarks/device_s21.sh tests   the GPU test files (after the backward formulas' merge), then Nsight Compute of the
+#                                         looped forward at 32K, LayerNorm against RMSNorm (s4k16: warp states, stalls)
+#   bash benchmarks/device_s21.sh models  issue 22's cases on the final tree: the host table, batch-1 decode with Liger,
+#                                         SD-1.5 UNet inference at batch 1 and 2, the Whisper encoder (eager), and compiled
+#                                         Llama decode
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -17,6 +22,39 @@ sweep)
     sweep 330 ln --ops ln --widths 16384,32768,65536,131072,262144 \
         --variants table,s4k16,s8k32,s4k16p3,s4k16p4,s8k32p2,s2k16p4,s4k32p2,s2k8p8
     sweep 150 rms --ops rms --widths 131072,262144 --variants table,s4k16,s8k32,s16k32,s2k16p4
+    ;;
+tests)
+    gpu_tests 360 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
+        tests/test_fusion_autograd.py
+    # shellcheck disable=SC2086
+    timeout 120 ncu --kernel-name regex:'row_norm_fwd' --launch-skip 1 --launch-count 2 --section SpeedOfLight \
+        --section Occupancy --section WarpStateStats \
+        --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python3 benchmarks/loop_ncu.py 32768 ln s4k16 > "$OUT/ncu-ln.txt" 2>&1
+    timeout 120 ncu --kernel-name regex:'row_norm_fwd' --launch-skip 1 --launch-count 2 --section SpeedOfLight \
+        --section Occupancy --section WarpStateStats \
+        --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python3 benchmarks/loop_ncu.py 32768 rms s4k16 > "$OUT/ncu-rms.txt" 2>&1
+    echo "ncu rc $?"
+    for f in ln rms; do
+        echo "== $f"; grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|issue_stalled" "$OUT/ncu-$f.txt" \
+            | awk '$NF+0 > 0.05 || !/issue_stalled/' | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' \
+            | cut -c1-110 | head -40
+    done
+    ;;
+models)
+    bench 60 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
+    steps="--steps 40 --rounds 10"
+    bench 110 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger $steps \
+        --time-budget 90 --out "$OUT/llm"
+    bench 60 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch 1 $steps \
+        --time-budget 42 --out "$OUT/sd15-b1"
+    bench 60 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch 2 $steps \
+        --time-budget 42 --out "$OUT/sd15-b2"
+    bench 70 --models whisper-encoder --exec eager --variants unpatched,normkit $steps --time-budget 55 \
+        --out "$OUT/whisper"
+    bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit $steps --time-budget 100 \
+        --out "$OUT/llama-compiled"
     ;;
 esac
 tar czf "/tmp/s21-${1:-sweep}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s21-${1:-sweep}.tgz" "$OUT/"
