@@ -3,8 +3,10 @@
 #   bash benchmarks/device_s21.sh sweep   the looped forward compiled under a register cap (fwd_sweep.py s<chunk>k<warps>p<programs
 #                                         per SM>): LayerNorm 16K-256K, RMSNorm 128K-256K, against the table (tiles, CUDA
 #                                         clusters, looped rows) and torch.compile
-#   bash benchmarks/device_s21.sh tests   the GPU test files (after the backward formulas' merge), then Nsight Compute of the
-#                                         looped forward at 32K, LayerNorm against RMSNorm (s4k16: warp states, stalls)
+#   bash benchmarks/device_s21.sh sweep2  two rows per looped program (fwd_sweep.py s<chunk>k<warps>m2: the parameters' loads
+#                                         shared), LayerNorm 32K-256K, RMSNorm 128K-256K; Nsight Compute of the looped forward
+#                                         at 32K, LayerNorm against RMSNorm (s4k16: throughputs, warp states, stalls)
+#   bash benchmarks/device_s21.sh tests   the GPU test files (after the backward formulas' merge)
 #   bash benchmarks/device_s21.sh models  issue 22's cases on the final tree: the host table, batch-1 decode with Liger,
 #                                         SD-1.5 UNet inference at batch 1 and 2, the Whisper encoder (eager), and compiled
 #                                         Llama decode
@@ -23,9 +25,9 @@ sweep)
         --variants table,s4k16,s8k32,s4k16p3,s4k16p4,s8k32p2,s2k16p4,s4k32p2,s2k8p8
     sweep 150 rms --ops rms --widths 131072,262144 --variants table,s4k16,s8k32,s16k32,s2k16p4
     ;;
-tests)
-    gpu_tests 360 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
-        tests/test_fusion_autograd.py
+sweep2)
+    sweep 200 ln --ops ln --widths 32768,65536,131072,262144 --variants table,s4k16,s2k16m2,s4k16m2,s4k32m2,s8k32m2
+    sweep 100 rms --ops rms --widths 131072,262144 --variants table,s16k32,s4k32m2,s8k32m2
     # shellcheck disable=SC2086
     timeout 120 ncu --kernel-name regex:'row_norm_fwd' --launch-skip 1 --launch-count 2 --section SpeedOfLight \
         --section Occupancy --section WarpStateStats \
@@ -37,10 +39,14 @@ tests)
         python3 benchmarks/loop_ncu.py 32768 rms s4k16 > "$OUT/ncu-rms.txt" 2>&1
     echo "ncu rc $?"
     for f in ln rms; do
-        echo "== $f"; grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|issue_stalled" "$OUT/ncu-$f.txt" \
+        echo "== $f"; grep -E "Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Memory Throughput|Achieved Occupancy|Registers Per|issue_stalled" "$OUT/ncu-$f.txt" \
             | awk '$NF+0 > 0.05 || !/issue_stalled/' | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' \
             | cut -c1-110 | head -40
     done
+    ;;
+tests)
+    gpu_tests 450 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
+        tests/test_fusion_autograd.py
     ;;
 models)
     bench 60 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"

@@ -62,6 +62,11 @@ KNOBS.update({f"s{c // 1024}k{w}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "
 KNOBS.update({f"s{c // 1024}k{w}p{p}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "fwd": (c, w, p)},
                                             LOOPED_EVICT=True, LOOPED_STATIC_N=True)
               for c, w, p in ((4096, 16, 3), (4096, 16, 4), (8192, 32, 2), (2048, 16, 4), (4096, 32, 2), (2048, 8, 8))})
+# S21-1 measured those no faster. Next hypothesis: the second pass reads x, w and b from L2 (3 row-sized streams
+# against RMSNorm's 2): two rows per program (`m2`) share each parameter chunk's loads
+KNOBS.update({f"s{c // 1024}k{w}m2": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "fwd": (c, w)}, LOOPED_EVICT=True,
+                                          LOOPED_STATIC_N=True, LOOPED_BLOCK_M=2)
+              for c, w in ((2048, 16), (4096, 16), (4096, 32), (8192, 32))})
 VARIANTS.update({name: {8192: None, 16384: None, 32768: None, 65536: None, 131072: None, 262144: None}
                  for name in KNOBS})
 

@@ -96,6 +96,9 @@ LOOPED_EVICT = False
 # ... and whether they compile the forward for the exact width (the table's looped rows always do: run S18-4 measured
 # Inductor's looped kernel 0.03-0.13 of copy slower with the width at run time); rows past MAX_TILED_N keep one kernel
 LOOPED_STATIC_N = False
+# ... and how many rows one looped program walks side by side (the sweeps' knob: the parameters' chunk loads, from L2,
+# then serve every row of the block)
+LOOPED_BLOCK_M = 1
 # column reduction of the weight-gradient partials (col_sum_kernel): BLOCK_N the widest in
 # COL_SUM_BLOCK_N that still gives every SM a program (a few wide programs walking hundreds of
 # partial rows wait on one L2 round trip per step), BLOCK_P so a step loads COL_SUM_TILE elements
@@ -187,10 +190,10 @@ def looped_config(direction: str, padded: int, cuda: bool = False, shape=None, e
                   static_n=None) -> RowConfig:
     """The looped kernels' configuration for rows of `padded` columns: `shape` (chunk columns, num_warps[, programs
     per SM to cap the registers for]), evict and static_n from a table's looped row, else LOOPED and the
-    LOOPED_EVICT / LOOPED_STATIC_N knobs (read now)."""
+    LOOPED_EVICT / LOOPED_STATIC_N / LOOPED_BLOCK_M knobs (read now)."""
     chunk, num_warps, *per_sm = shape or LOOPED[direction]
     reg_cap = reg_cap_for(num_warps, per_sm[0]) if per_sm else 0
-    return RowConfig(1, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
+    return RowConfig(LOOPED_BLOCK_M, min(chunk, padded), 1, num_warps, LOOPED_PROGRAMS_PER_SM, looped=True, cuda=cuda,
                      reg_cap=reg_cap, evict=LOOPED_EVICT if evict is None else evict,
                      static_n=LOOPED_STATIC_N if static_n is None else static_n)
 
