@@ -6,6 +6,9 @@
 #   bash benchmarks/device_s21.sh sweep2  two rows per looped program (fwd_sweep.py s<chunk>k<warps>m2: the parameters' loads
 #                                         shared), LayerNorm 32K-256K, RMSNorm 128K-256K; Nsight Compute of the looped forward
 #                                         at 32K, LayerNorm against RMSNorm (s4k16: throughputs, warp states, stalls)
+#   bash benchmarks/device_s21.sh sweep3  after the forward's instruction cuts (no select in LayerNorm's looped first pass at
+#                                         widths compiled in, one FFMA for xhat, no weight-offset add when it is 0): the
+#                                         looped rows against S21-1 / S21-2, and `normkit bench` fwd 1K-256K with the peers
 #   bash benchmarks/device_s21.sh tests   the GPU test files (after the backward formulas' merge)
 #   bash benchmarks/device_s21.sh models  issue 22's cases on the final tree: the host table, batch-1 decode with Liger,
 #                                         SD-1.5 UNet inference at batch 1 and 2, the Whisper encoder (eager), and compiled
@@ -43,6 +46,12 @@ sweep2)
             | awk '$NF+0 > 0.05 || !/issue_stalled/' | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' \
             | cut -c1-110 | head -40
     done
+    ;;
+sweep3)
+    sweep 150 ln --ops ln --widths 16384,32768,65536,131072,262144 --variants table,s4k16,s8k32 --repeat 1
+    sweep 90 rms --ops rms --widths 32768,65536,131072,262144 --variants table,s16k32 --repeat 1
+    bench 200 --ops ln,rms --dirs fwd --dtypes bf16 --widths 1024,2048,4096,8192,16384,32768,65536,131072,262144 \
+        --peers torch,compile --no-host --out "$OUT/fwd"
     ;;
 tests)
     gpu_tests 450 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \

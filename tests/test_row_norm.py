@@ -178,22 +178,28 @@ def test_looped_kernels_offset_first_values(looped, offset, rstd_tol):
     assert_close(y, oracle("layer_norm", x, (4099,)), 4e-5, "looped offset first values")
 
 
+@pytest.mark.parametrize("n", [1000, 1024])
 @pytest.mark.parametrize("knob", ["LOOPED_EVICT", "LOOPED_STATIC_N"])
 @pytest.mark.parametrize("op", OPS)
-def test_looped_hints_and_static_width_keep_the_bits(op, knob, looped, monkeypatch):
+def test_looped_hints_and_static_width_keep_the_bits(op, knob, n, looped, monkeypatch):
     """L2 hints on the looped forward's two passes (LOOPED_EVICT) and the width compiled in (LOOPED_STATIC_N,
-    as the measured table's looped rows are) change no bit; a width not a multiple of the chunk, a NaN row.
+    as the measured table's looped rows are) change no bit; a width not a multiple of the chunk (1000) and one
+    that is (1024: compiled in, LayerNorm's first pass then selects no lane), rows offset by 1e4, a NaN row.
     (The interpreter ignores eviction policies: the bits are a GPU check; the plan's constexprs are checked here.)"""
-    x = randn(5, 1000, dtype=torch.bfloat16, device=DEVICE)
+    # LayerNorm's rows 1e4 off centre, spread wide enough for bfloat16's spacing of 64 there
+    x = (randn(5, n, device=DEVICE) * (300.0 if op == "layer_norm" else 1.0) +
+         (1e4 if op == "layer_norm" else 0.0)).to(torch.bfloat16)
     x[2, 17] = float("nan")
-    w, b = randn(1000, device=DEVICE), randn(1000, device=DEVICE) if op == "layer_norm" else None
-    plain = run(op, x, (1000,), w, b)
+    w, b = randn(n, device=DEVICE), randn(n, device=DEVICE) if op == "layer_norm" else None
+    plain = run(op, x, (n,), w, b)
     monkeypatch.setattr(configs, knob, True)
     triton_backend.clear_caches()
-    constexprs = triton_backend._plan("fwd", 1000, 2, x.device, (op == "rms_norm", True, b is not None, None, None))[1]
+    constexprs = triton_backend._plan("fwd", n, 2, x.device, (op == "rms_norm", True, b is not None, None, None))[1]
     assert (constexprs["LOOP_POLICY_1"], constexprs["LOOP_POLICY_2"], constexprs["N_STATIC"]) == (
-        ("evict_last", "evict_first", 0) if knob == "LOOPED_EVICT" else ("", "", 1000))
-    y = run(op, x, (1000,), w, b)
+        ("evict_last", "evict_first", 0) if knob == "LOOPED_EVICT" else ("", "", n))
+    y = run(op, x, (n,), w, b)
+    keep = [0, 1, 3, 4]
+    assert_close(y[keep], oracle(op, x[keep], (n,), w, b), 1e-2, f"looped {op} N={n} {knob}")
     assert torch.equal(y.nan_to_num(), plain.nan_to_num()) and bool(y[2].isnan().all())
     assert bool(torch.isfinite(y[[0, 1, 3, 4]]).all())
 

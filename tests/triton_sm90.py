@@ -59,6 +59,7 @@ def variants():
         types = dict(FWD_ARGS, Y="*u8" if fp8 else "*bf16")
         absent = [n for n, on in (("R", res or gate), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2), ("MS", mod & 1),
                                   ("MT", mod & 2)) if not on]
+        absent += [] if per_row else ["w_offset"]  # the launch passes None for a weight offset of 0: a constexpr
         units = ["INNER", "sx_c", "W_ROWS"] if not per_row else ["sx_c"]
         out.append((f"fwd rms={rms} res={res} fp8={fp8} amax={amax} per_row={per_row} mod={mod} gate={gate} {path}",
                     _source(kernels.row_norm_fwd_kernel, types, cx, absent, units), 8))
@@ -117,7 +118,7 @@ def table_rows():
                   LOOP_POLICY_1="evict_last" if cfg.evict else "", LOOP_POLICY_2="evict_first" if cfg.evict else "",
                   N_STATIC=n if cfg.static_n else 0)
         src = _source(kernels.row_norm_fwd_kernel, dict(FWD_ARGS, W="*bf16"), cx,
-                      ["R", "H", "AMAX", "SCALE", "MS", "MT", "B"], ["INNER", "sx_c", "W_ROWS"])
+                      ["R", "H", "AMAX", "SCALE", "MS", "MT", "B", "w_offset"], ["INNER", "sx_c", "W_ROWS"])
         src.attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(src.signature)
                      if src.signature[k].startswith("*") or k in ("M", "N", "sx_o", "sx_i")}
         out.append((f"table row fwd bf16 rms {n}: looped {cfg.block_n} x {cfg.num_warps} warps, width compiled in, "

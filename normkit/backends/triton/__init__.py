@@ -282,7 +282,8 @@ def row_norm_fwd_fused(x, weight, bias, eps: float, rms: bool, *, activation=Non
     scale = 1.0 if scale_ptr or out_scale is None else float(out_scale)
     args = (x, second, y.view(torch.uint8) if fp8 else y, h, weight, bias, mean, rstd, amax,
             out_scale if scale_ptr else None, sync, scratch, mod_scale, mod_shift, M, N, inner, sx_o, sx_i, sx_c,
-            sr_o, sr_i, sr_c, eps, w_rows, float(weight_offset), scale) + _mod_rows(M, mod_scale, mod_shift)
+            sr_o, sr_i, sr_c, eps, w_rows, float(weight_offset) if weight_offset else None, scale) + \
+        _mod_rows(M, mod_scale, mod_shift)  # w_offset None: a constexpr, no add (kernels._load_params)
     if cfg.looped or cfg.programs_per_sm == 0:
         _kernels().fwd((row_blocks,), args, constexprs, cfg.options, device_index)
     else:

@@ -103,7 +103,9 @@ def _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W: tl.cons
                  PER_ROW: tl.constexpr):
     """(w, b) as fp32 tiles that broadcast over a tile's rows: the effective weight w_offset + w
     (Gemma's 1 + w) and the bias, [1, BLOCK_N]; with per-head parameters ([W_ROWS, N], row r uses
-    row r % W_ROWS: q/k norms with one weight per head), one row each, [BLOCK_M, BLOCK_N]."""
+    row r % W_ROWS: q/k norms with one weight per head), one row each, [BLOCK_M, BLOCK_N].
+    w_offset None (a constexpr: the launch passes None for 0) adds nothing: an FADD an element saved in the
+    forward's loops, which ncu found issue-bound (run S21-2)."""
     if PER_ROW:
         offs = (rows % W_ROWS)[:, None] * N + cols[None, :]
     else:
@@ -111,7 +113,9 @@ def _load_params(W, B, rows, cols, col_mask, N, W_ROWS, w_offset, HAS_W: tl.cons
     w = 0.0
     b = 0.0
     if HAS_W:
-        w = tl.load(W + offs, mask=col_mask[None, :], other=0.0).to(tl.float32) + w_offset
+        w = tl.load(W + offs, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        if w_offset is not None:
+            w += w_offset
     if HAS_B:
         b = tl.load(B + offs, mask=col_mask[None, :], other=0.0).to(tl.float32)
     return w, b
@@ -359,6 +363,17 @@ def row_norm_fwd_kernel(
 
 
 @triton.jit
+def _shifted(x, shift, mask, BLOCK_N: tl.constexpr, N_STATIC: tl.constexpr):
+    """x - shift per lane, 0 outside the mask. Where the width is compiled in and a multiple of the chunk no
+    column is masked, and a masked row loads zeros and has shift 0: no select (an ALU instruction an element,
+    in a loop that ncu found issue-bound, run S21-2)."""
+    xs = x - shift[:, None]
+    if N_STATIC == 0 or N_STATIC % BLOCK_N != 0:
+        xs = tl.where(mask, xs, 0.0)
+    return xs
+
+
+@triton.jit
 def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, sx_c, sr_o, sr_i, sr_c, eps, W_ROWS,
                 w_offset, scale, mod_rps, sms_r, smt_r, MEAN, RSTD, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
                 HAS_B: tl.constexpr, PER_ROW_W: tl.constexpr, ACT: tl.constexpr,
@@ -398,7 +413,7 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
         x_next = _load_h_as(X, R, rows, row_mask, lane + BLOCK_N, lane + BLOCK_N < n, INNER, sx_o, sx_i, sx_c, sr_o,
                             sr_i, sr_c, HAS_RES, H_ROUND, HAS_GATE, POLICY_1)
         shift = tl.sum(x, axis=1) / tl.minimum(n, BLOCK_N)
-        acc1 = tl.where(row_mask[:, None] & (lane < n)[None, :], x - shift[:, None], 0.0)
+        acc1 = _shifted(x, shift, row_mask[:, None] & (lane < n)[None, :], BLOCK_N, N_STATIC)
         acc = acc1 * acc1
         first = 1
     for chunk in range(first, num_chunks):
@@ -411,7 +426,7 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
         if IS_RMS:
             acc += x * x  # zeros outside the masks
         else:
-            xs = tl.where(mask, x - shift[:, None], 0.0)
+            xs = _shifted(x, shift, mask, BLOCK_N, N_STATIC)
             acc1 += xs
             acc += xs * xs
     # normalize, last chunk first: it is the one most likely still in L2; its loads issued before the row's
@@ -425,6 +440,7 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
     else:
         mean_s = tl.sum(acc1, axis=1) / n
         rstd = tl.rsqrt(tl.maximum(tl.sum(acc, axis=1) / n - mean_s * mean_s, 0.0) + eps)
+        centre = -mean_s * rstd  # xhat = (x - shift) * rstd + centre: one FFMA an element, not a subtraction too
     for i in range(0, num_chunks):
         x, w, b = x_next, w_next, b_next
         cols = (num_chunks - 1 - i) * BLOCK_N + lane
@@ -437,7 +453,7 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
         if IS_RMS:
             xhat = x * rstd[:, None]
         else:
-            xhat = ((x - shift[:, None]) - mean_s[:, None]) * rstd[:, None]
+            xhat = (x - shift[:, None]) * rstd[:, None] + centre[:, None]
         ms, mt = _load_mod(MS, MT, tl.where(row_mask, rows // mod_rps, 0), cols, col_mask, sms_r, smt_r, HAS_MS, HAS_MT)
         y = _epilogue(xhat, w, b, ms, mt, HAS_W, HAS_B, HAS_MS, HAS_MT, ACT)
         amax = _store_outputs(Y, H, x, y, rows, cols, mask, n, scale, amax, STORE_H, FP8, WANT_AMAX)
