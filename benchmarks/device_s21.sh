@@ -10,9 +10,9 @@
 #                                         widths compiled in, one FFMA for xhat, no weight-offset add when it is 0): the
 #                                         looped rows against S21-1 / S21-2, and `normkit bench` fwd 1K-256K with the peers
 #   bash benchmarks/device_s21.sh tests   the GPU test files (after the backward formulas' merge)
-#   bash benchmarks/device_s21.sh models  issue 22's cases on the final tree: the host table, batch-1 decode with Liger,
-#                                         SD-1.5 UNet inference at batch 1 and 2, the Whisper encoder (eager), and compiled
-#                                         Llama decode
+#   bash benchmarks/device_s21.sh models  issue 22's cases on the final tree: `device_s19.sh eager` and `eager2` (the host
+#                                         table, batch-1 decode with Liger, SD-1.5 UNet inference at batch 1 and 2, the
+#                                         Whisper encoder), then compiled Llama decode
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -58,18 +58,14 @@ tests)
         tests/test_fusion_autograd.py
     ;;
 models)
-    bench 60 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
-    steps="--steps 40 --rounds 10"
-    bench 110 --models llama,qwen3,gemma --modes decode --exec eager --variants unpatched,normkit,liger $steps \
-        --time-budget 90 --out "$OUT/llm"
-    bench 60 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch 1 $steps \
-        --time-budget 42 --out "$OUT/sd15-b1"
-    bench 60 --models sd15-unet --modes infer --exec eager --variants unpatched,normkit --batch 2 $steps \
-        --time-budget 42 --out "$OUT/sd15-b2"
-    bench 70 --models whisper-encoder --exec eager --variants unpatched,normkit $steps --time-budget 55 \
-        --out "$OUT/whisper"
-    bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit $steps --time-budget 100 \
-        --out "$OUT/llama-compiled"
+    # session 19's eager cases as they are (its script packs its own archive and empties $OUT: each set aside in turn)
+    for part in eager eager2; do
+        bash benchmarks/device_s19.sh "$part" > "/tmp/s19-$part.log" 2>&1; tail -12 "/tmp/s19-$part.log"
+        mv "$OUT/s19-$part.tgz" "/tmp/keep-s19-$part.tgz"
+    done
+    mv /tmp/keep-s19-*.tgz "$OUT/"
+    bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 100 --out "$OUT/llama-compiled"
     ;;
 esac
 tar czf "/tmp/s21-${1:-sweep}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s21-${1:-sweep}.tgz" "$OUT/"
