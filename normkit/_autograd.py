@@ -504,6 +504,30 @@ def row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activ
             dz.to(residual_dtype) if need_dr and dz is not None else None, dw, db, dscale, dshift, None)
 
 
+def row_norm_grads(saved, args, needs, mod_needs, need_dgate, dy, dh, differentiable: bool,
+                   kernels=row_norm_backward_fused):
+    """The row norms' first-order backward, one formula for every autograd entry: RowNormFn (eager, and
+    normkit._cpu.CpuRowNorm through it) and the custom ops' registered autograd (normkit._library).
+    saved: (z, weight, bias, mean, rstd, mod_scale, mod_shift, gate) as the forward saved them (z is what was
+    normalized: h with a residual, the ungated x with a gate); args: (normalized_ndim, eps, rms, activation,
+    opts, backend, x_dtype, residual dtype or None); needs: (x, weight, bias, residual); mod_needs: (scale,
+    shift). differentiable (a backward autograd can differentiate again), or no dy (only h's gradient): torch
+    ops' vjp; else `kernels`, with row_norm_backward_fused's signature (the custom ops pass one that calls the
+    backward ops, so that a compiled graph holds them). Returns (dx, dresidual, dweight, dbias, dscale, dshift,
+    dgate), None where not needed."""
+    z, weight, bias, mean, rstd, mod_scale, mod_shift, gate = saved
+    normalized_ndim, eps, rms, activation, opts, backend, x_dtype, r_dtype = args
+    if dy is None and dh is None:
+        return (None,) * 7
+    if dy is None or differentiable:
+        return row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activation, opts, needs, x_dtype,
+                                  r_dtype, mod_scale, mod_shift, mod_needs, gate, need_dgate)
+    mod_dtypes = tuple(t.dtype if t is not None and need else None for t, need in zip((mod_scale, mod_shift), mod_needs))
+    return kernels(backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs,
+                   weight_offset=opts.weight_offset, dh=dh, x_dtype=x_dtype, residual_dtype=r_dtype,
+                   mod_scale=mod_scale, mod_shift=mod_shift, mod_dtypes=mod_dtypes, gate=gate, need_dgate=need_dgate)
+
+
 class _Function(torch.autograd.Function):
     """torch.autograd.Function whose apply does not bind the forward's signature on every call:
     torch's apply runs inspect.signature(forward).bind(...) whenever setup_context is defined (tens of
@@ -549,24 +573,9 @@ class RowNormFn(_Function):
 
     @staticmethod
     def backward(ctx, dy, dh, _dmean, _drstd, _damax):
-        z, weight, bias, mean, rstd, mod_scale, mod_shift, gate = ctx.saved_tensors
-        normalized_ndim, eps, rms, activation, opts, backend, x_dtype, r_dtype = ctx.args
         n = tuple(ctx.needs_input_grad) + (False,) * (14 - len(ctx.needs_input_grad))
-        needs = n[:3] + (n[3],)
-        mod_needs = n[11:13]
-        if dy is None and dh is None:
-            dx, dres, dw, db, ds, dt, dg = (None,) * 7
-        elif dy is None or _differentiable_backward_wanted():
-            dx, dres, dw, db, ds, dt, dg = row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms,
-                                                              activation, opts, needs, x_dtype, r_dtype, mod_scale,
-                                                              mod_shift, mod_needs, gate, n[13])
-        else:
-            mod_dtypes = tuple(t.dtype if t is not None and need else None
-                               for t, need in zip((mod_scale, mod_shift), mod_needs))
-            dx, dres, dw, db, ds, dt, dg = row_norm_backward_fused(
-                backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs,
-                weight_offset=opts.weight_offset, dh=dh, x_dtype=x_dtype, residual_dtype=r_dtype,
-                mod_scale=mod_scale, mod_shift=mod_shift, mod_dtypes=mod_dtypes, gate=gate, need_dgate=n[13])
+        dx, dres, dw, db, ds, dt, dg = row_norm_grads(ctx.saved_tensors, ctx.args, n[:4], n[11:13], n[13], dy, dh,
+                                                      _differentiable_backward_wanted())
         return ((dx, dw, db, dres) + (None,) * 7 + (ds, dt, dg))[: len(ctx.needs_input_grad)]
 
     @staticmethod
@@ -683,6 +692,20 @@ def group_norm_backward(backend, dy, x, weight, bias, mean, rstd, num_groups: in
     return (fresh(from_bcs(dx3, x.shape)) if need_dx else None), dw, db
 
 
+def group_norm_grads(saved, args, needs, dy, differentiable: bool, kernels=group_norm_backward):
+    """GroupNorm's first-order backward, one formula for GroupNormFn (and normkit._cpu.CpuGroupNorm through it)
+    and the custom op's registered autograd (normkit._library, whose `kernels` call the backward op). saved: (x,
+    weight, bias, mean, rstd); args: (num_groups, eps, activation, backend); needs: (x, weight, bias). Returns
+    (dx, dweight, dbias), None where not needed."""
+    x, weight, bias, mean, rstd = saved
+    num_groups, eps, activation, backend = args
+    if dy is None:
+        return None, None, None
+    if differentiable:
+        return group_norm_vjp_differentiable(dy, x, weight, bias, num_groups, eps, activation, needs)
+    return kernels(backend, dy, x, weight, bias, mean, rstd, num_groups, activation, needs, eps=eps)
+
+
 class GroupNormFn(_Function):
     """GroupNorm of [B, C, *spatial] then `activation`; outputs (y, mean, rstd)."""
 
@@ -702,17 +725,8 @@ class GroupNormFn(_Function):
 
     @staticmethod
     def backward(ctx, dy, _dmean, _drstd):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        num_groups, eps, activation, backend = ctx.args
-        needs = ctx.needs_input_grad[:3]
-        if dy is None:
-            grads = (None, None, None)
-        elif _differentiable_backward_wanted():
-            grads = group_norm_vjp_differentiable(dy, x, weight, bias, num_groups, eps, activation, needs)
-        else:
-            grads = group_norm_backward(backend, dy, x, weight, bias, mean, rstd, num_groups, activation, needs,
-                                        eps=eps)
-        return grads + (None,) * 4
+        return group_norm_grads(ctx.saved_tensors, ctx.args, ctx.needs_input_grad[:3], dy,
+                                _differentiable_backward_wanted()) + (None,) * 4
 
     @staticmethod
     def jvp(ctx, tx, tw, tb, *_):

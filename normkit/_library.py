@@ -243,49 +243,59 @@ def _row_norm_setup(ctx, inputs, output):
     else:
         residual, opts, mod_scale, mod_shift, gate = None, _autograd.PLAIN, None, None, None
         (_, mean, rstd), h = output, None
+    # RowNormFn's saved tensors and arguments (backend: the user's name, which the backward ops resolve)
     ctx.save_for_backward(a.x if residual is None else h, a.weight, a.bias, mean, rstd, mod_scale, mod_shift, gate)
-    ctx.args = (a.normalized_ndim, a.eps, a.rms, a.activation, a.backend, opts, a.x.dtype,
+    ctx.args = (a.normalized_ndim, a.eps, a.rms, a.activation, opts, a.backend, a.x.dtype,
                 None if residual is None else residual.dtype)
 
 
+def _bwd_op_args(dy, z, normalized_ndim, weight, bias, mean, rstd, rms, activation, needs, backend, mod_scale=None,
+                 gate=None) -> dict:
+    """The arguments both backward ops take, from the formula's (normkit._autograd.row_norm_grads): the gradient
+    dtypes asked for, the bias only where the backward reads it (an activation's or the modulation's input, the
+    gate, per-head biases)."""
+    act_bias = bias if activation is not None or mod_scale is not None or gate is not None or \
+        (bias is not None and bias.dim() > normalized_ndim) else None
+    return dict(dy=dy, x=z, normalized_ndim=normalized_ndim, weight=weight, bias=act_bias, mean=mean, rstd=rstd,
+                rms=rms, activation=activation, dweight_dtype=weight.dtype if needs[1] else None,
+                dbias_dtype=bias.dtype if needs[2] else None, backend=backend)
+
+
+def _grads_by_plain_op(backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs, **_):
+    """row_norm_grads' kernels for the plain forward op (its options are all defaults): the plain backward op."""
+    dx, dw, db = _row_norm_bwd(*A_BWD.call(**_bwd_op_args(dy, z, normalized_ndim, weight, bias, mean, rstd, rms,
+                                                          activation, needs, backend)))
+    return dx, None, dw, db, None, None, None
+
+
+def _grads_by_fused_op(backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs, *,
+                       weight_offset, dh, x_dtype, residual_dtype, mod_scale, mod_shift, mod_dtypes, gate, need_dgate):
+    """row_norm_grads' kernels for the fused forward op: the fused backward op, dx in x's dtype (the residual's
+    when only it is wanted), the residual's gradient apart only where its dtype differs."""
+    first = x_dtype if needs[0] or residual_dtype is None else residual_dtype
+    dx, dres, dw, db, ds, dt, dg = _row_norm_fused_bwd(*A_FUSED_BWD.call(
+        **_bwd_op_args(dy, z, normalized_ndim, weight, bias, mean, rstd, rms, activation, needs, backend, mod_scale,
+                       gate),
+        weight_offset=weight_offset, dh=dh, dx_dtype=first,
+        dres_dtype=residual_dtype if needs[0] and needs[3] else None, mod_scale=mod_scale, mod_shift=mod_shift,
+        dscale_dtype=mod_dtypes[0], dshift_dtype=mod_dtypes[1], gate=gate))
+    dres = _present(dres) if needs[0] else dx
+    return dx, ((dres if dres is not None else dx) if needs[3] else None), dw, db, ds, dt, dg
+
+
 def _row_norm_backward(ctx, dy, *grads):
-    """Both forward ops' autograd: grads are (dmean, drstd) or (dh, dmean, drstd, damax)."""
-    z, weight, bias, mean, rstd, mod_scale, mod_shift, gate = ctx.saved_tensors
-    normalized_ndim, eps, rms, activation, backend, opts, x_dtype, r_dtype = ctx.args
-    dh = grads[0] if ctx.fused and r_dtype is not None else None  # an absent h (empty) has an empty gradient
+    """Both forward ops' autograd (grads: (dmean, drstd) or (dh, dmean, drstd, damax)): the formula RowNormFn
+    uses, its kernels through the backward ops."""
+    dh = grads[0] if ctx.fused and ctx.args[7] is not None else None  # an absent h (empty) has an empty gradient
     A = A_FUSED if ctx.fused else A_FWD
     n = dict(zip(A.names, ctx.needs_input_grad))  # by argument name
     needs = (n["x"], n["weight"], n["bias"], n.get("residual", False))
     mod_needs = (n.get("mod_scale", False), n.get("mod_shift", False))
     need_dg = n.get("gate", False)
-    ds = dt = dg = None
-    if dy is None and dh is None:
-        dx = dres = dw = db = None
-    elif dy is None or torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
-        dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps,
-                                                                    rms, activation, opts, needs, x_dtype, r_dtype,
-                                                                    mod_scale, mod_shift, mod_needs, gate, need_dg)
-    else:
-        w_dtype = weight.dtype if needs[1] else None
-        b_dtype = bias.dtype if needs[2] else None
-        act_bias = bias if activation is not None or mod_scale is not None or gate is not None or \
-            (bias is not None and bias.dim() > normalized_ndim) else None
-        if ctx.fused:
-            first = x_dtype if needs[0] or r_dtype is None else r_dtype  # no residual: dx unused, x dtype
-            mod_dtypes = tuple(t.dtype if t is not None and need else None
-                               for t, need in zip((mod_scale, mod_shift), mod_needs))
-            dx, dres, dw, db, ds, dt, dg = _row_norm_fused_bwd(*A_FUSED_BWD.call(
-                dy=dy, x=z, normalized_ndim=normalized_ndim, weight=weight, bias=act_bias, mean=mean, rstd=rstd,
-                rms=rms, activation=activation, dweight_dtype=w_dtype, dbias_dtype=b_dtype, backend=backend,
-                weight_offset=opts.weight_offset, dh=dh, dx_dtype=first,
-                dres_dtype=r_dtype if needs[0] and needs[3] else None, mod_scale=mod_scale, mod_shift=mod_shift,
-                dscale_dtype=mod_dtypes[0], dshift_dtype=mod_dtypes[1], gate=gate))
-            dres = _present(dres) if needs[0] else dx
-            dres = (dres if dres is not None else dx) if needs[3] else None
-        else:
-            dx, dw, db = _row_norm_bwd(dy, z, normalized_ndim, weight, act_bias, mean, rstd, rms, activation, w_dtype,
-                                       b_dtype, backend)
-            dres = None
+    # create_graph=True: a backward autograd can differentiate again
+    dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_grads(
+        ctx.saved_tensors, ctx.args, needs, mod_needs, need_dg, dy, dh, torch.is_grad_enabled(),
+        _grads_by_fused_op if ctx.fused else _grads_by_plain_op)
     given = dict(x=dx if needs[0] else None, weight=dw if needs[1] else None, bias=db if needs[2] else None)
     if ctx.fused:
         given.update(residual=dres, mod_scale=ds if mod_needs[0] else None, mod_shift=dt if mod_needs[1] else None,
@@ -402,26 +412,26 @@ _group_norm_bwd.register_fake(_group_norm_bwd_fake)
 def _group_norm_setup(ctx, inputs, output):
     a = A_GN.read(*inputs)
     _, mean, rstd = output
-    ctx.save_for_backward(a.x, a.weight, a.bias, mean, rstd)
-    ctx.args = (a.num_groups, a.eps, a.activation, a.backend,
-                None if a.weight is None else a.weight.dtype, None if a.bias is None else a.bias.dtype)
+    ctx.save_for_backward(a.x, a.weight, a.bias, mean, rstd)  # GroupNormFn's saved tensors and arguments
+    ctx.args = (a.num_groups, a.eps, a.activation, a.backend)
+
+
+def _group_grads_by_op(backend, dy, x, weight, bias, mean, rstd, num_groups, activation, needs, eps):
+    """group_norm_grads' kernels: the backward op (the bias only where the activation's input needs it)."""
+    return _group_norm_bwd(*A_GN_BWD.call(
+        dy=dy, x=x, num_groups=num_groups, weight=weight, bias=bias if activation is not None else None, mean=mean,
+        rstd=rstd, activation=activation, dweight_dtype=weight.dtype if needs[1] else None,
+        dbias_dtype=bias.dtype if needs[2] else None, backend=backend, eps=eps))
 
 
 def _group_norm_backward(ctx, dy, _dmean, _drstd):
-    x, weight, bias, mean, rstd = ctx.saved_tensors
-    num_groups, eps, activation, backend, w_dtype, b_dtype = ctx.args
     n = dict(zip(A_GN.names, ctx.needs_input_grad))  # by argument name
-    need_dx, need_dw, need_db = n["x"], n["weight"], n["bias"]
-    if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
-        dx, dw, db = _autograd.group_norm_vjp_differentiable(dy, x, weight, bias, num_groups, eps, activation,
-                                                        (need_dx, need_dw, need_db))
-    else:
-        dx, dw, db = _group_norm_bwd(*A_GN_BWD.call(
-            dy=dy, x=x, num_groups=num_groups, weight=weight, bias=bias if activation is not None else None,
-            mean=mean, rstd=rstd, activation=activation, dweight_dtype=w_dtype if need_dw else None,
-            dbias_dtype=b_dtype if need_db else None, backend=backend, eps=eps))
-    return A_GN.by_position(len(ctx.needs_input_grad), x=dx, weight=dw if need_dw else None,
-                            bias=db if need_db else None)
+    needs = (n["x"], n["weight"], n["bias"])
+    # create_graph=True: a backward autograd can differentiate again
+    dx, dw, db = _autograd.group_norm_grads(ctx.saved_tensors, ctx.args, needs, dy, torch.is_grad_enabled(),
+                                            _group_grads_by_op)
+    return A_GN.by_position(len(ctx.needs_input_grad), x=dx, weight=dw if needs[1] else None,
+                            bias=db if needs[2] else None)
 
 
 _group_norm_fwd.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
