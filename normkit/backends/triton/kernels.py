@@ -386,9 +386,10 @@ def _fwd_looped(X, R, Y, H, W, B, MS, MT, rows, row_mask, N, INNER, sx_o, sx_i, 
     after the loop: a reduction per chunk would put a CTA barrier between a chunk's loads and the
     next's. The shift bounds the variance's cancellation: (mean - shift)^2 <= (chunks - 1) * var for
     the mean of any one chunk, so var = E[xs^2] - E[xs]^2 loses at most log2(chunks) bits, never the
-    row's offset (1e4 in the oracle checks). (It replaced a per-lane Welford update, a division and two
-    selects per element, measured no slower: LayerNorm's loop stays 0.1-0.2 of copy below RMSNorm's for
-    reasons not yet profiled, runs S20-1 / S20-2.)
+    row's offset (1e4 in the oracle checks). (It replaced a per-lane Welford update, measured no slower.
+    LayerNorm's loop stays 0.1-0.2 of copy below RMSNorm's: not its registers, its L2 streams nor its
+    instruction count (runs S21-1 to S21-3); ncu's stall samples (S21-7) put its waits on its own unpacks
+    and cross-warp reductions, RMSNorm's on memory.)
     Both passes load the chunk after the current one before working on it: ptxas otherwise let a
     chunk's loads wait on each other (one round trip each) and the next chunk's wait on the stores.
     POLICY_1 / POLICY_2: the passes' L2 eviction policies (Inductor's looped reductions keep the row
