@@ -13,6 +13,14 @@ the kernels for differentiable torch ops, where the kernels cannot give what aut
 - a vmap over weights (model ensembles): the batched affine is applied with torch ops.
 The differentiable backward serves the custom ops' autograd (_library.py) and the C++ host path too.
 
+Each op's first-order backward is one formula, `row_norm_grads` / `group_norm_grads` (torch ops or kernels,
+the gradients' dtypes, which gradients are wanted), for RowNormFn / GroupNormFn (and normkit._cpu's
+Functions, which fall back to them) and the custom ops' registered autograd. What differs is how the
+kernels run, passed in: `row_norm_backward_fused` / `group_norm_backward`, whose arguments are the backward
+ops' by name (so the ops' implementations pass their calls straight on), or the backward ops themselves
+(_library.py), so that a compiled graph holds ops. host.cpp's native autograd node makes the same
+decisions in C++.
+
 LayerNorm/RMSNorm carry the fused options (RowOptions): a residual add whose sum h is normalized and
 returned (the autograd output h, whose gradient joins dx and dresidual), a weight offset, the
 output dtype (float8 with a scale; the backward treats the cast as the identity, as
@@ -395,70 +403,59 @@ def row_norm_forward_fused(backend, x, weight, bias, normalized_ndim: int, eps: 
     return view(y, x.shape), view(h, x.shape), view(mean, lead), view(rstd, lead), fresh(amax)
 
 
-def row_norm_forward(backend, x, weight, bias, normalized_ndim: int, eps: float, rms: bool, activation):
-    """The kernels' forward on user-shaped tensors: (y, mean or None, rstd), none of them a view."""
-    y, _, mean, rstd, _ = row_norm_forward_fused(backend, x, weight, bias, normalized_ndim, eps, rms, activation)
-    return y, mean, rstd
-
-
-def row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim: int, rms: bool, activation,
-                            needs, *, weight_offset: float = 0.0, dh=None, x_dtype=None, residual_dtype=None,
-                            param_dtypes=None, mod_scale=None, mod_shift=None, mod_dtypes=(None, None), gate=None,
-                            need_dgate=False):
-    """The kernels' first-order backward: (dx, dresidual, dweight, dbias, dscale, dshift, dgate), each
-    None where not needed (needs: x, weight, bias, residual; mod_dtypes: the dtypes of dscale and
-    dshift, None where not needed). x is what was normalized (h with a residual); dh, the gradient
-    of h, joins dx; dx comes in x_dtype (default x's) and dresidual in residual_dtype.
-    param_dtypes: (dweight, dbias) dtypes, default the parameters' own. gate: x is the ungated input
-    (what was normalized is x * silu(gate)); dgate in the gate's dtype, None unless need_dgate."""
+def row_norm_backward_fused(backend, dy, x, normalized_ndim: int, weight, bias, mean, rstd, rms: bool, activation,
+                            dweight_dtype, dbias_dtype, *, weight_offset: float = 0.0, dh=None, dx_dtype=None,
+                            dres_dtype=None, mod_scale=None, mod_shift=None, dscale_dtype=None, dshift_dtype=None,
+                            gate=None):
+    """The kernels' first-order backward. Its arguments are the backward ops' by name
+    (normkit._op_args.ROW_FUSED_BWD, the backend resolved), so the ops' implementation passes its call on
+    and row_norm_grads works them out once for every caller. Returns (dx, dres, dweight, dbias, dscale,
+    dshift, dgate): x is what was normalized (h with a residual; with a gate the ungated input, normalized
+    as x * silu(gate)); dh, the gradient of h, joins dx, which comes in dx_dtype (default x's); dres is the
+    same gradient again in dres_dtype, None where that is None or dx_dtype; the parameter and modulation
+    gradients None where their dtype is None; dgate (the gate's dtype) whenever there is a gate."""
     shape = tuple(x.shape[x.dim() - normalized_ndim:])
-    need_dx, need_dw, need_db, need_dr = needs
     modulated = mod_scale is not None or mod_shift is not None
-    x_dtype = x_dtype or x.dtype
-    # the kernel writes dx once, or twice when x and the residual want it in different dtypes
-    first = residual_dtype if (need_dr and not need_dx) else x_dtype
-    second = residual_dtype if need_dx and need_dr and residual_dtype != x_dtype else None
+    dx_dtype = dx_dtype or x.dtype
+    dres_dtype = None if dres_dtype == dx_dtype else dres_dtype
     rows = _rows(backend, x, shape)
-    mean_rows = None if mean is None else mean.reshape(-1)
-    dw_dtype, db_dtype = param_dtypes or (weight.dtype if need_dw else None, bias.dtype if need_db else None)
+    mean_rows = None if rms else mean.reshape(-1)
     dmod = (None, None)
     dgate = None
-    if dh is None and second is None and weight_offset == 0.0 and first == x.dtype and not modulated and \
-            gate is None and \
-            not _per_head(weight, bias, shape):
+    if dh is None and dres_dtype is None and weight_offset == 0.0 and dx_dtype == x.dtype and not modulated and \
+            gate is None and not _per_head(weight, bias, shape):
         extra = {} if activation is None else {"bias": flat_param(bias), "activation": activation}
         dx, dw, db = backend.row_norm_bwd(_rows(backend, dy, shape, rows), rows, flat_param(weight), mean_rows,
-                                          rstd.reshape(-1), rms, dw_dtype, db_dtype, **extra)
+                                          rstd.reshape(-1), rms, dweight_dtype, dbias_dtype, **extra)
         dres = None
     else:
         mod = _mod_kwargs(mod_scale, mod_shift, rows.shape[-1])
         if mod:
-            mod["dmod_dtypes"] = mod_dtypes
+            mod["dmod_dtypes"] = (dscale_dtype, dshift_dtype)
         if gate is not None:
             mod["gate"] = _rows(backend, gate, shape, rows)
         dx, dres, dw, db, *dmod = _fused_entry(backend, "row_norm_bwd_fused", RowOptions(
             weight_offset=weight_offset, mod_scale=mod_scale is not None, mod_shift=mod_shift is not None,
             gate=gate is not None), dh)(
             _rows(backend, dy, shape, rows), rows, param_rows(weight, shape), mean_rows, rstd.reshape(-1), rms,
-            dw_dtype, db_dtype, bias=param_rows(bias, shape), activation=activation, weight_offset=weight_offset,
-            dh=None if dh is None else _rows(backend, dh, shape, rows), dx_dtype=first, dres_dtype=second, **mod)
-        if gate is not None:  # the backend writes dgate whether or not it is wanted: always its last output
-            dgate = dmod.pop()
-            dgate = fresh(dgate.view(x.shape)) if need_dgate else None
+            dweight_dtype, dbias_dtype, bias=param_rows(bias, shape), activation=activation,
+            weight_offset=weight_offset, dh=None if dh is None else _rows(backend, dh, shape, rows),
+            dx_dtype=dx_dtype, dres_dtype=dres_dtype, **mod)
+        if gate is not None:  # the backend writes dgate as its last output
+            dgate = fresh(dmod.pop().view(x.shape))
         dmod = tuple(dmod) or (None, None)
         dmod = tuple(None if d is None else fresh(d.view(t.shape)) for d, t in zip(dmod, (mod_scale, mod_shift)))
-    dx = fresh(dx.view(x.shape))
-    dres = fresh(dres.view(x.shape)) if dres is not None else (dx if need_dr else None)
     pshape = next((tuple(p.shape) for p in (weight, bias) if p is not None), shape)
-    return (dx if need_dx else None), dres, (None if dw is None else dw.view(pshape)), \
-        (None if db is None else db.view(pshape)), dmod[0], dmod[1], dgate
+    return fresh(dx.view(x.shape)), (None if dres is None else fresh(dres.view(x.shape))), \
+        (None if dw is None else dw.view(pshape)), (None if db is None else db.view(pshape)), dmod[0], dmod[1], dgate
 
 
-def row_norm_backward(backend, dy, x, weight, bias, mean, rstd, normalized_ndim: int, rms: bool, activation, needs):
-    """The kernels' first-order backward: (dx, dweight, dbias), each None where not needed."""
-    dx, _, dw, db, _, _, _ = row_norm_backward_fused(backend, dy, x, weight, bias, mean, rstd, normalized_ndim, rms,
-                                                     activation, tuple(needs) + (False,))
-    return dx, dw, db
+def grad_dtypes(need_dx: bool, need_dres: bool, x_dtype, residual_dtype):
+    """The backward ops' (dx_dtype, dres_dtype) for the input gradients wanted: the kernel writes the gradient of
+    what was normalized once, in the residual's dtype when only the residual wants it, and a second time where x
+    and the residual want different dtypes."""
+    first = residual_dtype if need_dres and not need_dx else x_dtype
+    return first, (residual_dtype if need_dx and need_dres else None)
 
 
 def gated_input(x, gate):
@@ -512,9 +509,10 @@ def row_norm_grads(saved, args, needs, mod_needs, need_dgate, dy, dh, differenti
     normalized: h with a residual, the ungated x with a gate); args: (normalized_ndim, eps, rms, activation,
     opts, backend, x_dtype, residual dtype or None); needs: (x, weight, bias, residual); mod_needs: (scale,
     shift). differentiable (a backward autograd can differentiate again), or no dy (only h's gradient): torch
-    ops' vjp; else `kernels`, with row_norm_backward_fused's signature (the custom ops pass one that calls the
-    backward ops, so that a compiled graph holds them). Returns (dx, dresidual, dweight, dbias, dscale, dshift,
-    dgate), None where not needed."""
+    ops' vjp; else `kernels(backend, **the backward op's arguments)`: row_norm_backward_fused, or the custom
+    ops' function that calls the backward ops, so that a compiled graph holds them (absent gradients may come
+    back as empty tensors: what was not asked for is dropped here). Returns (dx, dresidual, dweight, dbias,
+    dscale, dshift, dgate), None where not needed."""
     z, weight, bias, mean, rstd, mod_scale, mod_shift, gate = saved
     normalized_ndim, eps, rms, activation, opts, backend, x_dtype, r_dtype = args
     if dy is None and dh is None:
@@ -522,10 +520,19 @@ def row_norm_grads(saved, args, needs, mod_needs, need_dgate, dy, dh, differenti
     if dy is None or differentiable:
         return row_norm_vjp_fused(dy, dh, z, weight, bias, normalized_ndim, eps, rms, activation, opts, needs, x_dtype,
                                   r_dtype, mod_scale, mod_shift, mod_needs, gate, need_dgate)
-    mod_dtypes = tuple(t.dtype if t is not None and need else None for t, need in zip((mod_scale, mod_shift), mod_needs))
-    return kernels(backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs,
-                   weight_offset=opts.weight_offset, dh=dh, x_dtype=x_dtype, residual_dtype=r_dtype,
-                   mod_scale=mod_scale, mod_shift=mod_shift, mod_dtypes=mod_dtypes, gate=gate, need_dgate=need_dgate)
+    need_dx, need_dw, need_db, need_dr = needs
+    dx_dtype, dres_dtype = grad_dtypes(need_dx, need_dr, x_dtype, r_dtype)
+    dx, dres, dw, db, ds, dt, dg = kernels(
+        backend, dy=dy, x=z, normalized_ndim=normalized_ndim, weight=weight, bias=bias, mean=mean, rstd=rstd, rms=rms,
+        activation=activation, dweight_dtype=weight.dtype if need_dw else None,
+        dbias_dtype=bias.dtype if need_db else None, weight_offset=opts.weight_offset, dh=dh, dx_dtype=dx_dtype,
+        dres_dtype=dres_dtype, mod_scale=mod_scale, mod_shift=mod_shift,
+        dscale_dtype=mod_scale.dtype if mod_needs[0] else None, dshift_dtype=mod_shift.dtype if mod_needs[1] else None,
+        gate=gate)
+    # the residual's gradient is dx where it was written once
+    dres = (dres if dres_dtype is not None and dres_dtype != dx_dtype else dx) if need_dr else None
+    return (dx if need_dx else None), dres, (dw if need_dw else None), (db if need_db else None), \
+        (ds if mod_needs[0] else None), (dt if mod_needs[1] else None), (dg if need_dgate else None)
 
 
 class _Function(torch.autograd.Function):
@@ -677,33 +684,35 @@ def group_norm_forward(backend, x, weight, bias, num_groups: int, eps: float, ac
     return fresh(from_bcs(y3, x.shape)), fresh(mean), fresh(rstd)
 
 
-def group_norm_backward(backend, dy, x, weight, bias, mean, rstd, num_groups: int, activation, needs,
-                        param_dtypes=None, eps=None):
-    """The kernels' backward: (dx, dweight, dbias), each None where not needed. param_dtypes: the
-    (dweight, dbias) dtypes, default the parameters' own (given, dbias needs no bias: the kernels read
-    the bias only to recompute the activation's input). eps: the forward's, for the torch backend,
-    whose CPU kernel then recomputes the activation's input with the forward's own bits (as torch's
+def group_norm_backward(backend, dy, x, num_groups: int, weight, bias, mean, rstd, activation, dweight_dtype,
+                        dbias_dtype, eps=None):
+    """The kernels' backward, its arguments the backward op's by name (normkit._op_args.GN_BWD, the backend
+    resolved): (dx, dweight, dbias), the last two None where their dtype is None (dbias needs no bias: the
+    kernels read the bias only to recompute the activation's input). eps: the forward's, for the torch
+    backend, whose CPU kernel then recomputes the activation's input with the forward's own bits (as torch's
     autograd nodes save it: normkit/_cpu.py); the other backends' kernels do not need it."""
-    need_dx, need_dw, need_db = needs
     channels_last = is_channels_last(x)
-    dw_dtype, db_dtype = param_dtypes or (weight.dtype if need_dw else None, bias.dtype if need_db else None)
     dx3, dw, db = backend.group_norm_bwd(bcs(dy, channels_last), bcs(x, channels_last), num_groups, weight, bias,
-                                         mean, rstd, activation, dw_dtype, db_dtype, eps=eps)
-    return (fresh(from_bcs(dx3, x.shape)) if need_dx else None), dw, db
+                                         mean, rstd, activation, dweight_dtype, dbias_dtype, eps=eps)
+    return fresh(from_bcs(dx3, x.shape)), dw, db
 
 
 def group_norm_grads(saved, args, needs, dy, differentiable: bool, kernels=group_norm_backward):
     """GroupNorm's first-order backward, one formula for GroupNormFn (and normkit._cpu.CpuGroupNorm through it)
-    and the custom op's registered autograd (normkit._library, whose `kernels` call the backward op). saved: (x,
-    weight, bias, mean, rstd); args: (num_groups, eps, activation, backend); needs: (x, weight, bias). Returns
-    (dx, dweight, dbias), None where not needed."""
+    and the custom op's registered autograd, as row_norm_grads: `kernels(backend, **the backward op's
+    arguments)`, group_norm_backward or the backward op. saved: (x, weight, bias, mean, rstd); args:
+    (num_groups, eps, activation, backend); needs: (x, weight, bias). Returns (dx, dweight, dbias), None where
+    not needed."""
     x, weight, bias, mean, rstd = saved
     num_groups, eps, activation, backend = args
     if dy is None:
         return None, None, None
     if differentiable:
         return group_norm_vjp_differentiable(dy, x, weight, bias, num_groups, eps, activation, needs)
-    return kernels(backend, dy, x, weight, bias, mean, rstd, num_groups, activation, needs, eps=eps)
+    dx, dw, db = kernels(backend, dy=dy, x=x, num_groups=num_groups, weight=weight, bias=bias, mean=mean, rstd=rstd,
+                         activation=activation, dweight_dtype=weight.dtype if needs[1] else None,
+                         dbias_dtype=bias.dtype if needs[2] else None, eps=eps)
+    return (dx if needs[0] else None), (dw if needs[1] else None), (db if needs[2] else None)
 
 
 class GroupNormFn(_Function):

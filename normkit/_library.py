@@ -8,8 +8,10 @@ as a Partial sum that DTensor reduces across ranks.
 
 Plain eager calls do not come here: they use the autograd.Functions of _autograd.py, which call the
 same backend entry points with less host overhead and carry the torch.func rules (see `needed`).
-The ops mutate nothing. A backward that autograd records (create_graph=True) is taken through the
-differentiable backward of _autograd.py, as in eager.
+The ops mutate nothing. Their autograd is the eager formula (_autograd.row_norm_grads /
+group_norm_grads), given kernels that call the backward ops; so a backward that autograd records
+(create_graph=True) is taken through the differentiable backward of _autograd.py, as in eager. The
+backward ops' implementations pass their arguments by name to the eager kernels' functions.
 
 Ops (namespace normkit), on tensors in their user-facing shapes, so sharded dims stay visible (their
 argument lists are defined once, in normkit._op_args, which their schemas come from):
@@ -43,6 +45,7 @@ tracing never imports a backend, and a forced backend that cannot run raises whe
 A custom op cannot return None, so an absent result (RMSNorm's mean, a gradient nobody asked for)
 is an empty tensor; the Python wrappers below turn it back into None.
 """
+import functools
 import sys
 from typing import Optional
 
@@ -88,10 +91,6 @@ def _stat_dtype(x: Tensor) -> torch.dtype:
 
 def _absent(like: Tensor, dtype=None) -> Tensor:
     return like.new_empty((0,), dtype=dtype if dtype is not None else like.dtype)
-
-
-def _present(t: Tensor):
-    return None if t.numel() == 0 and t.dim() == 1 else t
 
 
 # ----------------------------------------------------------------------------- row norm (LN / RMS)
@@ -167,31 +166,18 @@ _row_norm_fused_fwd.register_fake(_row_norm_fused_fwd_fake)
 
 
 def _bwd(a):
-    """Both backward ops (a: A_BWD.read or A_FUSED_BWD.read): (dx, dres or absent, dweight or absent,
-    dbias or absent, dscale or absent, dshift or absent, dgate or absent)."""
-    x, rms = a.x, a.rms
-    f = a if isinstance(a, A_FUSED_BWD.read) else A_FUSED_BWD.read(*a, weight_offset=0.0, dh=None, dx_dtype=None,
-                                                                     dres_dtype=None)  # the plain op: no options
-    be = _resolve(a.backend, x, "rms_norm backward" if rms else "layer_norm backward", backward=True)
-    dx_dtype = f.dx_dtype or x.dtype
-    dres_dtype = None if f.dres_dtype == dx_dtype else f.dres_dtype  # then dres is dx: the caller uses dx
-    mod_scale, mod_shift, gate = f.mod_scale, f.mod_shift, f.gate
-    dmod_dtypes = (f.dscale_dtype, f.dshift_dtype)
+    """Both backward ops (a: A_BWD.read or A_FUSED_BWD.read): the eager kernels, which take the op's arguments by
+    name; absent gradients as empty tensors: (dx, dres, dweight, dbias, dscale, dshift, dgate)."""
+    kw = a._asdict()
+    x = a.x
+    be = _resolve(kw.pop("backend"), x, "rms_norm backward" if a.rms else "layer_norm backward", backward=True)
+    mod_scale, mod_shift, gate = kw.get("mod_scale"), kw.get("mod_shift"), kw.get("gate")
     if mod_scale is not None or mod_shift is not None or gate is not None:
         _autograd.check_backend(be, _autograd.RowOptions(mod_scale=mod_scale is not None,
                                                          mod_shift=mod_shift is not None, gate=gate is not None), None)
-    dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_backward_fused(
-        be, a.dy, x, a.weight, a.bias, None if rms else a.mean, a.rstd, a.normalized_ndim,
-        rms, a.activation, (True, a.dweight_dtype is not None, a.dbias_dtype is not None, dres_dtype is not None),
-        weight_offset=f.weight_offset, dh=f.dh, x_dtype=dx_dtype, residual_dtype=dres_dtype,
-        param_dtypes=(a.dweight_dtype, a.dbias_dtype), mod_scale=mod_scale, mod_shift=mod_shift,
-        mod_dtypes=dmod_dtypes, gate=gate, need_dgate=gate is not None)
-    dw = _absent(x, a.dweight_dtype) if dw is None else fresh(dw)
-    db = _absent(x, a.dbias_dtype) if db is None else fresh(db)
-    ds = _absent(x, dmod_dtypes[0]) if ds is None else ds
-    dt = _absent(x, dmod_dtypes[1]) if dt is None else dt
-    dg = _absent(x) if dg is None else dg
-    return dx, (_absent(x) if dres is None else dres), dw, db, ds, dt, dg
+    dx, *grads = _autograd.row_norm_backward_fused(be, **kw)
+    dtypes = (None, a.dweight_dtype, a.dbias_dtype, kw.get("dscale_dtype"), kw.get("dshift_dtype"), None)
+    return (dx,) + tuple(_absent(x, d) if g is None else fresh(g) for g, d in zip(grads, dtypes))
 
 
 def _bwd_fake(x, normalized_ndim, weight, bias, dweight_dtype, dbias_dtype, dx_dtype=None, dres_dtype=None,
@@ -249,38 +235,18 @@ def _row_norm_setup(ctx, inputs, output):
                 None if residual is None else residual.dtype)
 
 
-def _bwd_op_args(dy, z, normalized_ndim, weight, bias, mean, rstd, rms, activation, needs, backend, mod_scale=None,
-                 gate=None) -> dict:
-    """The arguments both backward ops take, from the formula's (normkit._autograd.row_norm_grads): the gradient
-    dtypes asked for, the bias only where the backward reads it (an activation's or the modulation's input, the
-    gate, per-head biases)."""
-    act_bias = bias if activation is not None or mod_scale is not None or gate is not None or \
-        (bias is not None and bias.dim() > normalized_ndim) else None
-    return dict(dy=dy, x=z, normalized_ndim=normalized_ndim, weight=weight, bias=act_bias, mean=mean, rstd=rstd,
-                rms=rms, activation=activation, dweight_dtype=weight.dtype if needs[1] else None,
-                dbias_dtype=bias.dtype if needs[2] else None, backend=backend)
-
-
-def _grads_by_plain_op(backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs, **_):
-    """row_norm_grads' kernels for the plain forward op (its options are all defaults): the plain backward op."""
-    dx, dw, db = _row_norm_bwd(*A_BWD.call(**_bwd_op_args(dy, z, normalized_ndim, weight, bias, mean, rstd, rms,
-                                                          activation, needs, backend)))
+def _grads_by_op(fused: bool, backend, **kw):
+    """row_norm_grads' kernels through the backward op that goes with the forward op (the plain forward's
+    options are all defaults), so that a compiled graph holds it. kw: the backward op's arguments; the bias
+    only where the backward reads it (an activation's or the modulation's input, the gate, per-head biases)."""
+    bias = kw["bias"]
+    if kw["activation"] is None and kw["mod_scale"] is None and kw["gate"] is None and \
+            (bias is None or bias.dim() <= kw["normalized_ndim"]):
+        kw["bias"] = None
+    if fused:
+        return _row_norm_fused_bwd(*A_FUSED_BWD.call(backend=backend, **kw))
+    dx, dw, db = _row_norm_bwd(*A_BWD.call(backend=backend, **{k: kw[k] for k in A_BWD.names if k != "backend"}))
     return dx, None, dw, db, None, None, None
-
-
-def _grads_by_fused_op(backend, dy, z, weight, bias, mean, rstd, normalized_ndim, rms, activation, needs, *,
-                       weight_offset, dh, x_dtype, residual_dtype, mod_scale, mod_shift, mod_dtypes, gate, need_dgate):
-    """row_norm_grads' kernels for the fused forward op: the fused backward op, dx in x's dtype (the residual's
-    when only it is wanted), the residual's gradient apart only where its dtype differs."""
-    first = x_dtype if needs[0] or residual_dtype is None else residual_dtype
-    dx, dres, dw, db, ds, dt, dg = _row_norm_fused_bwd(*A_FUSED_BWD.call(
-        **_bwd_op_args(dy, z, normalized_ndim, weight, bias, mean, rstd, rms, activation, needs, backend, mod_scale,
-                       gate),
-        weight_offset=weight_offset, dh=dh, dx_dtype=first,
-        dres_dtype=residual_dtype if needs[0] and needs[3] else None, mod_scale=mod_scale, mod_shift=mod_shift,
-        dscale_dtype=mod_dtypes[0], dshift_dtype=mod_dtypes[1], gate=gate))
-    dres = _present(dres) if needs[0] else dx
-    return dx, ((dres if dres is not None else dx) if needs[3] else None), dw, db, ds, dt, dg
 
 
 def _row_norm_backward(ctx, dy, *grads):
@@ -289,18 +255,13 @@ def _row_norm_backward(ctx, dy, *grads):
     dh = grads[0] if ctx.fused and ctx.args[7] is not None else None  # an absent h (empty) has an empty gradient
     A = A_FUSED if ctx.fused else A_FWD
     n = dict(zip(A.names, ctx.needs_input_grad))  # by argument name
-    needs = (n["x"], n["weight"], n["bias"], n.get("residual", False))
-    mod_needs = (n.get("mod_scale", False), n.get("mod_shift", False))
-    need_dg = n.get("gate", False)
     # create_graph=True: a backward autograd can differentiate again
     dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_grads(
-        ctx.saved_tensors, ctx.args, needs, mod_needs, need_dg, dy, dh, torch.is_grad_enabled(),
-        _grads_by_fused_op if ctx.fused else _grads_by_plain_op)
-    given = dict(x=dx if needs[0] else None, weight=dw if needs[1] else None, bias=db if needs[2] else None)
-    if ctx.fused:
-        given.update(residual=dres, mod_scale=ds if mod_needs[0] else None, mod_shift=dt if mod_needs[1] else None,
-                     gate=dg if need_dg else None)
-    return A.by_position(len(ctx.needs_input_grad), **given)
+        ctx.saved_tensors, ctx.args, (n["x"], n["weight"], n["bias"], n.get("residual", False)),
+        (n.get("mod_scale", False), n.get("mod_shift", False)), n.get("gate", False), dy, dh,
+        torch.is_grad_enabled(), functools.partial(_grads_by_op, ctx.fused))
+    fused = dict(residual=dres, mod_scale=ds, mod_shift=dt, gate=dg) if ctx.fused else {}
+    return A.by_position(len(ctx.needs_input_grad), x=dx, weight=dw, bias=db, **fused)
 
 
 _row_norm_fwd.register_autograd(_row_norm_backward, setup_context=_row_norm_setup)
@@ -385,14 +346,11 @@ def _group_norm_fwd_fake(*args):
 
 def _group_norm_bwd_impl(*args):
     a = A_GN_BWD.read(*args)
-    x, dw_dtype, db_dtype = a.x, a.dweight_dtype, a.dbias_dtype
-    dx, dw, db = _autograd.group_norm_backward(
-        _resolve(a.backend, x, "group_norm backward", backward=True), a.dy, x, a.weight, a.bias, a.mean, a.rstd,
-        a.num_groups, a.activation, (True, dw_dtype is not None, db_dtype is not None), (dw_dtype, db_dtype),
-        eps=a.eps)
-    dw = _absent(x, dw_dtype) if dw is None else fresh(dw)
-    db = _absent(x, db_dtype) if db is None else fresh(db)
-    return dx, dw, db
+    kw = a._asdict()
+    be = _resolve(kw.pop("backend"), a.x, "group_norm backward", backward=True)
+    dx, dw, db = _autograd.group_norm_backward(be, **kw)
+    return dx, (_absent(a.x, a.dweight_dtype) if dw is None else fresh(dw)), \
+        (_absent(a.x, a.dbias_dtype) if db is None else fresh(db))
 
 
 def _group_norm_bwd_fake(*args):
@@ -416,22 +374,19 @@ def _group_norm_setup(ctx, inputs, output):
     ctx.args = (a.num_groups, a.eps, a.activation, a.backend)
 
 
-def _group_grads_by_op(backend, dy, x, weight, bias, mean, rstd, num_groups, activation, needs, eps):
+def _group_grads_by_op(backend, **kw):
     """group_norm_grads' kernels: the backward op (the bias only where the activation's input needs it)."""
-    return _group_norm_bwd(*A_GN_BWD.call(
-        dy=dy, x=x, num_groups=num_groups, weight=weight, bias=bias if activation is not None else None, mean=mean,
-        rstd=rstd, activation=activation, dweight_dtype=weight.dtype if needs[1] else None,
-        dbias_dtype=bias.dtype if needs[2] else None, backend=backend, eps=eps))
+    if kw["activation"] is None:
+        kw["bias"] = None
+    return _group_norm_bwd(*A_GN_BWD.call(backend=backend, **kw))
 
 
 def _group_norm_backward(ctx, dy, _dmean, _drstd):
     n = dict(zip(A_GN.names, ctx.needs_input_grad))  # by argument name
-    needs = (n["x"], n["weight"], n["bias"])
     # create_graph=True: a backward autograd can differentiate again
-    dx, dw, db = _autograd.group_norm_grads(ctx.saved_tensors, ctx.args, needs, dy, torch.is_grad_enabled(),
-                                            _group_grads_by_op)
-    return A_GN.by_position(len(ctx.needs_input_grad), x=dx, weight=dw if needs[1] else None,
-                            bias=db if needs[2] else None)
+    dx, dw, db = _autograd.group_norm_grads(ctx.saved_tensors, ctx.args, (n["x"], n["weight"], n["bias"]), dy,
+                                            torch.is_grad_enabled(), _group_grads_by_op)
+    return A_GN.by_position(len(ctx.needs_input_grad), x=dx, weight=dw, bias=db)
 
 
 _group_norm_fwd.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)

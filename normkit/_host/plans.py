@@ -375,15 +375,15 @@ def row_bwd(dy, dh, x, weight, bias, mean, rstd, ndim, rms, act, needs, param_dt
     need_dx, need_dres = needs
     dw_dtype, db_dtype = param_dtypes
 
+    dx_dtype, dres_dtype = _autograd.grad_dtypes(need_dx, need_dres, x_dtype, residual_dtype)
+
     def fn():
         dx, dres, dw, db, ds, dt, dg = _autograd.row_norm_backward_fused(
-            tb, dy, x, weight, bias, mean, rstd, ndim, rms, act,
-            (need_dx, dw_dtype is not None, db_dtype is not None, need_dres), weight_offset=weight_offset, dh=dh,
-            x_dtype=x_dtype, residual_dtype=residual_dtype, param_dtypes=(dw_dtype, db_dtype), mod_scale=mod_scale,
-            mod_shift=mod_shift, mod_dtypes=tuple(mod_dtypes), gate=gate, need_dgate=need_dgate)
-        first = dx if dx is not None else dres
-        return (first, dw, db, (dres if dres is not None and dres is not first else None)) + \
-            ((ds, dt, dg) if extra else ())
+            tb, dy, x, ndim, weight, bias, mean, rstd, rms, act, dw_dtype, db_dtype, weight_offset=weight_offset, dh=dh,
+            dx_dtype=dx_dtype, dres_dtype=dres_dtype, mod_scale=mod_scale, mod_shift=mod_shift,
+            dscale_dtype=mod_dtypes[0], dshift_dtype=mod_dtypes[1], gate=gate)
+        return (dx if need_dx or need_dres else None, dw, db, dres) + \
+            ((ds, dt, dg if need_dgate else None) if extra else ())
 
     n_params = next((p.numel() for p in (weight, bias) if p is not None), math.prod(x.shape[x.dim() - ndim:]))
 
@@ -422,8 +422,7 @@ def gn_bwd(dy, x, weight, bias, mean, rstd, num_groups, act, param_dtypes, chann
         _contiguous_like(db, x.shape[1], "dbias")
 
     outs, plan, why = _run(record, lambda: _autograd.group_norm_backward(
-        tb, dy, x, weight, bias, mean, rstd, num_groups, act, (True,) + tuple(d is not None for d in param_dtypes),
-        tuple(param_dtypes)),
+        tb, dy, x, num_groups, weight, bias, mean, rstd, act, *param_dtypes),
         (dy, x, weight, bias if act else None, mean, rstd), check)
     return (*outs, plan, why)
 
