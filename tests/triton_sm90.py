@@ -25,9 +25,10 @@ BWD_ARGS = dict(DY="*bf16", X="*bf16", DH="*fp32", W="*fp32", B="*fp32", MEAN="*
 
 def _source(fn, types, constexprs, absent=(), units=()):
     sig, consts = {}, {}
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     for name in fn.arg_names:
-        if name in constexprs:
-            sig[name], consts[name] = "constexpr", constexprs[name]
+        if name in constexprs or name in defaults:
+            sig[name], consts[name] = "constexpr", constexprs.get(name, defaults.get(name))
         elif name in absent:
             sig[name], consts[name] = "constexpr", None
         elif name in units:
@@ -63,6 +64,14 @@ def variants():
         units = ["INNER", "sx_c", "W_ROWS"] if not per_row else ["sx_c"]
         out.append((f"fwd rms={rms} res={res} fp8={fp8} amax={amax} per_row={per_row} mod={mod} gate={gate} {path}",
                     _source(kernels.row_norm_fwd_kernel, types, cx, absent, units), 8))
+    for mode in (1, 2, 3):  # the looped LayerNorm's ways to its statistics (configs.LOOPED_LN_STATS)
+        cx = dict(IS_RMS=False, HAS_W=True, HAS_B=True, PER_ROW_W=False, ACT=0, HAS_RES=False, STORE_H=False,
+                  H_ROUND=0, FP8=0, SCALE_PTR=False, WANT_AMAX=False, BLOCK_M=1, BLOCK_N=1024, SPLIT=1, LOOPED=True,
+                  PERSISTENT=False, LOOP_POLICY_1="evict_last", LOOP_POLICY_2="evict_first", N_STATIC=4099 * (mode & 1),
+                  HAS_MS=False, HAS_MT=False, HAS_GATE=False, LN_STATS=mode)
+        out.append((f"fwd looped LayerNorm LN_STATS={mode} N_STATIC={cx['N_STATIC']}", _source(
+            kernels.row_norm_fwd_kernel, FWD_ARGS, cx, ["R", "H", "AMAX", "SCALE", "MS", "MT", "w_offset"],
+            ["INNER", "sx_c", "W_ROWS"]), 8))
     gated_bwd = [((True, False, False, True, 0, "tile", "*bf16", 0), True),
                  ((False, False, False, False, 2, "split", "*bf16", 0), True),
                  ((True, False, False, False, 0, "looped", "*fp32", 0), True)]

@@ -99,6 +99,11 @@ LOOPED_STATIC_N = False
 # ... and how many rows one looped program walks side by side (the sweeps' knob: the parameters' chunk loads, from L2,
 # then serve every row of the block)
 LOOPED_BLOCK_M = 1
+# ... and how the looped LayerNorm forward gets its statistics (the sweeps' knob, session 22): 0 the first chunk's
+# mean as the shift, the two per-lane sums reduced one after the other; 1 the same, both sums in one reduction;
+# 2 each lane shifted by its own first value, (mean, m2, count) merged across the row in one reduction, so no
+# cross-thread reduction before the loop; 3 the row's first value as the shift (a broadcast load), one reduction
+LOOPED_LN_STATS = 0
 # column reduction of the weight-gradient partials (col_sum_kernel): BLOCK_N the widest in
 # COL_SUM_BLOCK_N that still gives every SM a program (a few wide programs walking hundreds of
 # partial rows wait on one L2 round trip per step), BLOCK_P so a step loads COL_SUM_TILE elements

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 22 (issues 22, 24), one device call each (carry .whl), files in one archive in $OUT:
+#   bash benchmarks/device_s22.sh sweep   the looped LayerNorm forward's ways to its statistics (fwd_sweep.py
+#                                         s<chunk>k<warps>r<mode>, configs.LOOPED_LN_STATS: one cross-warp reduction a
+#                                         row instead of three) at 16K-256K against the table (CUDA clusters from 32K);
+#                                         the modes' oracle tests on the GPU
+#   bash benchmarks/device_s22.sh tests   the GPU test files (the backward ops' arguments by name, merged from s21-autograd)
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh" env.txt
+bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
+sweep() {  # timeout, out dir, fwd_sweep arguments
+    local t=$1 out=$2; shift 2
+    timeout "$t" python3 benchmarks/fwd_sweep.py --out "$OUT/$out" "$@" > "$OUT/$out.log" 2>&1
+    echo "$out rc $?"; grep -E "copy|FAIL|Error" "$OUT/$out.log" | cut -c1-140
+    python3 benchmarks/csv_table.py "$OUT/$out/fwd.csv"
+}
+case "${1:-sweep}" in
+sweep)
+    gpu_tests 60 modes.log tests/test_row_norm.py -k "statistics_modes or looped"
+    sweep 420 ln --ops ln --widths 16384,32768,65536,131072,262144 \
+        --variants table,s4k16,s4k16r1,s4k16r2,s4k16r3,s8k32,s8k32r1,s8k32r3 --repeat 1
+    ;;
+tests)
+    gpu_tests 450 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
+        tests/test_fusion_autograd.py
+    ;;
+esac
+tar czf "/tmp/s22-${1:-sweep}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s22-${1:-sweep}.tgz" "$OUT/"
