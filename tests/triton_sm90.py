@@ -25,10 +25,9 @@ BWD_ARGS = dict(DY="*bf16", X="*bf16", DH="*fp32", W="*fp32", B="*fp32", MEAN="*
 
 def _source(fn, types, constexprs, absent=(), units=()):
     sig, consts = {}, {}
-    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     for name in fn.arg_names:
-        if name in constexprs or name in defaults:
-            sig[name], consts[name] = "constexpr", constexprs.get(name, defaults.get(name))
+        if name in constexprs:
+            sig[name], consts[name] = "constexpr", constexprs[name]
         elif name in absent:
             sig[name], consts[name] = "constexpr", None
         elif name in units:
@@ -56,7 +55,7 @@ def variants():
                   LOOPED=path == "looped", PERSISTENT=path == "split",
                   LOOP_POLICY_1="evict_last" if path == "looped" else "", LOOP_POLICY_2="evict_first" if path == "looped" else "",
                   N_STATIC=4099 if path == "looped" and not fp8 else 0, HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2),
-                  HAS_GATE=gate)
+                  HAS_GATE=gate, LN_STATS=0)
         types = dict(FWD_ARGS, Y="*u8" if fp8 else "*bf16")
         absent = [n for n, on in (("R", res or gate), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2), ("MS", mod & 1),
                                   ("MT", mod & 2)) if not on]
@@ -125,7 +124,7 @@ def table_rows():
                   H_ROUND=0, FP8=0, SCALE_PTR=False, WANT_AMAX=False, BLOCK_M=1, BLOCK_N=cfg.block_n, SPLIT=1,
                   LOOPED=True, PERSISTENT=True, HAS_MS=False, HAS_MT=False, HAS_GATE=False,
                   LOOP_POLICY_1="evict_last" if cfg.evict else "", LOOP_POLICY_2="evict_first" if cfg.evict else "",
-                  N_STATIC=n if cfg.static_n else 0)
+                  N_STATIC=n if cfg.static_n else 0, LN_STATS=0)
         src = _source(kernels.row_norm_fwd_kernel, dict(FWD_ARGS, W="*bf16"), cx,
                       ["R", "H", "AMAX", "SCALE", "MS", "MT", "B", "w_offset"], ["INNER", "sx_c", "W_ROWS"])
         src.attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(src.signature)

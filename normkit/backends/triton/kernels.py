@@ -322,7 +322,7 @@ def row_norm_fwd_kernel(
     SCALE_PTR: tl.constexpr, WANT_AMAX: tl.constexpr, HAS_MS: tl.constexpr, HAS_MT: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOOPED: tl.constexpr,
     PERSISTENT: tl.constexpr, LOOP_POLICY_1: tl.constexpr, LOOP_POLICY_2: tl.constexpr, N_STATIC: tl.constexpr,
-    LN_STATS: tl.constexpr = 0,
+    LN_STATS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if SCALE_PTR:  # a device-side scale (delayed scaling): read, never synchronized to the host
