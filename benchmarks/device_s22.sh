@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Session 22 (issues 22, 24), one device call each (carry .whl), files in one archive in $OUT:
-#   bash benchmarks/device_s22.sh sweep   the looped LayerNorm forward's ways to its statistics (fwd_sweep.py
-#                                         s<chunk>k<warps>r<mode>, configs.LOOPED_LN_STATS: one cross-warp reduction a
-#                                         row instead of three) at 16K-256K against the table (CUDA clusters from 32K);
-#                                         the modes' oracle tests on the GPU
+#   bash benchmarks/device_s22.sh sweep   (run S22-1, on a49d85b) the looped LayerNorm forward's ways to its statistics
+#                                         (then fwd_sweep.py s<chunk>k<warps>r<mode>, a knob since removed: one
+#                                         cross-warp reduction a row instead of three) at 16K-256K against the table
+#   bash benchmarks/device_s22.sh gn      GroupNorm's looped kernels built as the row forward's (gn_sweep.py ps-*: per-slot
+#                                         sums, one reduction, the next tile's loads ahead) against the committed plans,
+#                                         NCHW bf16 / fp32, forward and backward; the looped GroupNorm tests on the GPU
 #   bash benchmarks/device_s22.sh tests   the GPU test files (the backward ops' arguments by name, merged from s21-autograd)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
@@ -19,6 +21,12 @@ sweep)
     gpu_tests 60 modes.log tests/test_row_norm.py -k "statistics_modes or looped"
     sweep 420 ln --ops ln --widths 16384,32768,65536,131072,262144 \
         --variants table,s4k16,s4k16r1,s4k16r2,s4k16r3,s8k32,s8k32r1,s8k32r3 --repeat 1
+    ;;
+gn)
+    gpu_tests 90 gn-tests.log tests/test_group_norm.py -k "looped or offset or nan"
+    timeout 420 python3 benchmarks/gn_sweep.py --out "$OUT/gn" --layouts nchw --dtypes bf16,fp32 --acts - \
+        --act-variants default --peers compile --variants default,ps-4k16,ps-8k32,ps-2k8,ps-8k16,ps-4k16-all \
+        --budget 330 2>&1 | grep -E "copy|bf16|fp32|done" | cut -c1-260
     ;;
 tests)
     gpu_tests 450 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \

@@ -68,12 +68,9 @@ KNOBS.update({f"s{c // 1024}k{w}m2": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED,
                                           LOOPED_STATIC_N=True, LOOPED_BLOCK_M=2)
               for c, w in ((2048, 16), (4096, 16), (4096, 32), (8192, 32))})
 # session 22: S21-7's stall samples put LayerNorm's waits on its cross-warp reductions (three a row, each two CTA
-# barriers, the first between the first chunk's loads and the loop). `r<mode>`: configs.LOOPED_LN_STATS (1: both sums
-# in one reduction; 2: per-lane shifts, one Chan merge, no reduction before the loop; 3: the row's first value as the
-# shift, one reduction)
-KNOBS.update({f"s{c // 1024}k{w}r{r}": dict(MAX_TILED_N=4096, LOOPED={**tc.LOOPED, "fwd": (c, w)}, LOOPED_EVICT=True,
-                                            LOOPED_STATIC_N=True, LOOPED_LN_STATS=r)
-              for c, w in ((4096, 16), (8192, 32)) for r in (1, 2, 3)})
+# barriers). Run S22-1 measured the ways to fewer (a knob then, removed): both sums in one reduction (adopted: 0.70 ->
+# 0.78 at 16K, level at 32K-256K), per-lane shifts merged by one Chan reduction and the row's first value as the shift
+# (0.59-0.65 at 16K-32K: slower)
 VARIANTS.update({name: {8192: None, 16384: None, 32768: None, 65536: None, 131072: None, 262144: None}
                  for name in KNOBS})
 

@@ -155,6 +155,26 @@ VARIANTS.update({
     "clc-run128": _cl_shapes((256, 64 * 1024, 128, 2), (256, 48 * 1024, 128, 2)),
     "clc-128": _cl_shapes((128, 32 * 1024, 64, 4), (128, 24 * 1024, 64, 4)),
 })
+# session 22: the looped kernels built as the row norms' looped forward (SLOTS now: per-slot shifted sums, one
+# reduction after the first pass, the next tile's loads issued before the current tile's work in both passes, L2
+# kept for the second pass), at ~8 elements a thread (offline ptxas, triton 3.6: [1, 4096] x 16 warps 61 / 80
+# registers fwd / bwd at [1, 2048] x 8; 16 elements a thread 122 / 127; 32 elements 212 / 227)
+PS = {"GN_LOOPED_SLOTS": {"fwd": True, "bwd": True}}
+
+
+def _ps_tiles(bf16, fp32):
+    return {**PS, "GN_LOOPED_TILE": {("fwd", 2): bf16, ("bwd", 2): bf16, ("fwd", 4): fp32, ("bwd", 4): fp32}}
+
+
+VARIANTS.update({
+    "ps-4k16": _ps_tiles((4096, 16), (2048, 8)),
+    "ps-8k32": _ps_tiles((8192, 32), (4096, 16)),
+    "ps-2k8": _ps_tiles((2048, 8), (1024, 4)),
+    "ps-8k16": _ps_tiles((8192, 16), (4096, 16)),
+    # every NCHW group looped from half a group per SM (4x128x128x128 too; the two-kernel split off)
+    "ps-4k16-all": {**_ps_tiles((4096, 16), (2048, 8)), **NO_SPLIT2,
+                    "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0.5, "bwd": 0.5}},
+})
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
 

@@ -55,7 +55,7 @@ def variants():
                   LOOPED=path == "looped", PERSISTENT=path == "split",
                   LOOP_POLICY_1="evict_last" if path == "looped" else "", LOOP_POLICY_2="evict_first" if path == "looped" else "",
                   N_STATIC=4099 if path == "looped" and not fp8 else 0, HAS_MS=bool(mod & 1), HAS_MT=bool(mod & 2),
-                  HAS_GATE=gate, LN_STATS=0)
+                  HAS_GATE=gate)
         types = dict(FWD_ARGS, Y="*u8" if fp8 else "*bf16")
         absent = [n for n, on in (("R", res or gate), ("H", res), ("AMAX", amax), ("SCALE", fp8 == 2), ("MS", mod & 1),
                                   ("MT", mod & 2)) if not on]
@@ -63,14 +63,6 @@ def variants():
         units = ["INNER", "sx_c", "W_ROWS"] if not per_row else ["sx_c"]
         out.append((f"fwd rms={rms} res={res} fp8={fp8} amax={amax} per_row={per_row} mod={mod} gate={gate} {path}",
                     _source(kernels.row_norm_fwd_kernel, types, cx, absent, units), 8))
-    for mode in (1, 2, 3):  # the looped LayerNorm's ways to its statistics (configs.LOOPED_LN_STATS)
-        cx = dict(IS_RMS=False, HAS_W=True, HAS_B=True, PER_ROW_W=False, ACT=0, HAS_RES=False, STORE_H=False,
-                  H_ROUND=0, FP8=0, SCALE_PTR=False, WANT_AMAX=False, BLOCK_M=1, BLOCK_N=1024, SPLIT=1, LOOPED=True,
-                  PERSISTENT=False, LOOP_POLICY_1="evict_last", LOOP_POLICY_2="evict_first", N_STATIC=4099 * (mode & 1),
-                  HAS_MS=False, HAS_MT=False, HAS_GATE=False, LN_STATS=mode)
-        out.append((f"fwd looped LayerNorm LN_STATS={mode} N_STATIC={cx['N_STATIC']}", _source(
-            kernels.row_norm_fwd_kernel, FWD_ARGS, cx, ["R", "H", "AMAX", "SCALE", "MS", "MT", "w_offset"],
-            ["INNER", "sx_c", "W_ROWS"]), 8))
     gated_bwd = [((True, False, False, True, 0, "tile", "*bf16", 0), True),
                  ((False, False, False, False, 2, "split", "*bf16", 0), True),
                  ((True, False, False, False, 0, "looped", "*fp32", 0), True)]
@@ -124,7 +116,7 @@ def table_rows():
                   H_ROUND=0, FP8=0, SCALE_PTR=False, WANT_AMAX=False, BLOCK_M=1, BLOCK_N=cfg.block_n, SPLIT=1,
                   LOOPED=True, PERSISTENT=True, HAS_MS=False, HAS_MT=False, HAS_GATE=False,
                   LOOP_POLICY_1="evict_last" if cfg.evict else "", LOOP_POLICY_2="evict_first" if cfg.evict else "",
-                  N_STATIC=n if cfg.static_n else 0, LN_STATS=0)
+                  N_STATIC=n if cfg.static_n else 0)
         src = _source(kernels.row_norm_fwd_kernel, dict(FWD_ARGS, W="*bf16"), cx,
                       ["R", "H", "AMAX", "SCALE", "MS", "MT", "B", "w_offset"], ["INNER", "sx_c", "W_ROWS"])
         src.attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(src.signature)

@@ -173,7 +173,6 @@ def _plan(direction: str, n: int, itemsize: int, device: torch.device, flags: tu
         # only looped configurations carry evict / static_n
         constexprs["LOOP_POLICY_1"], constexprs["LOOP_POLICY_2"] = ("evict_last", "evict_first") if cfg.evict else ("", "")
         constexprs["N_STATIC"] = n if cfg.static_n else 0
-        constexprs["LN_STATS"] = configs.LOOPED_LN_STATS if cfg.looped and not rms else 0
     else:
         constexprs["PREFETCH"] = cfg.prefetch
         constexprs["PREFETCH_STATS"] = configs.prefetch_stats(_device_name(device_index), "rms" if rms else "ln")

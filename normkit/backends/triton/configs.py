@@ -99,11 +99,6 @@ LOOPED_STATIC_N = False
 # ... and how many rows one looped program walks side by side (the sweeps' knob: the parameters' chunk loads, from L2,
 # then serve every row of the block)
 LOOPED_BLOCK_M = 1
-# ... and how the looped LayerNorm forward gets its statistics (the sweeps' knob, session 22): 0 the first chunk's
-# mean as the shift, the two per-lane sums reduced one after the other; 1 the same, both sums in one reduction;
-# 2 each lane shifted by its own first value, (mean, m2, count) merged across the row in one reduction, so no
-# cross-thread reduction before the loop; 3 the row's first value as the shift (a broadcast load), one reduction
-LOOPED_LN_STATS = 0
 # column reduction of the weight-gradient partials (col_sum_kernel): BLOCK_N the widest in
 # COL_SUM_BLOCK_N that still gives every SM a program (a few wide programs walking hundreds of
 # partial rows wait on one L2 round trip per step), BLOCK_P so a step loads COL_SUM_TILE elements
@@ -252,11 +247,12 @@ GN_ONE_TILE_MAX = {("fwd", 2): {"nchw": 16384, "cl": 8192}, ("fwd", 4): {"nchw":
                    ("bwd", 2): {"nchw": 4096, "cl": 4096}, ("bwd", 4): {"nchw": 4096, "cl": 4096}}
 GN_LOOPED_STAGES = 1
 GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
-# the looped first pass (forward: statistics; backward: the two group sums) accumulates per element
-# slot and reduces across the program's threads once, not twice per tile (each reduction a barrier
-# that the next tile's loads wait behind). Measured only on halved tiles (H100, S9-gn9, bf16): +5-12%
-# over the same tiles at ~2 groups per SM (8x320x64x64 fwd 0.51 -> 0.57), -20% at 16x640x32x32 fwd,
-# and the halved tiles themselves lose to the default ones: off, not measured on the default tiles
+# the looped kernels as the row norms' looped forward is built (group_norm._gn_fwd_looped_slots): the first
+# pass (forward: statistics; backward: the two group sums) sums per element slot and reduces across the
+# program's threads once, not twice per tile (each reduction a barrier that the next tile's loads wait
+# behind), and both passes load the next tile before working on the current one. (Until session 22 the
+# slots kept a Welford state each, without the loads ahead: measured on halved tiles, H100 S9-gn9, bf16:
+# +5-12% at ~2 groups per SM, -20% at 16x640x32x32 fwd.)
 GN_LOOPED_SLOTS = {"fwd": False, "bwd": False}
 # two-kernel split (group_norm.py: split stats, split apply): a group larger than one tile is cut
 # into [BLOCK_R, BLOCK_S] slices, one program each; `stats` reduces each slice to partials, `apply`

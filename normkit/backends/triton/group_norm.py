@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .epilogue import act_fwd, act_grad
-from .kernels import _chan_merge, _group_exit, _publish_and_wait, _read_partials
+from .kernels import _add_pair, _chan_merge, _group_exit, _publish_and_wait, _read_partials
 
 
 @triton.jit
@@ -36,6 +36,21 @@ def _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s,
     ch = g * Cg + r
     offs = b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c + s.to(tl.int64)[None, :] * stride_s
     return offs, mask, ch, r_mask
+
+
+@triton.jit
+def _gn_tile_at(t, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The looped walk's tile t (t = kr * n_ks + ks) as (offsets from the group's first element, in int32,
+    mask, channels within the group, channel mask), masked off outside 0 <= t < n_tiles (the looped kernels'
+    loads one tile ahead run past either end of the walk). int32 offsets: a group spans far less than 2^31
+    elements, and 64-bit ones would take two registers an element."""
+    tc = tl.minimum(tl.maximum(t, 0), n_tiles - 1)
+    # outside the walk: a channel block past the group's channels, so every lane is masked off
+    kr = tl.where((t >= 0) & (t < n_tiles), tc // n_ks, tl.cdiv(Cg, BLOCK_R))
+    r = kr * BLOCK_R + tl.arange(0, BLOCK_R)
+    s = (tc % n_ks) * BLOCK_S + tl.arange(0, BLOCK_S)
+    r_mask = r < Cg
+    return r[:, None] * stride_c + s[None, :] * stride_s, r_mask[:, None] & (s < S)[None, :], r, r_mask
 
 
 @triton.jit
@@ -79,12 +94,15 @@ def group_norm_fwd_kernel(
     SLOTS: tl.constexpr = False,
 ):
     """Programs come in units of SPLIT (= KR * KS) and walk groups u, u + U, ... (u = unit);
-    LOOPED: program p owns group p (SLOTS: its first pass accumulates per element slot).
+    LOOPED: program p owns group p (SLOTS: _gn_fwd_looped_slots).
     y has x's strides (the host allocates it with empty_like)."""
     pid = tl.program_id(0)
-    if LOOPED:
+    if LOOPED and SLOTS:
+        _gn_fwd_looped_slots(X, Y, W, B, MEAN, RSTD, pid, S, Cg, G, stride_b, stride_c, stride_s, eps,
+                             HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S)
+    elif LOOPED:
         _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, pid, S, Cg, G, stride_b, stride_c, stride_s, eps,
-                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S, SLOTS)
+                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S)
     else:
         _gn_fwd_split(X, Y, W, B, MEAN, RSTD, SYNC, SCRATCH, pid, Bn, S, Cg, G, stride_b, stride_c, stride_s, eps,
                       HAS_W, HAS_B, ACT, BLOCK_R, BLOCK_S, KS, SPLIT)
@@ -104,51 +122,31 @@ def _slot_counts(Cg, S, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
 @triton.jit
 def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, stride_s, eps,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """One program, one group, in [BLOCK_R, BLOCK_S] tiles: shifted Welford over the tiles, then
     normalize, last tile first (the tiles read most recently are the likeliest to be in L2).
     Statistics: each tile's exact mean and M2 merged by Chan's rule (two reductions across the
-    program's threads per tile, each a barrier the next loads wait behind), or SLOTS: a Welford
-    state per element slot (a tile costs its loads and a few FMAs) merged across slots once."""
+    program's threads per tile, each a barrier the next loads wait behind)."""
     b_idx = grp // G
     g = grp % G
     n_ks = tl.cdiv(S, BLOCK_S)
     n_tiles = tl.cdiv(Cg, BLOCK_R) * n_ks
     shift = _group_shift(X, b_idx, g, Cg, stride_b, stride_c)
-    if SLOTS:
-        nr, ns = _slot_counts(Cg, S, BLOCK_R, BLOCK_S)
-        acc_m = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
-        acc_q = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
-        for t in range(0, n_tiles):
-            kr = t // n_ks
-            ks = t % n_ks
-            offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
-            xs = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) - shift
-            # a slot inside this tile has been inside all its earlier ones: kr rows of ns[j] tiles, then ks
-            inv = 1.0 / (kr * ns + ks + 1).to(tl.float32)
-            delta = xs - acc_m
-            acc_m += tl.where(mask, delta * inv[None, :], 0.0)
-            acc_q += tl.where(mask, delta * (xs - acc_m), 0.0)
-        n_slot = (nr[:, None] * ns[None, :]).to(tl.float32)
-        mean = tl.sum(tl.sum(acc_m * n_slot, axis=1), axis=0) / (Cg * S)
-        d = acc_m - mean
-        m2 = tl.sum(tl.sum(acc_q + n_slot * d * d, axis=1), axis=0)
-    else:
-        mean_s = tl.zeros([1], dtype=tl.float32)
-        m2_s = tl.zeros([1], dtype=tl.float32)
-        count = tl.zeros([1], dtype=tl.float32)
-        for t in range(0, n_tiles):
-            kr = t // n_ks
-            ks = t % n_ks
-            offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
-            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-            n_t = (tl.minimum(Cg - kr * BLOCK_R, BLOCK_R) * tl.minimum(S - ks * BLOCK_S, BLOCK_S)) * 1.0
-            xs = tl.where(mask, x - shift, 0.0)
-            t_mean = tl.sum(tl.sum(xs, axis=1), axis=0) / n_t
-            d = tl.where(mask, xs - t_mean, 0.0)
-            mean_s, m2_s, count = _chan_merge(mean_s, m2_s, count, t_mean, tl.sum(tl.sum(d * d, axis=1), axis=0), n_t)
-        mean = tl.sum(mean_s, axis=0)
-        m2 = tl.sum(m2_s, axis=0)
+    mean_s = tl.zeros([1], dtype=tl.float32)
+    m2_s = tl.zeros([1], dtype=tl.float32)
+    count = tl.zeros([1], dtype=tl.float32)
+    for t in range(0, n_tiles):
+        kr = t // n_ks
+        ks = t % n_ks
+        offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        n_t = (tl.minimum(Cg - kr * BLOCK_R, BLOCK_R) * tl.minimum(S - ks * BLOCK_S, BLOCK_S)) * 1.0
+        xs = tl.where(mask, x - shift, 0.0)
+        t_mean = tl.sum(tl.sum(xs, axis=1), axis=0) / n_t
+        d = tl.where(mask, xs - t_mean, 0.0)
+        mean_s, m2_s, count = _chan_merge(mean_s, m2_s, count, t_mean, tl.sum(tl.sum(d * d, axis=1), axis=0), n_t)
+    mean = tl.sum(mean_s, axis=0)
+    m2 = tl.sum(m2_s, axis=0)
     rstd = tl.rsqrt(m2 / (Cg * S) + eps)
     for i in range(0, n_tiles):
         t = n_tiles - 1 - i
@@ -157,6 +155,60 @@ def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, st
         offs, mask, ch, r_mask = _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s, BLOCK_R, BLOCK_S)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         _store_y(Y, W, B, offs, mask, ch, r_mask, ((x - shift) - mean) * rstd, HAS_W, HAS_B, ACT)
+    _store_group_stat(MEAN, grp, shift + mean, 0)
+    _store_group_stat(RSTD, grp, rstd, 0)
+
+
+@triton.jit
+def _gn_fwd_looped_slots(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, stride_s, eps,
+                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """_gn_fwd_looped as the row norms' looped forward is built (kernels._fwd_looped): the first pass sums the
+    values and their squares per element slot, shifted by the first tile's mean, and reduces across the program's
+    threads once, after the loop; both passes load the tile after the current one before working on it, so a
+    reduction's barrier or a tile's stores never stand between one tile's loads and the next's. The first pass
+    asks L2 to keep the group, the second to drop it. The shift bounds the cancellation as in _fwd_looped:
+    (mean - shift)^2 <= (tiles - 1) * var."""
+    b_idx = grp // G
+    g = grp % G
+    n_ks = tl.cdiv(S, BLOCK_S)
+    n_tiles = tl.cdiv(Cg, BLOCK_R) * n_ks
+    L = Cg * S
+    base = b_idx.to(tl.int64) * stride_b + (g * Cg).to(tl.int64) * stride_c
+    Xg = X + base
+    Yg = Y + base
+    t0 = grp * 0  # a tensor also under the interpreter
+    offs, mask, _, _ = _gn_tile_at(t0, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+    x = tl.load(Xg + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    offs, mask_n, _, _ = _gn_tile_at(t0 + 1, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+    x_next = tl.load(Xg + offs, mask=mask_n, other=0.0, eviction_policy="evict_last")
+    shift = tl.sum(tl.sum(x, axis=1), axis=0) / (tl.minimum(Cg, BLOCK_R) * tl.minimum(S, BLOCK_S))
+    acc1 = tl.where(mask, x - shift, 0.0)
+    acc2 = acc1 * acc1
+    for t in range(1, n_tiles):
+        x = x_next.to(tl.float32)
+        mask = mask_n
+        offs, mask_n, _, _ = _gn_tile_at(t0 + t + 1, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+        x_next = tl.load(Xg + offs, mask=mask_n, other=0.0, eviction_policy="evict_last")
+        xs = tl.where(mask, x - shift, 0.0)
+        acc1 += xs
+        acc2 += xs * xs
+    # normalize, last tile first; its loads issued before the reduction's barrier
+    offs, mask, _, _ = _gn_tile_at(t0 + n_tiles - 1, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+    x_next = tl.load(Xg + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    s1, s2 = tl.reduce((acc1, acc2), 1, _add_pair)
+    s1, s2 = tl.reduce((s1, s2), 0, _add_pair)
+    mean = s1 / L
+    rstd = tl.rsqrt(tl.maximum(s2 / L - mean * mean, 0.0) + eps)
+    centre = -mean * rstd
+    for i in range(0, n_tiles):
+        x = x_next.to(tl.float32)
+        offs, mask, r, r_mask = _gn_tile_at(t0 + n_tiles - 1 - i, n_ks, n_tiles, S, Cg, stride_c, stride_s,
+                                            BLOCK_R, BLOCK_S)
+        offs_n, mask_n, _, _ = _gn_tile_at(t0 + n_tiles - 2 - i, n_ks, n_tiles, S, Cg, stride_c, stride_s,
+                                           BLOCK_R, BLOCK_S)
+        x_next = tl.load(Xg + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
+        _store_y(Yg, W, B, offs, mask, g * Cg + r, r_mask, (x - shift) * rstd + centre, HAS_W, HAS_B, ACT)
     _store_group_stat(MEAN, grp, shift + mean, 0)
     _store_group_stat(RSTD, grp, rstd, 0)
 
@@ -263,8 +315,9 @@ def _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, grp, C, S, Cg,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
                    ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS: tl.constexpr):
     """One program, one group, in [BLOCK_R, BLOCK_S] tiles (t = kr * n_ks + ks): the two group
-    sums (SLOTS: per element slot, reduced across the program's threads once instead of per tile),
-    then dx and the per-channel weight-gradient sums, last tile first (from L2)."""
+    sums, then dx and the per-channel weight-gradient sums, last tile first (from L2).
+    SLOTS: as _gn_fwd_looped_slots, the sums per element slot, reduced across the program's threads once
+    instead of per tile, and both passes load the tile after the current one (x and dy) before working on it."""
     b_idx = grp // G
     g = grp % G
     n_ks = tl.cdiv(S, BLOCK_S)
@@ -272,17 +325,45 @@ def _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, grp, C, S, Cg,
     mean = tl.load(MEAN + grp)
     rstd = tl.load(RSTD + grp)
     L = Cg * S
+    dw_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     if SLOTS:  # xhat and w*g are zero outside the group
+        base = b_idx.to(tl.int64) * stride_b + (g * Cg).to(tl.int64) * stride_c
+        Xg = X + base
+        DYg = DY + base
+        t0 = grp * 0  # a tensor also under the interpreter
+        offs, mask_n, _, _ = _gn_tile_at(t0, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+        x_n = tl.load(Xg + offs, mask=mask_n, other=0.0, eviction_policy="evict_last")
+        dy_n = tl.load(DYg + offs, mask=mask_n, other=0.0, eviction_policy="evict_last")
         a1 = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
         a2 = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
         for t in range(0, n_tiles):
-            _, _, _, _, xhat, gr, wg = _gn_bwd_tile(DY, X, W, B, b_idx, g, t // n_ks, t % n_ks, S, Cg, stride_b,
-                                                    stride_c, stride_s, mean, rstd, HAS_W, HAS_B, ACT,
-                                                    BLOCK_R, BLOCK_S)
+            x, dy = x_n.to(tl.float32), dy_n.to(tl.float32)
+            _, mask, r, r_mask = _gn_tile_at(t0 + t, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+            offs, mask_n, _, _ = _gn_tile_at(t0 + t + 1, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+            x_n = tl.load(Xg + offs, mask=mask_n, other=0.0, eviction_policy="evict_last")
+            dy_n = tl.load(DYg + offs, mask=mask_n, other=0.0, eviction_policy="evict_last")
+            xhat, gr, wg = _gn_bwd_terms(x, dy, W, B, g * Cg + r, r_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
             a1 += xhat * wg
             a2 += wg
-        c1_n = tl.sum(tl.sum(a1, axis=1), axis=0) / L
-        c2_n = tl.sum(tl.sum(a2, axis=1), axis=0) / L
+        # dx, last tile first; its loads issued before the reduction's barrier
+        offs, mask, _, _ = _gn_tile_at(t0 + n_tiles - 1, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+        x_n = tl.load(Xg + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+        dy_n = tl.load(DYg + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+        c1, c2 = tl.reduce((a1, a2), 1, _add_pair)
+        c1, c2 = tl.reduce((c1, c2), 0, _add_pair)
+        c1_n = c1 / L
+        c2_n = c2 / L
+        for i in range(0, n_tiles):
+            x, dy = x_n.to(tl.float32), dy_n.to(tl.float32)
+            t = t0 + n_tiles - 1 - i
+            offs, mask, r, r_mask = _gn_tile_at(t, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+            offs_n, mask_n, _, _ = _gn_tile_at(t - 1, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R, BLOCK_S)
+            x_n = tl.load(Xg + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
+            dy_n = tl.load(DYg + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
+            xhat, gr, wg = _gn_bwd_terms(x, dy, W, B, g * Cg + r, r_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+            dw_acc, db_acc = _gn_bwd_emit(DX + base, DW_PART, DB_PART, offs, mask, g * Cg + r, r_mask, t % n_ks, xhat,
+                                          gr, wg, c1_n, c2_n, rstd, b_idx, C, dw_acc, db_acc, WANT_DW, WANT_DB)
     else:
         c1 = tl.zeros([BLOCK_R], dtype=tl.float32)
         c2 = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -294,26 +375,34 @@ def _gn_bwd_looped(DY, X, W, B, MEAN, RSTD, DX, DW_PART, DB_PART, grp, C, S, Cg,
             c2 += tl.sum(wg, axis=1)
         c1_n = tl.sum(c1, axis=0) / L
         c2_n = tl.sum(c2, axis=0) / L
-    dw_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for i in range(0, n_tiles):
-        t = n_tiles - 1 - i
-        ks = t % n_ks
-        offs, mask, ch, r_mask, xhat, gr, wg = _gn_bwd_tile(DY, X, W, B, b_idx, g, t // n_ks, ks, S, Cg, stride_b,
-                                                            stride_c, stride_s, mean, rstd, HAS_W, HAS_B, ACT,
-                                                            BLOCK_R, BLOCK_S)
-        tl.store(DX + offs, ((wg - (xhat * c1_n + c2_n)) * rstd).to(DX.dtype.element_ty), mask=mask)
-        # walking backwards, ks == 0 ends a channel block: its sums are complete
-        done = r_mask & ((ch * 0 + ks) == 0)  # vector form, for the interpreter
-        part = b_idx.to(tl.int64) * C + ch
-        if WANT_DW:
-            dw_acc += tl.sum(gr * xhat, axis=1)
-            tl.store(DW_PART + part, dw_acc, mask=done)
-            dw_acc = tl.where(done, 0.0, dw_acc)
-        if WANT_DB:
-            db_acc += tl.sum(gr, axis=1)
-            tl.store(DB_PART + part, db_acc, mask=done)
-            db_acc = tl.where(done, 0.0, db_acc)
+        for i in range(0, n_tiles):
+            t = n_tiles - 1 - i
+            ks = t % n_ks
+            offs, mask, ch, r_mask, xhat, gr, wg = _gn_bwd_tile(DY, X, W, B, b_idx, g, t // n_ks, ks, S, Cg,
+                                                                stride_b, stride_c, stride_s, mean, rstd, HAS_W,
+                                                                HAS_B, ACT, BLOCK_R, BLOCK_S)
+            dw_acc, db_acc = _gn_bwd_emit(DX, DW_PART, DB_PART, offs, mask, ch, r_mask, ks, xhat, gr, wg, c1_n, c2_n,
+                                          rstd, b_idx, C, dw_acc, db_acc, WANT_DW, WANT_DB)
+
+
+@triton.jit
+def _gn_bwd_emit(DX, DW_PART, DB_PART, offs, mask, ch, r_mask, ks, xhat, gr, wg, c1_n, c2_n, rstd, b_idx, C, dw_acc,
+                 db_acc, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr):
+    """One tile of the looped backward's second pass: dx stored, the channels' weight-gradient sums added,
+    and written to the sample's partial row when the tile ends its channel block. Returns (dw_acc, db_acc)."""
+    tl.store(DX + offs, ((wg - (xhat * c1_n + c2_n)) * rstd).to(DX.dtype.element_ty), mask=mask)
+    # walking backwards, ks == 0 ends a channel block: its sums are complete
+    done = r_mask & ((ch * 0 + ks) == 0)  # vector form, for the interpreter
+    part = b_idx.to(tl.int64) * C + ch
+    if WANT_DW:
+        dw_acc += tl.sum(gr * xhat, axis=1)
+        tl.store(DW_PART + part, dw_acc, mask=done)
+        dw_acc = tl.where(done, 0.0, dw_acc)
+    if WANT_DB:
+        db_acc += tl.sum(gr, axis=1)
+        tl.store(DB_PART + part, db_acc, mask=done)
+        db_acc = tl.where(done, 0.0, db_acc)
+    return dw_acc, db_acc
 
 
 @triton.jit
