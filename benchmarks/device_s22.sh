@@ -6,7 +6,8 @@
 #   bash benchmarks/device_s22.sh gn      GroupNorm's looped kernels built as the row forward's (gn_sweep.py ps-*: per-slot
 #                                         sums, one reduction, the next tile's loads ahead) against the committed plans,
 #                                         NCHW bf16 / fp32, forward and backward; the looped GroupNorm tests on the GPU
-#   bash benchmarks/device_s22.sh tests   the GPU test files (the backward ops' arguments by name, merged from s21-autograd)
+#   bash benchmarks/device_s22.sh tests   the GPU test files (the backward ops' arguments by name, merged from s21-autograd),
+#                                         then a second look at the GroupNorm shapes where gn's ps-* won (S = 1024)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -31,6 +32,9 @@ gn)
 tests)
     gpu_tests 450 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
         tests/test_fusion_autograd.py
+    timeout 100 python3 benchmarks/gn_sweep.py --out "$OUT/gn2" --layouts nchw --dtypes bf16 --acts - --dirs fwd \
+        --act-variants default --peers "" --variants default,ps-2k8,ps-4k16 \
+        --shapes 8x640x32x32,16x640x32x32,8x320x64x64,32x256x56x56 2>&1 | grep -E "copy|bf16|done" | cut -c1-200
     ;;
 esac
 tar czf "/tmp/s22-${1:-sweep}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s22-${1:-sweep}.tgz" "$OUT/"
