@@ -8,6 +8,9 @@
 #                                         NCHW bf16 / fp32, forward and backward; the looped GroupNorm tests on the GPU
 #   bash benchmarks/device_s22.sh tests   the GPU test files (the backward ops' arguments by name, merged from s21-autograd),
 #                                         then a second look at the GroupNorm shapes where gn's ps-* won (S = 1024)
+#   bash benchmarks/device_s22.sh models  `normkit bench --ops gn --suites gn-2d` bf16 forward with the peers (the slot kernels
+#                                         taken at S <= 1024), then issue 22's model cases on the final tree as S21-5
+#                                         (`device_s19.sh eager` and `eager2`, compiled Llama decode)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -35,6 +38,16 @@ tests)
     timeout 100 python3 benchmarks/gn_sweep.py --out "$OUT/gn2" --layouts nchw --dtypes bf16 --acts - --dirs fwd \
         --act-variants default --peers "" --variants default,ps-2k8,ps-4k16 \
         --shapes 8x640x32x32,16x640x32x32,8x320x64x64,32x256x56x56 2>&1 | grep -E "copy|bf16|done" | cut -c1-200
+    ;;
+models)
+    bench 150 --ops gn --suites gn-2d --dtypes bf16 --dirs fwd --peers torch,compile --no-host --out "$OUT/gn-bench"
+    for part in eager eager2; do  # session 19's script packs its own archive and empties $OUT: each set aside in turn
+        mkdir -p /tmp/keep && cp -r "$OUT/." /tmp/keep/
+        bash benchmarks/device_s19.sh "$part" > "/tmp/s19-$part.log" 2>&1; tail -12 "/tmp/s19-$part.log"
+        cp -r /tmp/keep/. "$OUT/"
+    done
+    bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 100 --out "$OUT/llama-compiled"
     ;;
 esac
 tar czf "/tmp/s22-${1:-sweep}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s22-${1:-sweep}.tgz" "$OUT/"

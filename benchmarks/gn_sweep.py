@@ -62,7 +62,9 @@ VARIANTS = {  # module attribute -> value; "default" is the committed table
 # measured yet: slots on the default tiles (gn_regs.py: 128 registers, at the 2-per-SM edge), and lt-16k.
 LT = configs.GN_LOOPED_TILE
 LT_4K = {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (4096, 8), ("bwd", 2): (2048, 8)}}
-SLOTS = {"GN_LOOPED_SLOTS": {"fwd": True, "bwd": True}}
+# (the slot kernels as session 9 measured them are gone: these now run session 22's, GN_LOOPED_SLOTS' format)
+SLOTS = {"GN_LOOPED_SLOTS": {(d, b): (1 << 30, t) for (d, b), t in LT.items()}}
+NO_SLOTS = {"GN_LOOPED_SLOTS": {}}
 VARIANTS.update({
     "lt-4k": LT_4K,  # bf16 looped tiles halved (from a wrong premise: offline ptxas without the launch's
     # specialization gave 140-187 registers; the device's compile has 72-78)
@@ -74,7 +76,7 @@ VARIANTS.update({
                "GN_TILE": {**configs.GN_TILE, ("fwd", 2): 16384, ("bwd", 2): 8192}},
     "lt-2k": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (2048, 8), ("bwd", 2): (1024, 4)}},
     "slots": SLOTS,  # the looped first pass per element slot (no reductions per tile)
-    "lt-4k-slots": {**LT_4K, **SLOTS},
+    "lt-4k-slots": {"GN_LOOPED_SLOTS": {(d, b): (1 << 30, t) for (d, b), t in LT_4K["GN_LOOPED_TILE"].items()}},
     # every NCHW group looped from half a group per SM (the two-kernel split off): one launch
     "lt-4k-all": {**LT_4K, **NO_SPLIT2, "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0.5, "bwd": 0.5}},
     # NCHW with under one group per SM (4x128x128x128, batch 1) staged (S9-gn9 measured it with the
@@ -159,14 +161,15 @@ VARIANTS.update({
 # reduction after the first pass, the next tile's loads issued before the current tile's work in both passes, L2
 # kept for the second pass), at ~8 elements a thread (offline ptxas, triton 3.6: [1, 4096] x 16 warps 61 / 80
 # registers fwd / bwd at [1, 2048] x 8; 16 elements a thread 122 / 127; 32 elements 212 / 227)
-PS = {"GN_LOOPED_SLOTS": {"fwd": True, "bwd": True}}
-
-
 def _ps_tiles(bf16, fp32):
-    return {**PS, "GN_LOOPED_TILE": {("fwd", 2): bf16, ("bwd", 2): bf16, ("fwd", 4): fp32, ("bwd", 4): fp32}}
+    """The slot kernels on these tiles for every looped group (S22-3 / S22-4 ran them so, before GN_LOOPED_SLOTS
+    took them for the bf16 forward at S <= 1024)."""
+    return {"GN_LOOPED_SLOTS": {("fwd", 2): (1 << 30, bf16), ("bwd", 2): (1 << 30, bf16), ("fwd", 4): (1 << 30, fp32),
+                                ("bwd", 4): (1 << 30, fp32)}}
 
 
 VARIANTS.update({
+    "no-slots": NO_SLOTS,  # the table before GN_LOOPED_SLOTS took the bf16 forward at S <= 1024
     "ps-4k16": _ps_tiles((4096, 16), (2048, 8)),
     "ps-8k32": _ps_tiles((8192, 32), (4096, 16)),
     "ps-2k8": _ps_tiles((2048, 8), (1024, 4)),

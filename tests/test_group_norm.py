@@ -58,10 +58,10 @@ LOOPED_ALL = {"GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0},
 FORCED_PATHS = {
     # looped (a program per group walking tiles; forward and backward) on tiles of 16 elements:
     # 3 x 3 tiles per group with ragged edges on both axes
-    "looped": {**LOOPED_ALL, "GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)}},
+    "looped": {**LOOPED_ALL, "GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
+               "GN_LOOPED_SLOTS": {}},
     # the same with the first pass accumulating per element slot (ragged slots: counts differ per column)
-    "looped-slots": {**LOOPED_ALL, "GN_LOOPED_TILE": {(d, b): (16, 4) for d in ("fwd", "bwd") for b in (2, 4)},
-                     "GN_LOOPED_SLOTS": {"fwd": True, "bwd": True}},
+    "looped-slots": {**LOOPED_ALL, "GN_LOOPED_SLOTS": {(d, b): (1 << 30, (16, 4)) for d in ("fwd", "bwd") for b in (2, 4)}},
     # staged (stats, finalize, apply) for every input and layout: apply on 16-element tiles, stats
     # accumulating per element slot on 32-element tiles grouped into spans of 2 tiles with a ragged
     # last span (and a ragged last tile), the finalize one span at a time
@@ -181,20 +181,20 @@ LOOPED_MINPAD = {**LOOPED_ALL, "GN_LOOPED_TILE": {(d, b): (256, 4) for d in ("fw
                  "GN_STAGED_MIN_NUMEL": 1 << 62}
 
 
-@pytest.mark.parametrize("path", ["looped", "looped-minpad", "staged"])
+@pytest.mark.parametrize("path", ["looped", "looped-slots", "looped-minpad", "staged"])
 @pytest.mark.parametrize("hw", [(1, 1), (1, 13), (5, 7)], ids=["hw1", "hw13", "hw35"])
 def test_walks_awkward_shapes(path, hw, monkeypatch):
-    """The looped walk (16-element tiles; 256-element ones with the least-padding channel block) and the
-    staged path with one position (HW = 1), a prime number of positions, both layouts: the float64
-    oracle (forward and backward), a NaN confined to its group, groups offset by 1e4."""
+    """The looped walk (16-element tiles, with and without the slot kernels; 256-element ones with the
+    least-padding channel block) and the staged path with one position (HW = 1), a prime number of
+    positions, both layouts: the float64 oracle (forward and backward), a NaN confined to its group, groups offset by 1e4."""
     from normkit.backends.triton import _gn_plan, clear_caches, configs
     for name, value in (LOOPED_MINPAD if path == "looped-minpad" else FORCED_PATHS[path]).items():
         monkeypatch.setattr(configs, name, value)
     clear_caches()
     try:
-        if path == "looped":
+        if path in ("looped", "looped-slots"):
             cfg = _gn_plan("fwd", 3, hw[0] * hw[1], torch.float32, torch.device(DEVICE), (True, True, None, None), 8)[0]
-            assert cfg.looped, f"expected the looped path: {cfg}"
+            assert cfg.looped and cfg.slots == (path == "looped-slots"), f"expected the {path} path: {cfg}"
         if path == "looped-minpad":
             for fraction, block_r in ((0.25, 1), (1.0, 4)):
                 monkeypatch.setattr(configs, "GN_LOOPED_MIN_BLOCK_FRACTION", {(d, b): fraction for d in ("fwd", "bwd")

@@ -250,10 +250,16 @@ GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
 # the looped kernels as the row norms' looped forward is built (group_norm._gn_fwd_looped_slots): the first
 # pass (forward: statistics; backward: the two group sums) sums per element slot and reduces across the
 # program's threads once, not twice per tile (each reduction a barrier that the next tile's loads wait
-# behind), and both passes load the next tile before working on the current one. (Until session 22 the
-# slots kept a Welford state each, without the loads ahead: measured on halved tiles, H100 S9-gn9, bf16:
-# +5-12% at ~2 groups per SM, -20% at 16x640x32x32 fwd.)
-GN_LOOPED_SLOTS = {"fwd": False, "bwd": False}
+# behind), and both passes load the next tile before working on the current one.
+# (direction, element bytes) -> (most spatial positions, (tile elements, num_warps)): looped groups of at most that
+# many positions take them, on that tile. H200, bf16 forward, two runs (S22-3 / S22-4), fraction of copy, committed
+# plan -> slots on [2, 1024] x 8 warps: 16x640x32x32 0.421 / 0.424 -> 0.488 / 0.477, 8x640x32x32 0.332 / 0.338 ->
+# 0.351 / 0.352 ([4, 1024] x 16 warps: 0.428 / 0.443, 0.364 / 0.384). Not at more positions, where they lost:
+# 32x256x56x56 (S = 3136, padded to 4096) 0.586 / 0.589 -> 0.42-0.45, 8x320x64x64 0.49-0.50 -> 0.40 (0.49 on
+# [1, 4096] x 16 warps). The backward measured level (0.41 / 0.34 / 0.42 at 8x320x64x64 / 8x640x32x32 /
+# 16x640x32x32): not taken. (Until session 22 the slots kept a Welford state each, without the loads ahead, and
+# were never taken: H100 S9-gn9, halved tiles, +5-12% at ~2 groups per SM, -20% at 16x640x32x32.)
+GN_LOOPED_SLOTS: dict = {("fwd", 2): (1024, (2048, 8))}
 # two-kernel split (group_norm.py: split stats, split apply): a group larger than one tile is cut
 # into [BLOCK_R, BLOCK_S] slices, one program each; `stats` reduces each slice to partials, `apply`
 # merges its group's partials (fixed order) and normalizes its slice (forward) or writes its dx
@@ -342,13 +348,17 @@ def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: 
             and -(-cg // two[0]) * -(-s // two[1]) >= GN_SPLIT2_MIN_TILES[direction]:
         return GroupConfig(two[0], two[1], -(-s // two[1]), 1, two[2], 0, two_kernel=True)
     looped_tile, looped_warps = GN_LOOPED_TILE[(direction, elem_bytes)]
+    slots = GN_LOOPED_SLOTS.get((direction, elem_bytes))
+    slots = slots is not None and s <= slots[0]
+    if slots:
+        looped_tile, looped_warps = GN_LOOPED_SLOTS[(direction, elem_bytes)][1]
     one_tile_max = GN_ONE_TILE_MAX[(direction, elem_bytes)]["cl" if channels_last else "nchw"]
     if groups_per_sm >= GN_LOOPED_MIN_GROUPS_PER_SM[direction] and r_pad * s_pad > one_tile_max:
         block_s = min(s_pad, looped_tile)
         hi = min(r_pad, max(1, looped_tile // block_s))
         block_r = _least_padding(cg, max(1, int(hi * GN_LOOPED_MIN_BLOCK_FRACTION.get((direction, elem_bytes), 1.0))), hi)
         return GroupConfig(block_r, block_s, 1, 1, looped_warps, 0, num_stages=GN_LOOPED_STAGES, looped=True,
-                           slots=GN_LOOPED_SLOTS[direction])
+                           slots=slots)
     # under the interpreter a group is never split (its programs run one after another)
     tile = 1 << 62 if interpreted else GN_TILE[(direction, elem_bytes)]
     block_s = min(s_pad, tile)
