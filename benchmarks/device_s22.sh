@@ -11,6 +11,9 @@
 #   bash benchmarks/device_s22.sh models  `normkit bench --ops gn --suites gn-2d` bf16 forward with the peers (the slot kernels
 #                                         taken at S <= 1024), then issue 22's model cases on the final tree as S21-5
 #                                         (`device_s19.sh eager` and `eager2`, compiled Llama decode)
+#   bash benchmarks/device_s22.sh guards  compiled Llama decode, unpatched against normkit: dynamo's guards (count, cold
+#                                         latency) and the host time per step with the guards evaluated and skipped
+#                                         (benchmarks/decode_guards.py)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
@@ -48,6 +51,9 @@ models)
     done
     bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 100 --out "$OUT/llama-compiled"
+    ;;
+guards)
+    timeout 400 python3 benchmarks/decode_guards.py full cuda 2>/dev/null | tail -4
     ;;
 esac
 tar czf "/tmp/s22-${1:-sweep}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s22-${1:-sweep}.tgz" "$OUT/"
