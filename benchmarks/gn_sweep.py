@@ -162,7 +162,7 @@ VARIANTS.update({
 # kept for the second pass), at ~8 elements a thread (offline ptxas, triton 3.6: [1, 4096] x 16 warps 61 / 80
 # registers fwd / bwd at [1, 2048] x 8; 16 elements a thread 122 / 127; 32 elements 212 / 227)
 def _ps_tiles(bf16, fp32):
-    """The slot kernels on these tiles for every looped group (S22-3 / S22-4 ran them so, before GN_LOOPED_SLOTS
+    """The slot kernels on these tiles for every looped group (S22-2 / S22-3 ran them so, before GN_LOOPED_SLOTS
     took them for the bf16 forward at S <= 1024)."""
     return {"GN_LOOPED_SLOTS": {("fwd", 2): (1 << 30, bf16), ("bwd", 2): (1 << 30, bf16), ("fwd", 4): (1 << 30, fp32),
                                 ("bwd", 4): (1 << 30, fp32)}}
