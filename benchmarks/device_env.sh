@@ -18,6 +18,15 @@ gpu_tests() {
     grep -E "^(FAILED|ERROR)" "$OUT/$log" | cut -c1-300 | head -20; tail -1 "$OUT/$log"
     grep -E "^E " "$OUT/$log" | head -12 | cut -c1-300
 }
+# bench SECONDS ARGS...: `normkit bench --no-plots ARGS` under a time limit, its progress lines
+bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
+# sweep SECONDS OUT ARGS...: benchmarks/fwd_sweep.py into $OUT/OUT (log, csv), its oracle failures and its table
+sweep() {
+    local t=$1 out=$2; shift 2
+    timeout "$t" python3 benchmarks/fwd_sweep.py --out "$OUT/$out" "$@" > "$OUT/$out.log" 2>&1
+    echo "$out rc $?"; grep -E "copy|FAIL|Error" "$OUT/$out.log" | cut -c1-140
+    python3 benchmarks/csv_table.py "$OUT/$out/fwd.csv"
+}
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target /tmp/site .whl/*.whl
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

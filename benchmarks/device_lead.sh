@@ -11,7 +11,6 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt  # (sourced with no argument it would take this script's $1)
 # bench SECONDS ARGS...: normkit bench under a time limit, its progress lines shown
-bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-models}" in
 models)
     bench 60 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"

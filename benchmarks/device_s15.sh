@@ -18,7 +18,6 @@
 #   bash benchmarks/device_s15.sh tests-b   the other GPU test files (GPU_TEST_FILES without it)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
-bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 # sweep SECONDS ARGS...: benchmarks/bwd_sweep.py (bf16, checked and timed) under a time limit into $OUT/bwd, its table
 sweep() {
     local t=$1; shift

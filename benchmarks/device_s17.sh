@@ -31,7 +31,6 @@
 #   bash benchmarks/device_s17.sh h100-final  (on an H100) the backward at 1K-8K once RMSNorm's prefetch is off there
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
-bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-bwd}" in
 bwd)
     timeout 150 python3 benchmarks/bwd_sweep.py --out "$OUT/bwd" --parts check,time --dtypes bf16 \

@@ -19,7 +19,6 @@
 #                                       table's looped rows against the tiles they replaced
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
-bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-loop}" in
 loop)
     timeout 330 python3 benchmarks/fwd_sweep.py --out "$OUT/loop" --widths 8192,16384,32768 > "$OUT/loop.log" 2>&1

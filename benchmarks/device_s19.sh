@@ -12,7 +12,6 @@
 #                                          models without DiT / SD3, Whisper and SD-1.5 batch 2, which eager2 runs)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
-bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-table}" in
 table)
     timeout 520 python3 benchmarks/compile_table.py --out "$OUT/compile-table" --jobs 8 --budget-s 420 \

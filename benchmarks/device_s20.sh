@@ -11,7 +11,6 @@
 #                                         then run as `bash benchmarks/device_s19.sh eager` and `... eager2`
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
-bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 # the sweep both runs took (S20-1 before, S20-2 after the loads issued ahead of the barriers)
 static_sweep() {
     timeout "$1" python3 benchmarks/fwd_sweep.py --out "$OUT/static" --widths 8192,16384,32768,65536,131072 \

@@ -15,13 +15,6 @@
 #                                         Whisper encoder), then compiled Llama decode
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
-bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
-sweep() {  # timeout, out dir, fwd_sweep arguments
-    local t=$1 out=$2; shift 2
-    timeout "$t" python3 benchmarks/fwd_sweep.py --out "$OUT/$out" "$@" > "$OUT/$out.log" 2>&1
-    echo "$out rc $?"; grep -E "copy|FAIL|Error" "$OUT/$out.log" | cut -c1-140
-    python3 benchmarks/csv_table.py "$OUT/$out/fwd.csv"
-}
 case "${1:-sweep}" in
 sweep)
     sweep 330 ln --ops ln --widths 16384,32768,65536,131072,262144 \

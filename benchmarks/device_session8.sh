@@ -15,7 +15,6 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt  # (sourced with no argument it would take this script's $1)
 # bench SECONDS ARGS...: normkit bench under a time limit, its progress lines shown
-bench() { local t=$1; shift; timeout "$t" python3 -m normkit bench --no-plots "$@" 2>&1 | grep -E "^\[|wrote" | cut -c1-160; }
 case "${1:-tests}" in
 tests)
     timeout 400 python3 -m pytest -q -p no:cacheprovider -n 12 -rfE $GPU_TEST_FILES 2>&1 | grep -v '^USDT' > "$OUT/tests.log"
