@@ -349,7 +349,9 @@ def group_config(direction: str, cg: int, s: int, elem_bytes: int, interpreted: 
         return GroupConfig(two[0], two[1], -(-s // two[1]), 1, two[2], 0, two_kernel=True)
     looped_tile, looped_warps = GN_LOOPED_TILE[(direction, elem_bytes)]
     slots = GN_LOOPED_SLOTS.get((direction, elem_bytes))
-    slots = slots is not None and s <= slots[0]
+    # NCHW groups only: the slot kernels address a group by int32 offsets from its first element, which a dense
+    # NCHW group (cg * s elements) keeps below 2^31; a channels_last group spans its sample (measured: NCHW only)
+    slots = slots is not None and s <= slots[0] and not channels_last and cg * s < 2**31
     if slots:
         looped_tile, looped_warps = GN_LOOPED_SLOTS[(direction, elem_bytes)][1]
     one_tile_max = GN_ONE_TILE_MAX[(direction, elem_bytes)]["cl" if channels_last else "nchw"]

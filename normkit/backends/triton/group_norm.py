@@ -42,8 +42,8 @@ def _gn_tile(b_idx, g, kr, ks, S, Cg, stride_b, stride_c, stride_s,
 def _gn_tile_at(t, n_ks, n_tiles, S, Cg, stride_c, stride_s, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """The looped walk's tile t (t = kr * n_ks + ks) as (offsets from the group's first element, in int32,
     mask, channels within the group, channel mask), masked off outside 0 <= t < n_tiles (the looped kernels'
-    loads one tile ahead run past either end of the walk). int32 offsets: a group spans far less than 2^31
-    elements, and 64-bit ones would take two registers an element."""
+    loads one tile ahead run past either end of the walk). int32 offsets (64-bit ones take two registers an
+    element): configs.group_config takes these kernels only for NCHW groups of fewer than 2^31 elements."""
     tc = tl.minimum(tl.maximum(t, 0), n_tiles - 1)
     # outside the walk: a channel block past the group's channels, so every lane is masked off
     kr = tl.where((t >= 0) & (t < n_tiles), tc // n_ks, tl.cdiv(Cg, BLOCK_R))
