@@ -252,9 +252,10 @@ GN_LOOPED_MIN_GROUPS_PER_SM = {"fwd": 1, "bwd": 1}
 # program's threads once, not twice per tile (each reduction a barrier that the next tile's loads wait
 # behind), and both passes load the next tile before working on the current one.
 # (direction, element bytes) -> (most spatial positions, (tile elements, num_warps)): looped groups of at most that
-# many positions take them, on that tile. H200, bf16 forward, two runs (S22-2 / S22-3), fraction of copy, committed
-# plan -> slots on [2, 1024] x 8 warps: 16x640x32x32 0.421 / 0.424 -> 0.488 / 0.477, 8x640x32x32 0.332 / 0.338 ->
-# 0.351 / 0.352 ([4, 1024] x 16 warps: 0.428 / 0.443, 0.364 / 0.384). Not at more positions, where they lost:
+# many positions take them, on that tile. H200, bf16 forward, runs S22-2 / S22-3 / S22-6, fraction of copy, committed
+# plan -> slots on [2, 1024] x 8 warps: 16x640x32x32 0.421 / 0.424 -> 0.488 / 0.477 / 0.489, 8x640x32x32 0.332 / 0.338
+# -> 0.351 / 0.352 / 0.334 ([4, 1024] x 16 warps: 0.428 / 0.443 / 0.443, 0.364 / 0.384 / 0.380: better at 8x640, worse
+# at 16x640). Not at more positions, where they lost:
 # 32x256x56x56 (S = 3136, padded to 4096) 0.586 / 0.589 -> 0.42-0.45, 8x320x64x64 0.49-0.50 -> 0.40 (0.49 on
 # [1, 4096] x 16 warps). The backward measured level (0.41 / 0.34 / 0.42 at 8x320x64x64 / 8x640x32x32 /
 # 16x640x32x32): not taken. (Until session 22 the slots kept a Welford state each, without the loads ahead, and
