@@ -85,6 +85,36 @@ def variants():
     return out
 
 
+GN_ARGS = dict(X="*bf16", Y="*bf16", W="*bf16", B="*bf16", MEAN="*fp32", RSTD="*fp32", SYNC="*i32", SCRATCH="*fp32",
+               DY="*bf16", DX="*bf16", DW_PART="*fp32", DB_PART="*fp32", eps="fp32")
+
+
+def group_norm_looped():
+    """(name, ASTSource, (num_warps, maxnreg)): GroupNorm's looped kernels, the slot kernels on the tile the table
+    gives them (configs.GN_LOOPED_SLOTS) and the plain ones, forward and backward, with an activation, specialized
+    as a launch is: those the table takes must fit without spilling (the slot kernels hold two tiles and two sums
+    per thread)."""
+    from normkit.backends.triton import configs, group_norm
+    out = []
+    for d, fn in (("fwd", group_norm.group_norm_fwd_kernel), ("bwd", group_norm.group_norm_bwd_kernel)):
+        for slots in (True, False):
+            cfg = configs.group_config(d, 20, 1024, 2, False, 2.0) if not slots else None
+            tile, warps = configs.GN_LOOPED_SLOTS.get(("fwd", 2), (0, (2048, 8)))[1] if slots else \
+                (cfg.block_r * cfg.block_s, cfg.num_warps)
+            cx = dict(HAS_W=True, HAS_B=True, ACT=1, BLOCK_R=max(1, tile // 1024), BLOCK_S=1024, KS=1, SPLIT=1,
+                      LOOPED=True, SLOTS=slots)
+            if d == "bwd":
+                cx.update(WANT_DW=True, WANT_DB=True)
+            src = _source(fn, GN_ARGS, cx, ["SYNC", "SCRATCH"], ["stride_s"])
+            src.attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(src.signature)  # as a launch specializes
+                         if src.signature[k].startswith("*") or k in ("S", "stride_b", "stride_c")}
+            # the backward's slot kernels are not in the table (measured level): compiled, 8 bytes of stack allowed
+            taken = not slots or ((d, 2) in configs.GN_LOOPED_SLOTS)
+            out.append((f"group norm {d} looped {'slots' if slots else 'plain'} [{cx['BLOCK_R']}, 1024] x {warps} "
+                        f"warps" + (", no spills" if taken else ""), src, (warps, None)))
+    return out
+
+
 def table_rows():
     """(name, ASTSource, (num_warps, maxnreg)): the sm_90 table's looped forward rows, and its 16-bit backward rows that
     carry a register cap,
@@ -143,7 +173,7 @@ def _spilled_bytes(kernel) -> int:
 
 def main() -> int:
     failed = 0
-    for name, src, warps in variants() + table_rows():
+    for name, src, warps in variants() + table_rows() + group_norm_looped():
         warps, maxnreg = warps if isinstance(warps, tuple) else (warps, None)
         t0 = time.time()
         try:
