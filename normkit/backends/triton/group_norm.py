@@ -109,17 +109,6 @@ def group_norm_fwd_kernel(
 
 
 @triton.jit
-def _slot_counts(Cg, S, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Tiles of a group's [BLOCK_R, BLOCK_S] walk (t = kr * n_ks + ks) in which each slot row /
-    column is inside the group: a slot (i, j) is in nr[i] * ns[j] of them."""
-    r = tl.arange(0, BLOCK_R)
-    s = tl.arange(0, BLOCK_S)
-    nr = tl.where(r < Cg, (Cg - 1 - r) // BLOCK_R + 1, 0)
-    ns = tl.where(s < S, (S - 1 - s) // BLOCK_S + 1, 0)
-    return nr, ns
-
-
-@triton.jit
 def _gn_fwd_looped(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride_c, stride_s, eps,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
