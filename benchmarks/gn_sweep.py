@@ -62,8 +62,16 @@ VARIANTS = {  # module attribute -> value; "default" is the committed table
 # measured yet: slots on the default tiles (gn_regs.py: 128 registers, at the 2-per-SM edge), and lt-16k.
 LT = configs.GN_LOOPED_TILE
 LT_4K = {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (4096, 8), ("bwd", 2): (2048, 8)}}
-# (the slot kernels as session 9 measured them are gone: these now run session 22's, GN_LOOPED_SLOTS' format)
-SLOTS = {"GN_LOOPED_SLOTS": {(d, b): (1 << 30, t) for (d, b), t in LT.items()}}
+
+
+def _slots_on(tiles):
+    """The slot kernels for every looped group, on tiles {(direction, element bytes): (tile elements, num_warps)}
+    (GN_LOOPED_SLOTS' format)."""
+    return {"GN_LOOPED_SLOTS": {k: (1 << 30, t) for k, t in tiles.items()}}
+
+
+# (the slot kernels as session 9 measured them are gone: these now run session 22's)
+SLOTS = _slots_on(LT)
 NO_SLOTS = {"GN_LOOPED_SLOTS": {}}
 VARIANTS.update({
     "lt-4k": LT_4K,  # bf16 looped tiles halved (from a wrong premise: offline ptxas without the launch's
@@ -76,7 +84,7 @@ VARIANTS.update({
                "GN_TILE": {**configs.GN_TILE, ("fwd", 2): 16384, ("bwd", 2): 8192}},
     "lt-2k": {"GN_LOOPED_TILE": {**LT, ("fwd", 2): (2048, 8), ("bwd", 2): (1024, 4)}},
     "slots": SLOTS,  # the looped first pass per element slot (no reductions per tile)
-    "lt-4k-slots": {"GN_LOOPED_SLOTS": {(d, b): (1 << 30, t) for (d, b), t in LT_4K["GN_LOOPED_TILE"].items()}},
+    "lt-4k-slots": _slots_on(LT_4K["GN_LOOPED_TILE"]),
     # every NCHW group looped from half a group per SM (the two-kernel split off): one launch
     "lt-4k-all": {**LT_4K, **NO_SPLIT2, "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0.5, "bwd": 0.5}},
     # NCHW with under one group per SM (4x128x128x128, batch 1) staged (S9-gn9 measured it with the
@@ -164,8 +172,7 @@ VARIANTS.update({
 def _ps_tiles(bf16, fp32):
     """The slot kernels on these tiles for every looped group (S22-2 / S22-3 ran them so, before GN_LOOPED_SLOTS
     took them for the bf16 forward at S <= 1024)."""
-    return {"GN_LOOPED_SLOTS": {("fwd", 2): (1 << 30, bf16), ("bwd", 2): (1 << 30, bf16), ("fwd", 4): (1 << 30, fp32),
-                                ("bwd", 4): (1 << 30, fp32)}}
+    return _slots_on({("fwd", 2): bf16, ("bwd", 2): bf16, ("fwd", 4): fp32, ("bwd", 4): fp32})
 
 
 VARIANTS.update({

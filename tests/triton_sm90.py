@@ -97,21 +97,19 @@ def group_norm_looped():
     from normkit.backends.triton import configs, group_norm
     out = []
     for d, fn in (("fwd", group_norm.group_norm_fwd_kernel), ("bwd", group_norm.group_norm_bwd_kernel)):
+        cfg = configs.group_config(d, 20, 1024, 2, False, 2.0)  # a looped NCHW group of 1024 positions, as planned
         for slots in (True, False):
-            cfg = configs.group_config(d, 20, 1024, 2, False, 2.0) if not slots else None
-            tile, warps = configs.GN_LOOPED_SLOTS.get(("fwd", 2), (0, (2048, 8)))[1] if slots else \
-                (cfg.block_r * cfg.block_s, cfg.num_warps)
-            cx = dict(HAS_W=True, HAS_B=True, ACT=1, BLOCK_R=max(1, tile // 1024), BLOCK_S=1024, KS=1, SPLIT=1,
+            cx = dict(HAS_W=True, HAS_B=True, ACT=1, BLOCK_R=cfg.block_r, BLOCK_S=cfg.block_s, KS=1, SPLIT=1,
                       LOOPED=True, SLOTS=slots)
             if d == "bwd":
                 cx.update(WANT_DW=True, WANT_DB=True)
             src = _source(fn, GN_ARGS, cx, ["SYNC", "SCRATCH"], ["stride_s"])
             src.attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(src.signature)  # as a launch specializes
                          if src.signature[k].startswith("*") or k in ("S", "stride_b", "stride_c")}
-            # the backward's slot kernels are not in the table (measured level): compiled, 8 bytes of stack allowed
-            taken = not slots or ((d, 2) in configs.GN_LOOPED_SLOTS)
-            out.append((f"group norm {d} looped {'slots' if slots else 'plain'} [{cx['BLOCK_R']}, 1024] x {warps} "
-                        f"warps" + (", no spills" if taken else ""), src, (warps, None)))
+            # slot kernels the table does not take (the backward's, measured level): compiled, 8 bytes of stack allowed
+            taken = not slots or cfg.slots
+            out.append((f"group norm {d} looped {'slots' if slots else 'plain'} [{cfg.block_r}, {cfg.block_s}] x "
+                        f"{cfg.num_warps} warps" + (", no spills" if taken else ""), src, (cfg.num_warps, None)))
     return out
 
 

@@ -190,7 +190,7 @@ def _gn_fwd_looped_slots(X, Y, W, B, MEAN, RSTD, grp, S, Cg, G, stride_b, stride
     mean = s1 / L
     rstd = tl.rsqrt(tl.maximum(s2 / L - mean * mean, 0.0) + eps)
     centre = -mean * rstd
-    for i in range(0, n_tiles):
+    for i in range(0, n_tiles):  # (a tile's offsets are recomputed, not carried from its load: a register an element)
         x = x_next.to(tl.float32)
         offs, mask, r, r_mask = _gn_tile_at(t0 + n_tiles - 1 - i, n_ks, n_tiles, S, Cg, stride_c, stride_s,
                                             BLOCK_R, BLOCK_S)
