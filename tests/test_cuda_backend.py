@@ -471,6 +471,14 @@ def test_cluster_plans():
         p = configs.plan_cluster(direction, n, eb)
         assert p is not None and p.threads * p.items * (16 // eb) * p.cluster >= n
         assert (p.items, p.stages) == shape[1:3]
+    # the RELOAD forward's register cap, per op and width (session 23); the backward and other widths keep 1024
+    for (op, eb, n), sm_threads in configs.CLUSTER_FWD_SM_THREADS.items():
+        p = configs.plan_cluster("fwd", n, eb, op=op)
+        assert p.recompute and p.sm_threads == sm_threads and sm_threads % p.threads == 0
+        assert configs.plan_cluster("fwd", n - 8 * 100, eb, op=op).sm_threads == sm_threads  # padded widths too
+        assert configs.plan_cluster("bwd", n, eb, op=op).sm_threads == 1024
+    assert configs.plan_cluster("fwd", 131072, 2, op="rms").sm_threads != configs.plan_cluster("fwd", 131072, 2).sm_threads
+    assert configs.plan_cluster("fwd", 32768, 2, op="rms").sm_threads == 1024
 
 
 def test_gn_cluster_plans():
@@ -663,8 +671,13 @@ def test_cluster_launches(cluster_recorded):
     plan = configs.plan_cluster("fwd", 65536, 2)
     flags = ", ".join("true" if f else "false" for f in (plan.recompute, plan.push, plan.merge, plan.one_pass))
     assert name == (f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, "
-                    f"{plan.stages}, {flags}>")
+                    f"{plan.stages}, {flags}, {plan.sm_threads}>")
     assert cl == plan.cluster and grid == (p.grid_clusters(300) * cl, 1, 1) and block == (plan.threads, 1, 1)
+    # RMSNorm at 128K: the register cap of CLUSTER_FWD_SM_THREADS in the kernel's name (its __launch_bounds__)
+    p = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, True, False, 0)
+    assert p.plan.sm_threads == configs.CLUSTER_FWD_SM_THREADS[("rms", 2, 131072)]
+    assert p.kernel.spec.name == ("nk::row_fwd_cluster<__nv_bfloat16, __nv_bfloat16, nk::Identity, true, "
+                                  f"{p.plan.threads}, {p.plan.items}, 1, true, true, false, true, 1536>")
     assert smem == plan.smem and args[-4:] == [300, 65536, plan.slice, 1e-5]
     # backward: one partial row per cluster, the dx kernel with the weight-gradient sums
     p = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0)
@@ -722,7 +735,7 @@ def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
     x = torch.empty(5000, 65536, dtype=torch.bfloat16)
     cluster.launch_fwd(p, x, torch.empty_like(x), None, None, None, torch.empty(5000), 1e-6)
     name, grid, block, smem, args, cl = cluster_recorded[-1]
-    assert name.endswith(", 256, 8, 1, true, true, false, false>") and cl == 4
+    assert name.endswith(", 256, 8, 1, true, true, false, false, 1024>") and cl == 4
     assert grid == (min(5000, persistent.clusters * configs.CLUSTER_PUSH_WAVES) * 4, 1, 1)
 
 

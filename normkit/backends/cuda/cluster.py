@@ -97,7 +97,8 @@ def prepare(direction: str, cols: int, dtype, wdtype, activation, rms: bool, wan
             shape=None) -> Prepared | None:
     """The plan and loaded kernel for one kind of call; None if the rows cannot take a cluster
     kernel (too wide, or not resident on this GPU). shape: (threads, items, stages) override."""
-    plan = configs.plan_cluster(direction, cols, torch.empty((), dtype=dtype).element_size(), shape)
+    plan = configs.plan_cluster(direction, cols, torch.empty((), dtype=dtype).element_size(), shape,
+                                "rms" if rms else "ln")
     if plan is None:
         return None
     return _prepared(plan, kernels.row_cluster(direction, dtype, wdtype, activation, rms, plan, want_params), index,

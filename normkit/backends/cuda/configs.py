@@ -93,6 +93,14 @@ CLUSTER_SHAPES = {
     # block impl made 0.27 / 0.23 (each row's x and dy read twice plus the row_param_grad pass).
     ("bwd", 4, 262144): (512, 8, 1, True),
 }
+# The RELOAD forward's register cap, as the threads per SM it is compiled to fit (__launch_bounds__' second value is
+# this over the CTA's threads), per (op, element bytes, padded width); else 1024 (4 CTAs of 256 threads). Run S23-1
+# (H200, `bash benchmarks/device_s23.sh fwdcl`, `normkit bench` bf16 forward, two interleaved reps): RMSNorm 56 / 47 /
+# 38 registers at 1024 / 1280 / 1536 (no spills): 128K 0.76 / 0.80 / 0.81, 256K 0.71 / 0.76 / 0.78 of copy (six
+# CTAs of 32 KB stages is the shared memory's limit too); LayerNorm 61 / 48 / 40 (spills of 12 / 44 bytes from 1280):
+# 128K 0.66 / 0.68 / 0.64, 256K 0.60 / 0.63 / 0.61, but 32K level at 1280 and 64K (128-thread CTAs) 0.72 / 0.68 / 0.65
+CLUSTER_FWD_SM_THREADS = {("rms", 2, 131072): 1536, ("rms", 2, 262144): 1536,
+                          ("ln", 2, 131072): 1280, ("ln", 2, 262144): 1280}
 CLUSTER_SMEM_MAX = 220 * 1024
 # PUSH kernels launch up to this many waves of resident clusters (each cluster walks rows past
 # that): at 64K-256K rows of 2^26 elements this is one row per cluster
@@ -267,10 +275,11 @@ class ClusterPlan:
     merge: bool = False  # the CTA's warps merged first, one value per CTA in each exchange (MERGE)
     one_pass: bool = False  # push LayerNorm: moments from one read of the slice (ONE_PASS)
     overlap: bool = False  # push backward: two rows in flight (OVERLAP)
+    sm_threads: int = 1024  # RELOAD forward: the threads per SM its registers are capped for (SM_THREADS)
 
 
-def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> ClusterPlan | None:
-    """The cluster kernel's plan for rows of `cols` columns, or None when they cannot take it
+def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str = "ln") -> ClusterPlan | None:
+    """The cluster kernel's plan for rows of `cols` columns of op "ln" or "rms", or None when they cannot take it
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
     shape: (threads, items, stages[, recompute[, push[, merge[, one_pass (forward) / overlap (backward)]]]]);
     default: CLUSTER_SHAPES' for the width, else CLUSTER_KERNELS'."""
@@ -302,7 +311,9 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None) -> Clus
     smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
     if smem > CLUSTER_SMEM_MAX:
         return None
-    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass, overlap)
+    sm_threads = CLUSTER_FWD_SM_THREADS.get((op, elem_bytes, next_pow2(cols)), 1024) if direction == "fwd" else 1024
+    return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass, overlap,
+                       sm_threads)
 
 
 # GroupNorm over dense NCHW groups on the same cluster kernels (row_cluster.cu gn_*_cluster; issue 24): a group

@@ -450,10 +450,11 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   }
 }
 
-// RELOAD kernels are compiled for several CTAs per SM (registers capped), the others for one.
+// RELOAD kernels are compiled for SM_THREADS / THREADS CTAs per SM (registers capped to fit; configs.py
+// CLUSTER_FWD_SM_THREADS), the others for one.
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
-          bool MERGE = false, bool ONE_PASS = false>
-__global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
+          bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024>
+__global__ void __launch_bounds__(THREADS, RELOAD ? SM_THREADS / THREADS : 1)
     row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
