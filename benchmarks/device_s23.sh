@@ -4,6 +4,9 @@
 #                                         for 4 / 5 / 6 CTAs of 256 threads per SM (NK_FWD_RELOAD_THREADS_PER_SM 1024 /
 #                                         1280 / 1536: 56 / 47 / 38 registers for RMSNorm), `normkit bench` LN / RMS bf16
 #                                         forward at 32K-256K, the three interleaved twice
+#   bash benchmarks/device_s23.sh caps    the cluster tests on the GPU; the fp32 forward on the CUDA backend's clusters under
+#                                         each register cap (NK_FWD_SM_THREADS 1024 / 1536 / 1280); the committed caps
+#                                         (CLUSTER_FWD_SM_THREADS) in bf16 and fp16, auto and the CUDA backend
 #   bash benchmarks/device_s23.sh decode  compiled Llama decode (`normkit bench --models llama --modes decode --exec
 #                                         compile`) with the variants in the other order, then with 40 steps a round
 #   bash benchmarks/device_s23.sh tests   the GPU test files, then issue 22's model cases as S22-4
@@ -19,6 +22,17 @@ fwdcl)
             grep -v "^#" "$OUT/fwdcl-$n-$rep/results.csv" | cut -d, -f2,6,8,13,18,21 | grep -v "^op"
         done
     done
+    ;;
+caps)
+    gpu_tests 150 cluster.log -n 8 tests/test_cuda_backend.py -k "cluster"
+    for n in 1024 1536 1280; do  # fp32 (both ops on the CUDA backend's clusters from 32K) under one cap each
+        echo "== fp32 NK_FWD_SM_THREADS=$n"
+        NORMKIT_CUDA_DEFINES="NK_FWD_SM_THREADS=$n" bench 120 --ops ln,rms --dtypes fp32 --dirs fwd \
+            --widths 32768,65536,131072,262144 --normkit cuda --peers none --no-host --out "$OUT/caps-fp32-$n"
+    done
+    echo "== the committed caps (CLUSTER_FWD_SM_THREADS), 16-bit"
+    bench 150 --ops ln,rms --dtypes bf16,fp16 --dirs fwd --widths 32768,65536,131072,262144 --normkit auto,cuda \
+        --peers none --no-host --out "$OUT/caps-16"
     ;;
 decode)
     bench 130 --models llama --modes decode --exec compile --variants normkit,unpatched --steps 40 --rounds 10 \

@@ -451,10 +451,16 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 }
 
 // RELOAD kernels are compiled for SM_THREADS / THREADS CTAs per SM (registers capped to fit; configs.py
-// CLUSTER_FWD_SM_THREADS), the others for one.
+// CLUSTER_FWD_SM_THREADS), the others for one. NK_FWD_SM_THREADS (a define, for A/B runs through
+// NORMKIT_CUDA_DEFINES) replaces SM_THREADS in every RELOAD forward.
+#ifdef NK_FWD_SM_THREADS
+#define NK_SM_THREADS(table) NK_FWD_SM_THREADS
+#else
+#define NK_SM_THREADS(table) (table)
+#endif
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
           bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024>
-__global__ void __launch_bounds__(THREADS, RELOAD ? SM_THREADS / THREADS : 1)
+__global__ void __launch_bounds__(THREADS, RELOAD ? NK_SM_THREADS(SM_THREADS) / THREADS : 1)
     row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
