@@ -98,9 +98,12 @@ CLUSTER_SHAPES = {
 # (H200, `bash benchmarks/device_s23.sh fwdcl`, `normkit bench` bf16 forward, two interleaved reps): RMSNorm 56 / 47 /
 # 38 registers at 1024 / 1280 / 1536 (no spills): 128K 0.76 / 0.80 / 0.81, 256K 0.71 / 0.76 / 0.78 of copy (six
 # CTAs of 32 KB stages is the shared memory's limit too); LayerNorm 61 / 48 / 40 (spills of 12 / 44 bytes from 1280):
-# 128K 0.66 / 0.68 / 0.64, 256K 0.60 / 0.63 / 0.61, but 32K level at 1280 and 64K (128-thread CTAs) 0.72 / 0.68 / 0.65
+# 128K 0.66 / 0.68 / 0.64, 256K 0.60 / 0.63 / 0.61, but 32K level at 1280 and 64K (128-thread CTAs) 0.72 / 0.68 / 0.65.
+# fp32 (run S23-2, `... caps`, the CUDA backend, 40 registers at 1536, no spills), 1024 / 1536: LN 64K 0.75 / 0.81,
+# 128K 0.63 / 0.75, 256K 0.57 / 0.66; RMS 64K 0.86 / 0.91, 128K 0.74 / 0.78, 256K 0.69 / 0.76; 32K level (0.80-0.90)
 CLUSTER_FWD_SM_THREADS = {("rms", 2, 131072): 1536, ("rms", 2, 262144): 1536,
-                          ("ln", 2, 131072): 1280, ("ln", 2, 262144): 1280}
+                          ("ln", 2, 131072): 1280, ("ln", 2, 262144): 1280,
+                          **{(op, 4, n): 1536 for op in ("ln", "rms") for n in (65536, 131072, 262144)}}
 CLUSTER_SMEM_MAX = 220 * 1024
 # PUSH kernels launch up to this many waves of resident clusters (each cluster walks rows past
 # that): at 64K-256K rows of 2^26 elements this is one row per cluster
