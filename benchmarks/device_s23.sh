@@ -7,9 +7,9 @@
 #   bash benchmarks/device_s23.sh caps    the cluster tests on the GPU; the fp32 forward on the CUDA backend's clusters under
 #                                         each register cap (NK_FWD_SM_THREADS 1024 / 1536 / 1280); the committed caps
 #                                         (CLUSTER_FWD_SM_THREADS) in bf16 and fp16, auto and the CUDA backend
-#   bash benchmarks/device_s23.sh decode  compiled Llama decode (`normkit bench --models llama --modes decode --exec
-#                                         compile`) with the variants in the other order, then with 40 steps a round
-#   bash benchmarks/device_s23.sh tests   the GPU test files, then issue 22's model cases as S22-4
+#   bash benchmarks/device_s23.sh tests   the GPU test files (the CUDA backend's apart); the fp32 forward at 64K-256K, auto
+#                                         against the CUDA backend; compiled Llama decode with normkit timed first
+#   bash benchmarks/device_s23.sh models  the CUDA backend's cluster tests; issue 22's model cases as S22-4
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 case "${1:-fwdcl}" in
@@ -34,16 +34,27 @@ caps)
     bench 150 --ops ln,rms --dtypes bf16,fp16 --dirs fwd --widths 32768,65536,131072,262144 --normkit auto,cuda \
         --peers none --no-host --out "$OUT/caps-16"
     ;;
-decode)
+tests)
+    gpu_tests 320 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
+        tests/test_fusion_autograd.py
+    echo "== fp32 forward at 64K-256K: the Triton backend's route (auto) against the CUDA backend's capped clusters"
+    bench 90 --ops ln,rms --dtypes fp32 --dirs fwd --widths 65536,131072,262144 --normkit auto,cuda --peers none \
+        --no-host --out "$OUT/fp32-routes"
+    echo "== compiled Llama decode, the variants in the other order (S22-4 timed unpatched first)"
     bench 130 --models llama --modes decode --exec compile --variants normkit,unpatched --steps 40 --rounds 10 \
         --time-budget 100 --out "$OUT/llama-compiled-rev"
-    bench 160 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 400 --rounds 10 \
-        --time-budget 130 --out "$OUT/llama-compiled-40"
-    for d in llama-compiled-rev llama-compiled-40; do grep -E "^\| llama" "$OUT/$d/models.md" | cut -c1-200; done
+    grep -E "^\| llama" "$OUT/llama-compiled-rev/models.md" | cut -c1-200
     ;;
-tests)
-    gpu_tests 450 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
-        tests/test_fusion_autograd.py
+models)
+    gpu_tests 200 cluster.log -n 14 tests/test_cuda_backend.py -k "cluster"
+    for part in eager eager2; do  # session 19's script packs its own archive and empties $OUT: each set aside in turn
+        mkdir -p /tmp/keep && cp -r "$OUT/." /tmp/keep/
+        bash benchmarks/device_s19.sh "$part" > "/tmp/s19-$part.log" 2>&1; tail -12 "/tmp/s19-$part.log"
+        cp -r /tmp/keep/. "$OUT/"
+    done
+    bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 100 --out "$OUT/llama-compiled"
+    grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
     ;;
 esac
 tar czf "/tmp/s23-${1:-fwdcl}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s23-${1:-fwdcl}.tgz" "$OUT/"
