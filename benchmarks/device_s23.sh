@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 23 (issues 22, 24), one device call each (carry .whl), files in one archive in $OUT:
 #   bash benchmarks/device_s23.sh fwdcl   the wide forward's cluster kernels (RELOAD, the committed 16-bit shapes) compiled
-#                                         for 4 / 5 / 6 CTAs of 256 threads per SM (NK_FWD_RELOAD_THREADS_PER_SM 1024 /
+#                                         for 4 / 5 / 6 CTAs of 256 threads per SM (NK_FWD_SM_THREADS 1024 /
 #                                         1280 / 1536: 56 / 47 / 38 registers for RMSNorm), `normkit bench` LN / RMS bf16
 #                                         forward at 32K-256K, the three interleaved twice
 #   bash benchmarks/device_s23.sh caps    the cluster tests on the GPU; the fp32 forward on the CUDA backend's clusters under
@@ -16,8 +16,8 @@ case "${1:-fwdcl}" in
 fwdcl)
     for rep in 1 2; do
         for n in 1024 1280 1536; do
-            echo "== NK_FWD_RELOAD_THREADS_PER_SM=$n rep $rep"
-            NORMKIT_CUDA_DEFINES="NK_FWD_RELOAD_THREADS_PER_SM=$n" bench 150 --ops ln,rms --dtypes bf16 --dirs fwd \
+            echo "== NK_FWD_SM_THREADS=$n rep $rep"
+            NORMKIT_CUDA_DEFINES="NK_FWD_SM_THREADS=$n" bench 150 --ops ln,rms --dtypes bf16 --dirs fwd \
                 --widths 32768,65536,131072,262144 --normkit auto --peers none --no-host --out "$OUT/fwdcl-$n-$rep"
             grep -v "^#" "$OUT/fwdcl-$n-$rep/results.csv" | cut -d, -f2,6,8,13,18,21 | grep -v "^op"
         done
