@@ -10,6 +10,7 @@
 #   bash benchmarks/device_s23.sh tests   the GPU test files (the CUDA backend's apart); the fp32 forward at 64K-256K, auto
 #                                         against the CUDA backend; compiled Llama decode with normkit timed first
 #   bash benchmarks/device_s23.sh models  the CUDA backend's cluster tests; issue 22's model cases as S22-4
+#   bash benchmarks/device_s23.sh host    the host table twice (the second with LayerNorm's rows not first)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 case "${1:-fwdcl}" in
@@ -55,6 +56,11 @@ models)
     bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 100 --out "$OUT/llama-compiled"
     grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
+    ;;
+host)  # the host table twice: as device_s19.sh eager runs it, then with LayerNorm's rows not first
+    bench 80 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
+    bench 80 --host-only --host-cases all --ops rms,gn,ln,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host-b"
+    for d in host host-b; do grep -E "^\| (ln|rms) \| bf16 \| 4x4096 \| (normkit|torch) \| fwd \|" "$OUT/$d/summary.md"; done
     ;;
 esac
 tar czf "/tmp/s23-${1:-fwdcl}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s23-${1:-fwdcl}.tgz" "$OUT/"
