@@ -135,8 +135,8 @@ def host_overheads(calls: dict, sync, budget_s: float = 0.1, latency_trials: int
     loops = {}
     for key, call in calls.items():
         # a key's first calls (kernel compiles, the host path's plan) are not its cost per call: left out of the
-        # estimate that sizes its loops (run S23-4: the host table's first key got 10-call loops from its compile
-        # and read 1.5-2.5x its time when measured later in the table)
+        # estimate that sizes its loops (the host table's first key got its loops sized by its compile
+        # and read 1.5-2.5x its time when measured later in the table; runs S23-4 / S23-5, fixed in S23-6)
         for _ in range(3):
             call()
         sync()
