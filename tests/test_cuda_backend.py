@@ -477,6 +477,7 @@ def test_cluster_plans():
         assert p.recompute and p.sm_threads == sm_threads and sm_threads % p.threads == 0
         assert configs.plan_cluster("fwd", n - 8 * 100, eb, op=op).sm_threads == sm_threads  # padded widths too
         assert configs.plan_cluster("bwd", n, eb, op=op).sm_threads == 1024
+        assert configs.plan_cluster("fwd", n, eb, (256, 8, 1, False, True), op=op).sm_threads == 1024  # registers
     assert configs.plan_cluster("fwd", 131072, 2, op="rms").sm_threads != configs.plan_cluster("fwd", 131072, 2).sm_threads
     assert configs.plan_cluster("fwd", 32768, 2, op="rms").sm_threads == 1024
 

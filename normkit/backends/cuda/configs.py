@@ -314,7 +314,8 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
     smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
     if smem > CLUSTER_SMEM_MAX:
         return None
-    sm_threads = CLUSTER_FWD_SM_THREADS.get((op, elem_bytes, next_pow2(cols)), 1024) if direction == "fwd" else 1024
+    reload_fwd = direction == "fwd" and recompute  # the cap is RELOAD's (the registers kernel holds the slice)
+    sm_threads = CLUSTER_FWD_SM_THREADS.get((op, elem_bytes, next_pow2(cols)), 1024) if reload_fwd else 1024
     return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass, overlap,
                        sm_threads)
 
