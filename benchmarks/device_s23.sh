@@ -11,6 +11,8 @@
 #                                         against the CUDA backend; compiled Llama decode with normkit timed first
 #   bash benchmarks/device_s23.sh models  the CUDA backend's cluster tests; issue 22's model cases as S22-4
 #   bash benchmarks/device_s23.sh host    the host table twice (the second with LayerNorm's rows not first)
+#   bash benchmarks/device_s23.sh gnprobe benchmarks/gn_entry_probe.py: GroupNorm's backend function, the public entry,
+#                                         torch.compile and a copy under one timer (the gn-2d vs gn_sweep gap)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 case "${1:-fwdcl}" in
@@ -61,6 +63,9 @@ host)  # the host table twice: as device_s19.sh eager runs it, then with LayerNo
     bench 80 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
     bench 80 --host-only --host-cases all --ops rms,gn,ln,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host-b"
     for d in host host-b; do grep -E "^\| (ln|rms) \| bf16 \| 4x4096 \| (normkit|torch) \| fwd \|" "$OUT/$d/summary.md"; done
+    ;;
+gnprobe)  # why the bench's gn-2d suite reads GroupNorm lower than gn_sweep.py: both entries and peers in one process
+    timeout 200 python3 benchmarks/gn_entry_probe.py 8x320x64x64,8x640x32x32 2>&1 | grep -v -i warn
     ;;
 esac
 tar czf "/tmp/s23-${1:-fwdcl}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s23-${1:-fwdcl}.tgz" "$OUT/"
