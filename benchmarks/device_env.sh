@@ -1,7 +1,7 @@
 # Sourced first by the benchmarks/device_session*.sh scripts, on the device: the repo root as the
 # working directory, the wheels carried in .whl installed under /tmp/site (on PYTHONPATH), $OUT
-# made, the GPU and library versions written to $OUT/${1:-env.txt}, the C++ host path built, GPU_TEST_FILES set
-# and gpu_tests defined.
+# made, the GPU and library versions written to $OUT/${1:-env.txt}, the C++ host path built, GPU_TEST_FILES set,
+# and the helpers gpu_tests, bench, sweep and issue22_eager_models defined.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
 # the test files the session scripts run on the GPU (the model tests apart: their own time limit)
@@ -26,6 +26,16 @@ sweep() {
     timeout "$t" python3 benchmarks/fwd_sweep.py --out "$OUT/$out" "$@" > "$OUT/$out.log" 2>&1
     echo "$out rc $?"; grep -E "copy|FAIL|Error" "$OUT/$out.log" | cut -c1-140
     python3 benchmarks/csv_table.py "$OUT/$out/fwd.csv"
+}
+# issue22_eager_models: issue 22's eager model cases, `device_s19.sh eager` and `eager2` (that script packs its own
+# archive and empties $OUT: what is there is set aside for each and put back), their last lines
+issue22_eager_models() {
+    local part
+    for part in eager eager2; do
+        mkdir -p /tmp/keep && cp -r "$OUT/." /tmp/keep/
+        bash benchmarks/device_s19.sh "$part" > "/tmp/s19-$part.log" 2>&1; tail -12 "/tmp/s19-$part.log"
+        cp -r /tmp/keep/. "$OUT/"
+    done
 }
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target /tmp/site .whl/*.whl

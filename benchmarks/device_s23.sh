@@ -50,11 +50,7 @@ tests)
     ;;
 models)
     gpu_tests 200 cluster.log -n 14 tests/test_cuda_backend.py -k "cluster and not gn"
-    for part in eager eager2; do  # session 19's script packs its own archive and empties $OUT: each set aside in turn
-        mkdir -p /tmp/keep && cp -r "$OUT/." /tmp/keep/
-        bash benchmarks/device_s19.sh "$part" > "/tmp/s19-$part.log" 2>&1; tail -12 "/tmp/s19-$part.log"
-        cp -r /tmp/keep/. "$OUT/"
-    done
+    issue22_eager_models
     bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 100 --out "$OUT/llama-compiled"
     grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
