@@ -4,6 +4,7 @@
 #                                         is it the parameters' L2 traffic?), ncu of its 128K cluster kernels, ncu of the
 #                                         channels_last GroupNorm cluster forward at 16x640x32x32 and 32x256x56x56 bf16 with
 #                                         a copy of the same bytes (DRAM bytes against the ideal: over-fetch of 80-byte runs?)
+#   (groups and wait measure knobs removed after runs S24-2 / S24-3: they run at commit ef88313, which has them)
 #   bash benchmarks/device_s24.sh wait    the cluster kernels' barrier waits: try_wait with a suspend-time hint
 #                                         (NK_WAIT_HINT_NS) or a nanosleep between tries (NK_WAIT_SLEEP_NS) against the
 #                                         spin, the forward at 32K-256K (widefwd_sweep) and the backward at 16K-256K (bench)

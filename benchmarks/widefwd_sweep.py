@@ -101,17 +101,15 @@ def compiled_with(defines: tuple):
 
 def variant_shape(variant, eb, N):
     """push+FLAGS: the width's shipped shape with FLAGS; TxI[xS]+FLAGS: that shape (reload, push, S stages: 1
-    unless given); TxI[xS]gR+FLAGS (session 24): row groups of R rows (the reload's ROWS)."""
+    unless given)."""
     base, _, suffix = variant.partition("%")[0].partition("+")
     base = base.partition("@")[0]
-    base, _, group = base.partition("g")
     if base == "push":
         shape = cc.CLUSTER_SHAPES.get(("fwd", eb, triton_key(N))) or cc.CLUSTER_KERNELS[("fwd", eb)]
     else:  # a trailing r: the slice held in registers (no reload)
         t, i, *stages = map(int, base.rstrip("r").split("x"))
         shape = (t, i, stages[0] if stages else 1, not base.endswith("r"), True)
-    flags = FLAGS[suffix]
-    return tuple(shape[:5]) + ((flags + (False, False))[:2] + (int(group),) if group else flags)
+    return tuple(shape[:5]) + FLAGS[suffix]
 
 
 def prebuild(dtypes, variants=(), only_variants=False, widths=WIDTHS):
@@ -166,7 +164,7 @@ def check(out, dtype, shape, waves, defines=()):
                     e_m = rel(mean, mean_ref)
                 e_y, e_r = rel(y, y_ref), rel(rstd, rstd_ref)
                 flags = (p.plan.merge, p.plan.one_pass) if p is not None else ()
-                ok = (p is not None and p.plan.push and flags == (tuple(shape[5:7]) + (False, False))[:2]
+                ok = (p is not None and p.plan.push and flags == (tuple(shape[5:]) + (False, False))[:2]
                       and e_y <= tol and e_m <= 1e-6 and e_r <= (1e-4 if offset else 2e-5)
                       and torch.equal(y.nan_to_num(), y2.nan_to_num()))
                 row = dict(label, cluster=p.plan.cluster if p else 0, err_y=f"{e_y:.2e}", err_mean=f"{e_m:.2e}",

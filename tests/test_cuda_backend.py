@@ -479,15 +479,6 @@ def test_cluster_plans():
         assert configs.plan_cluster("bwd", n, eb, op=op).sm_threads == 1024
         assert configs.plan_cluster("fwd", n, eb, (256, 8, 1, False, True), op=op).sm_threads == 1024  # registers
     assert configs.plan_cluster("fwd", 131072, 2, op="rms").sm_threads != configs.plan_cluster("fwd", 131072, 2).sm_threads
-    # row groups (session 24): a stage holds the group's rows, one slice each; only with the reload and the push
-    p = configs.plan_cluster("fwd", 131072, 2, (256, 4, 1, True, True, False, True, 2))
-    assert (p.row_group, p.cluster, p.slice, p.smem) == (2, 16, 8192, 2 * 8192 * 2) and p.one_pass
-    assert configs.plan_cluster("fwd", 131072, 2, (256, 4, 1, True, True)).row_group == 1
-    assert configs.plan_cluster("bwd", 131072, 2, (256, 4, 3, True, True, False, True, 2)).row_group == 1
-    for shape in ((256, 4, 1, False, True, False, True, 2), (256, 4, 1, True, False, False, False, 2),
-                  (256, 4, 1, True, True, False, True, 0)):
-        with pytest.raises(ValueError, match="row group"):
-            configs.plan_cluster("fwd", 131072, 2, shape)
     assert configs.plan_cluster("fwd", 32768, 2, op="rms").sm_threads == 1024
 
 
@@ -681,23 +672,14 @@ def test_cluster_launches(cluster_recorded):
     plan = configs.plan_cluster("fwd", 65536, 2)
     flags = ", ".join("true" if f else "false" for f in (plan.recompute, plan.push, plan.merge, plan.one_pass))
     assert name == (f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, "
-                    f"{plan.stages}, {flags}, {plan.sm_threads}, {plan.row_group}>")
+                    f"{plan.stages}, {flags}, {plan.sm_threads}>")
     assert cl == plan.cluster and grid == (p.grid_clusters(300) * cl, 1, 1) and block == (plan.threads, 1, 1)
     # RMSNorm at 128K: the register cap of CLUSTER_FWD_SM_THREADS in the kernel's name (its __launch_bounds__)
     p = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, True, False, 0)
     assert p.plan.sm_threads == configs.CLUSTER_FWD_SM_THREADS[("rms", 2, 131072)]
     assert p.kernel.spec.name == ("nk::row_fwd_cluster<__nv_bfloat16, __nv_bfloat16, nk::Identity, true, "
-                                  f"{p.plan.threads}, {p.plan.items}, 1, true, true, false, true, 1536, "
-                                  f"{p.plan.row_group}>")
+                                  f"{p.plan.threads}, {p.plan.items}, 1, true, true, false, true, 1536>")
     assert smem == plan.smem and args[-4:] == [300, 65536, plan.slice, 1e-5]
-    # row groups: a cluster per group of rows (301 rows in groups of 2: 151 clusters, the last group one row)
-    shape = (256, 4, 1, True, True, False, True, 2)
-    p = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, True, False, 0, shape)
-    xg = torch.empty(301, 131072, dtype=torch.bfloat16)
-    cluster.launch_fwd(p, xg, torch.empty_like(xg), None, None, None, torch.empty(301), 1e-5)
-    name, grid, block, smem_g, args_g, cl_g = cluster_recorded[-1]
-    assert name.endswith(", 2>") and cl_g == 16 and grid == (p.grid_clusters(151) * 16, 1, 1) and smem_g == 32768
-    assert p.grid_clusters(151) == min(p.clusters, 151) and args_g[-4:] == [301, 131072, 8192, 1e-5]
     # backward: one partial row per cluster, the dx kernel with the weight-gradient sums
     p = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0)
     plan_b = configs.plan_cluster("bwd", 65536, 2)

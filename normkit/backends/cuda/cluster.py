@@ -123,7 +123,7 @@ def launch_fwd(p: Prepared, x, y, weight, bias, mean, rstd, eps: float) -> None:
     M, N = x.shape
     plan = p.plan
     _use_device(p.kernel.device)
-    p.kernel.launch((p.grid_clusters(-(-M // plan.row_group)) * plan.cluster,), (plan.threads,),
+    p.kernel.launch((p.grid_clusters(M) * plan.cluster,), (plan.threads,),
                     [x, x.stride(0), y, y.stride(0), weight, bias, mean, rstd, M, N, plan.slice, float(eps)],
                     smem=plan.smem, cluster=plan.cluster)
 

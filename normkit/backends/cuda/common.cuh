@@ -223,24 +223,6 @@ struct AffineActStore {
     for (int i = 0; i < P; ++i) y[i] = ACT::fwd(xhat[i] * wv[i] + bv[i]);
     store_floats<P>(ptr + row * stride + col, y);
   }
-  // rows row .. row + n - 1 (n <= R) at the same columns, xhat(j, f) filling row j's pack: one load of the
-  // parameters for all of them (each row's pack made just before its store: few registers)
-  template <int P, int R, typename XHAT>
-  __device__ __forceinline__ void store_rows(const XHAT& xhat, i64 row, int n, int col) const {
-    float wv[P], bv[P];
-    load_param<P>(w, col, 1.f, wv);
-    load_param<P>(b, col, 0.f, bv);
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      if (j < n) {
-        float y[P];
-        xhat(j, y);
-#pragma unroll
-        for (int i = 0; i < P; ++i) y[i] = ACT::fwd(y[i] * wv[i] + bv[i]);
-        store_floats<P>(ptr + (row + j) * stride + col, y);
-      }
-    }
-  }
 };
 
 // ------------------------------------------------------------------ reduction values

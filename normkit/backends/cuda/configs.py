@@ -279,14 +279,13 @@ class ClusterPlan:
     one_pass: bool = False  # push LayerNorm: moments from one read of the slice (ONE_PASS)
     overlap: bool = False  # push backward: two rows in flight (OVERLAP)
     sm_threads: int = 1024  # RELOAD forward: the threads per SM its registers are capped for (SM_THREADS)
-    row_group: int = 1  # push forward with the reload: consecutive rows a cluster takes at once (ROWS)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str = "ln") -> ClusterPlan | None:
     """The cluster kernel's plan for rows of `cols` columns of op "ln" or "rms", or None when they cannot take it
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
-    shape: (threads, items, stages[, recompute[, push[, merge[, one_pass (forward) / overlap (backward)[, row group
-    (forward)]]]]]); default: CLUSTER_SHAPES' for the width, else CLUSTER_KERNELS'."""
+    shape: (threads, items, stages[, recompute[, push[, merge[, one_pass (forward) / overlap (backward)]]]]);
+    default: CLUSTER_SHAPES' for the width, else CLUSTER_KERNELS'."""
     shape = shape or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
         or CLUSTER_KERNELS[(direction, elem_bytes)]
     threads, items, stages, *rest = shape
@@ -299,9 +298,6 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
     overlap = push and direction == "bwd" and len(rest) > 3 and bool(rest[3])
     if overlap and stages < (3 if recompute else 2):
         raise ValueError(f"cluster shape {shape}: the backward's overlap needs {3 if recompute else 2} stages or more")
-    row_group = int(rest[4]) if direction == "fwd" and len(rest) > 4 else 1
-    if row_group < 1 or (row_group > 1 and not (push and recompute)):
-        raise ValueError(f"cluster shape {shape}: a row group of {row_group} needs the push exchange and the reload")
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:
         return None
@@ -314,14 +310,14 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
     while cluster == 1 and threads > CLUSTER_MIN_THREADS and (threads // 2) * items * pack >= cols:
         threads //= 2  # narrow rows: smaller CTAs, more of them per SM
     slice_ = cdiv(cdiv(cols, cluster), pack) * pack
-    arrays = row_group if direction == "fwd" else 2  # slices a stage holds: the group's rows, or x and dy
+    arrays = 1 if direction == "fwd" else 2
     smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
     if smem > CLUSTER_SMEM_MAX:
         return None
     reload_fwd = direction == "fwd" and recompute  # the cap is RELOAD's (the registers kernel holds the slice)
     sm_threads = CLUSTER_FWD_SM_THREADS.get((op, elem_bytes, next_pow2(cols)), 1024) if reload_fwd else 1024
     return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass, overlap,
-                       sm_threads, row_group)
+                       sm_threads)
 
 
 # GroupNorm over dense NCHW groups on the same cluster kernels (row_cluster.cu gn_*_cluster; issue 24): a group

@@ -110,8 +110,7 @@ def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: conf
     shape, flags = _cluster_shape(plan)
     if direction == "fwd":
         return KernelSpec("row_cluster.cu",
-                          f"nk::row_fwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {flags}, {plan.sm_threads}, "
-                          f"{plan.row_group}>",
+                          f"nk::row_fwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {flags}, {plan.sm_threads}>",
                           ROW_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
                       f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}, "
@@ -297,15 +296,10 @@ def catalog() -> list[KernelSpec]:
                     specs.append(row_cluster(direction, dtype, torch.float32, act, rms, p))
                     p = dataclasses.replace(p, merge=True, one_pass=True)  # and the session-10 flags
                     specs.append(row_cluster(direction, dtype, torch.float32, act, rms, p))
-                    if reload:  # the register caps CLUSTER_FWD_SM_THREADS sets (session 23); row groups (24)
+                    if reload:  # the register caps CLUSTER_FWD_SM_THREADS sets (session 23)
                         for sm_threads in sorted(set(configs.CLUSTER_FWD_SM_THREADS.values())):
                             specs.append(row_cluster(direction, dtype, torch.float32, act, rms,
                                                      dataclasses.replace(p, sm_threads=sm_threads)))
-                        for group in (2, 4):
-                            for one_pass in (False, True):
-                                specs.append(row_cluster(direction, dtype, dtype if group == 2 else torch.float32,
-                                                         act, rms, dataclasses.replace(p, row_group=group,
-                                                                                       one_pass=one_pass)))
         specs.append(row_cluster(direction, torch.float16, torch.float16, "gelu", False, plan, direction == "bwd"))
         if direction == "bwd":  # one value per CTA in the exchange (session 10); the push exchange (session 14)
             specs.append(row_cluster(direction, dtype, torch.float32, None, False, dataclasses.replace(plan, merge=True), True))

@@ -105,36 +105,17 @@ __device__ __forceinline__ void barrier_init_fence() {
 __device__ __forceinline__ void barrier_expect(Barrier* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-// A waiting warp's try_wait returns after a time the hardware picks, and the loop below issues it again: warps
-// spinning on a stage or an exchange take issue slots from the warps that work. NK_WAIT_HINT_NS (a define, for A/B
-// runs through NORMKIT_CUDA_DEFINES): try_wait's suspend-time hint, the longest the warp may sleep on the barrier;
-// NK_WAIT_SLEEP_NS: a nanosleep between tries.
-#ifndef NK_WAIT_HINT_NS
-#define NK_WAIT_HINT_NS 0
-#endif
-#ifndef NK_WAIT_SLEEP_NS
-#define NK_WAIT_SLEEP_NS 0
-#endif
 __device__ __forceinline__ bool barrier_try_wait(Barrier* bar, unsigned parity) {
   unsigned done;
-  if (NK_WAIT_HINT_NS > 0) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity), "n"(NK_WAIT_HINT_NS)
-        : "memory");
-  } else {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-  }
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
   return done != 0;
 }
 __device__ __forceinline__ void barrier_wait(Barrier* bar, unsigned parity) {
   while (!barrier_try_wait(bar, parity)) {
-    if (NK_WAIT_SLEEP_NS > 0) __nanosleep(NK_WAIT_SLEEP_NS);
   }
 }
 // 1D bulk copy of `bytes` (a multiple of 16) from global memory into this CTA's shared memory
@@ -185,28 +166,12 @@ struct Stream {
     bulk_load(slice_at(st, 0), a + row * a_stride + s.c0, bytes, &bars[st]);
     if (ARRAYS > 1) bulk_load(slice_at(st, 1), b + row * b_stride + s.c0, bytes, &bars[st]);
   }
-  // The forward's row groups: rows g * ARRAYS .. g * ARRAYS + ARRAYS - 1 of one tensor, g = cluster + it * clusters,
-  // row j of the group into slice j of the stage (the group's rows past `rows` are not loaded).
-  __device__ void issue_rows(const Slice& s, i64 rows, int it, const T* a, i64 a_stride) const {
-    const i64 row = (s.cluster + i64(it) * s.clusters) * ARRAYS;
-    if (row >= rows || s.n == 0) return;
-    const int st = it % STAGES, n = rows - row < ARRAYS ? int(rows - row) : ARRAYS;
-    const unsigned bytes = unsigned(s.n) * sizeof(T);
-    barrier_expect(&bars[st], bytes * unsigned(n));
-#pragma unroll
-    for (int j = 0; j < ARRAYS; ++j)
-      if (j < n) bulk_load(slice_at(st, j), a + (row + j) * a_stride + s.c0, bytes, &bars[st]);
-  }
-  // every thread: thread 0 sets up the stage barriers and issues the first STAGES rows (ROW_GROUPS: row groups)
-  template <bool ROW_GROUPS = false>
+  // every thread: thread 0 sets up the stage barriers and issues the first STAGES rows
   __device__ void start(const Slice& s, i64 rows, const T* a, i64 a_stride, const T* b, i64 b_stride) const {
     if (threadIdx.x == 0) {
       for (int st = 0; st < STAGES; ++st) barrier_init(&bars[st], 1);
       barrier_init_fence();
-      for (int it = 0; it < STAGES; ++it) {
-        if (ROW_GROUPS) issue_rows(s, rows, it, a, a_stride);
-        else issue(s, rows, it, a, a_stride, b, b_stride);
-      }
+      for (int it = 0; it < STAGES; ++it) issue(s, rows, it, a, a_stride, b, b_stride);
     }
     __syncthreads();
   }
@@ -222,25 +187,6 @@ template <typename A, typename C> struct Pick<false, A, C> { typedef C type; };
 // the push exchange's one value per warp. Merged by merge_slots below, not pairwise.
 struct Moments {
   float n, sum, m2;
-};
-
-// R rows' values side by side (the forward's row groups): one exchange carries them all. Merged field by field in the
-// same order as one row's value, so a row's result does not depend on R.
-template <typename V, int R>
-struct Rows {
-  V r[R];
-  __device__ static Rows zero() {
-    Rows t;
-#pragma unroll
-    for (int j = 0; j < R; ++j) t.r[j] = V::zero();
-    return t;
-  }
-  __device__ static Rows merge(const Rows& x, const Rows& y) {
-    Rows t;
-#pragma unroll
-    for (int j = 0; j < R; ++j) t.r[j] = V::merge(x.r[j], y.r[j]);
-    return t;
-  }
 };
 
 // Every thread's merge of the `count` slots, in a fixed order (lane-strided, then shuffles): the
@@ -266,32 +212,6 @@ __device__ __forceinline__ Moments merge_slots(const Moments* slots, int count) 
   }
   m2 = group_allreduce<kWarpSize>(m2);
   return Moments{t.a, t.b, m2.v};
-}
-// R rows' moments: each row's merge as above (the same bits as the row alone), the rows' shuffles side by side
-template <int R>
-__device__ __forceinline__ Rows<Moments, R> merge_slots(const Rows<Moments, R>* slots, int count) {
-  Rows<Sum2, R> t = Rows<Sum2, R>::zero();
-  for (int e = threadIdx.x % kWarpSize; e < count; e += kWarpSize)
-#pragma unroll
-    for (int j = 0; j < R; ++j) t.r[j] = Sum2::merge(t.r[j], Sum2{slots[e].r[j].n, slots[e].r[j].sum});
-  t = group_allreduce<kWarpSize>(t);
-  float mean[R];
-#pragma unroll
-  for (int j = 0; j < R; ++j) mean[j] = t.r[j].b / t.r[j].a;
-  Rows<Sum1, R> m2 = Rows<Sum1, R>::zero();
-  for (int e = threadIdx.x % kWarpSize; e < count; e += kWarpSize) {
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const Moments& w = slots[e].r[j];
-      const float d = w.n > 0.f ? w.sum / w.n - mean[j] : 0.f;
-      m2.r[j].v += w.m2 + w.n * d * d;
-    }
-  }
-  m2 = group_allreduce<kWarpSize>(m2);
-  Rows<Moments, R> out;
-#pragma unroll
-  for (int j = 0; j < R; ++j) out.r[j] = Moments{t.r[j].a, t.r[j].b, m2.r[j].v};
-  return out;
 }
 
 // Exchange one warp-reduced value V (a struct of floats) with the cluster and merge all of them:
@@ -395,21 +315,15 @@ __device__ __forceinline__ float thread_sum(const PACK& pack, int valid, bool sq
 // read of its packs (each pack's sum and squared deviations from the pack's own mean, merged exactly
 // (Chan) over the thread's packs, then the warp's) instead of a pass for the warp's mean and a second
 // for the deviations from it: one read of the stage fewer, one warp reduction less on the row's path.
-// ROWS (RELOAD and PUSH): the cluster takes rows in groups of ROWS consecutive rows, each in its own slice of the
-// stage, their sums in one exchange, and each pack's weight and bias loaded once for the group's rows
-// (out.store_rows): at 128K-256K columns the parameters' reads from L2, once per row, cost RMSNorm 0.81 -> 0.88 of
-// copy against no parameters (run S24-1). A row's statistics and output are the same bits whatever ROWS is.
 template <typename T, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH, bool MERGE,
-          bool ONE_PASS, int ROWS, typename OUT>
+          bool ONE_PASS, typename OUT>
 __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_stride, const OUT& out,
                                             float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                                             int slice, float eps) {
-  static_assert(ROWS == 1 || (RELOAD && PUSH), "row groups need the reload and the push exchange");
   constexpr int P = 16 / int(sizeof(T));
   constexpr int WARPS = THREADS / kWarpSize;
-  // LayerNorm: two barrier exchanges of sums, or one push exchange of each warp's moments (of each row of the group)
-  using Stat1 = typename cl::Pick<PUSH && !RMS, cl::Moments, Sum1>::type;
-  using Stat = typename cl::Pick<PUSH, cl::Rows<Stat1, ROWS>, Sum1>::type;
+  // LayerNorm: two barrier exchanges of sums, or one push exchange of each warp's moments
+  using Stat = typename cl::Pick<PUSH && !RMS, cl::Moments, Sum1>::type;
   constexpr int PASSES = RMS || PUSH ? 1 : 2;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ cl::Barrier bars[STAGES];
@@ -417,174 +331,120 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   __shared__ Stat slots[PASSES][2][cl::kMaxCluster * WARPS];  // [pass][row parity][rank * WARPS + warp]
   __shared__ Stat local[MERGE ? WARPS : 1];                   // MERGE: the CTA's warps' values
   const cl::Slice s(cols, slice);
-  const cl::Stream<T, STAGES, ROWS> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
+  const cl::Stream<T, STAGES, 1> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x;
   if (PUSH && tid == 0) {
     cl::barrier_init(&xbars[0], 1);
     cl::barrier_init(&xbars[1], 1);
   }
-  stream.template start<true>(s, rows, x, x_stride, x, x_stride);  // its fence and __syncthreads cover xbars too
+  stream.start(s, rows, x, x_stride, x, x_stride);  // its fence and __syncthreads cover xbars too
   if (PUSH) cl::cluster_arrive_relaxed();  // peers may push once every CTA has arrived
-  // the next group's shifts (each row's first element), loaded a group ahead so their latency is hidden
-  float shift_next[ROWS];
-#pragma unroll
-  for (int j = 0; j < ROWS; ++j)
-    shift_next[j] = (!RMS && s.cluster * ROWS + j < rows) ? to_float(x[(s.cluster * ROWS + j) * x_stride]) : 0.f;
+  // the next row's shift (its first element), loaded a row ahead so its latency is hidden
+  float shift_next = (!RMS && s.cluster < rows) ? to_float(x[s.cluster * x_stride]) : 0.f;
   int valid = 0;  // this thread's packs inside the slice
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) valid += (tid + k * THREADS) * P < s.n ? 1 : 0;
   int it = 0;
-  for (i64 group = s.cluster; group * ROWS < rows; group += s.clusters, ++it) {
-    const i64 row = group * ROWS;
-    const int n_rows = rows - row < ROWS ? int(rows - row) : ROWS;
-    float shift[ROWS];
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      shift[j] = shift_next[j];
-      const i64 next = (group + s.clusters) * ROWS + j;
-      if (!RMS && next < rows) shift_next[j] = to_float(x[next * x_stride]);
-    }
+  for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
+    const float shift = shift_next;
+    if (!RMS && row + s.clusters < rows) shift_next = to_float(x[(row + s.clusters) * x_stride]);
     stream.wait(s, it);
-    // this thread's packs of row j of the group, shifted: held in registers, or (RELOAD) read from the stage at each use
+    const T* src = stream.slice_at(it % STAGES, 0);
+    // this thread's packs, shifted: held in registers, or (RELOAD) read from the stage at each use
     float v[RELOAD ? 1 : ITEMS][P];
-    if (!RELOAD) cl::load_slice<T, THREADS>(stream.slice_at(it % STAGES, 0), valid, shift[0], v);
-    const auto pack = [&](int j, int k, float(&f)[P]) {
+    if (!RELOAD) cl::load_slice<T, THREADS>(src, valid, shift, v);
+    const auto pack = [&](int k, float(&f)[P]) {
       if (RELOAD) {
-        load_floats<P>(stream.slice_at(it % STAGES, j) + (tid + k * THREADS) * P, f);
+        load_floats<P>(src + (tid + k * THREADS) * P, f);
 #pragma unroll
-        for (int i = 0; i < P; ++i) f[i] -= shift[j];
+        for (int i = 0; i < P; ++i) f[i] -= shift;
       } else {
 #pragma unroll
         for (int i = 0; i < P; ++i) f[i] = v[RELOAD ? 0 : k][i];
       }
     };
-    float mu[ROWS], m2[ROWS];
+    float mu = 0.f, m2;
     if constexpr (PUSH) {
       if (it == 0) cl::cluster_wait();
       cl::Barrier* bar = &xbars[it & 1];
       const unsigned phase = unsigned(it >> 1) & 1u;
       if constexpr (RMS) {
-        cl::Rows<Sum1, ROWS> w;
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j)
-          w.r[j] = Sum1{cl::thread_sum<ITEMS, P>([&](int k, float(&f)[P]) { pack(j, k, f); }, valid, true)};
-        const Stat m = cl::exchange<WARPS, true, MERGE>(group_allreduce<kWarpSize>(w), slots[0][it & 1], bar, phase,
-                                                         s, local);
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-          mu[j] = 0.f;
-          m2[j] = m.r[j].v;
-        }
+        const Sum1 w = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true)});
+        m2 = cl::exchange<WARPS, true, MERGE>(w, slots[0][it & 1], bar, phase, s, local).v;
       } else {
-        cl::Rows<Sum2, ROWS> t;
-        cl::Rows<Sum1, ROWS> d;
+        Sum2 t;
+        Sum1 d;
         if constexpr (ONE_PASS) {
-          float tmean[ROWS], tm2[ROWS];
-          const float tn = float(valid * P);
+          float pmean[ITEMS], pm2[ITEMS], tsum = 0.f;
 #pragma unroll
-          for (int j = 0; j < ROWS; ++j) {
-            float pmean[ITEMS], pm2[ITEMS], tsum = 0.f;
+          for (int k = 0; k < ITEMS; ++k) {
+            pmean[k] = pm2[k] = 0.f;
+            if (k < valid) {
+              float f[P], ps = 0.f, q = 0.f;
+              pack(k, f);
 #pragma unroll
-            for (int k = 0; k < ITEMS; ++k) {
-              pmean[k] = pm2[k] = 0.f;
-              if (k < valid) {
-                float f[P], ps = 0.f, q = 0.f;
-                pack(j, k, f);
+              for (int i = 0; i < P; ++i) ps += f[i];
+              pmean[k] = ps * (1.f / float(P));
 #pragma unroll
-                for (int i = 0; i < P; ++i) ps += f[i];
-                pmean[k] = ps * (1.f / float(P));
-#pragma unroll
-                for (int i = 0; i < P; ++i) q = fmaf(f[i] - pmean[k], f[i] - pmean[k], q);
-                pm2[k] = q;
-                tsum += ps;
-              }
+              for (int i = 0; i < P; ++i) q = fmaf(f[i] - pmean[k], f[i] - pmean[k], q);
+              pm2[k] = q;
+              tsum += ps;
             }
-            tmean[j] = valid > 0 ? tsum / tn : 0.f;
-            tm2[j] = 0.f;
-#pragma unroll
-            for (int k = 0; k < ITEMS; ++k)
-              if (k < valid) tm2[j] += pm2[k] + float(P) * (pmean[k] - tmean[j]) * (pmean[k] - tmean[j]);
-            t.r[j] = Sum2{tn, tsum};
           }
-          t = group_allreduce<kWarpSize>(t);  // the warp's count and sum, then its M2
+          const float tn = float(valid * P), tmean = valid > 0 ? tsum / tn : 0.f;
+          float tm2 = 0.f;
 #pragma unroll
-          for (int j = 0; j < ROWS; ++j) {
-            const float dl = valid > 0 ? tmean[j] - t.r[j].b / t.r[j].a : 0.f;
-            d.r[j] = Sum1{tm2[j] + tn * dl * dl};
-          }
-          d = group_allreduce<kWarpSize>(d);
+          for (int k = 0; k < ITEMS; ++k)
+            if (k < valid) tm2 += pm2[k] + float(P) * (pmean[k] - tmean) * (pmean[k] - tmean);
+          t = group_allreduce<kWarpSize>(Sum2{tn, tsum});  // the warp's count and sum, then its M2
+          const float dl = valid > 0 ? tmean - t.b / t.a : 0.f;
+          d = group_allreduce<kWarpSize>(Sum1{tm2 + tn * dl * dl});
         } else {  // the warp's mean, then its squared deviations from it (exact two passes)
-#pragma unroll
-          for (int j = 0; j < ROWS; ++j)
-            t.r[j] = Sum2{float(valid * P),
-                          cl::thread_sum<ITEMS, P>([&](int k, float(&f)[P]) { pack(j, k, f); }, valid, false)};
-          t = group_allreduce<kWarpSize>(t);
-#pragma unroll
-          for (int j = 0; j < ROWS; ++j) {
-            const float wmean = t.r[j].a > 0.f ? t.r[j].b / t.r[j].a : 0.f;
-            d.r[j] = Sum1{cl::thread_sum<ITEMS, P>([&](int k, float(&f)[P]) { pack(j, k, f); }, valid, true, wmean)};
-          }
-          d = group_allreduce<kWarpSize>(d);
+          t = group_allreduce<kWarpSize>(Sum2{float(valid * P), cl::thread_sum<ITEMS, P>(pack, valid, false)});
+          const float wmean = t.a > 0.f ? t.b / t.a : 0.f;
+          d = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, wmean)});
         }
-        Stat w;
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) w.r[j] = cl::Moments{t.r[j].a, t.r[j].b, d.r[j].v};
-        const Stat m = cl::exchange<WARPS, true, MERGE>(w, slots[0][it & 1], bar, phase, s, local);
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-          mu[j] = m.r[j].sum / float(cols);
-          m2[j] = m.r[j].m2;
-        }
+        const cl::Moments m =
+            cl::exchange<WARPS, true, MERGE>(cl::Moments{t.a, t.b, d.v}, slots[0][it & 1], bar, phase, s, local);
+        mu = m.sum / float(cols);
+        m2 = m.m2;
       }
     } else {
       // the sum (of squares for RMSNorm), then for LayerNorm the squared deviations from the mean;
       // each summed over the cluster
-      const auto pack0 = [&](int k, float(&f)[P]) { pack(0, k, f); };
-      m2[0] = cl::cluster_allreduce<WARPS, MERGE>(Sum1{cl::thread_sum<ITEMS, P>(pack0, valid, RMS)}, slots[0], it, s,
-                                                  local).v;
-      mu[0] = 0.f;
+      m2 = cl::cluster_allreduce<WARPS, MERGE>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, RMS)}, slots[0], it, s,
+                                               local).v;
       if (!RMS) {
-        mu[0] = m2[0] / float(cols);
-        m2[0] = cl::cluster_allreduce<WARPS, MERGE>(Sum1{cl::thread_sum<ITEMS, P>(pack0, valid, true, mu[0])},
-                                                    slots[PASSES - 1], it, s, local).v;
+        mu = m2 / float(cols);
+        m2 = cl::cluster_allreduce<WARPS, MERGE>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, mu)},
+                                                 slots[PASSES - 1], it, s, local).v;
       }
     }
     // every thread has read the stage (the exchange completed after every warp's first pass): refill it
     if (!RELOAD && tid == 0) {
       cl::fence_proxy_async();
-      stream.issue_rows(s, rows, it + STAGES, x, x_stride);
+      stream.issue(s, rows, it + STAGES, x, x_stride, x, x_stride);
     }
-    float r[ROWS];
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      r[j] = rsqrtf(m2[j] / float(cols) + eps);
-      if (s.rank == 0 && tid == 0 && j < n_rows) {
-        if (rstd != nullptr) rstd[row + j] = r[j];
-        if (!RMS && mean != nullptr) mean[row + j] = shift[j] + mu[j];
-      }
+    const float r = rsqrtf(m2 / float(cols) + eps);
+    if (s.rank == 0 && tid == 0) {
+      if (rstd != nullptr) rstd[row] = r;
+      if (!RMS && mean != nullptr) mean[row] = shift + mu;
     }
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       if (k < valid) {
-        const auto xhat = [&](int j, float(&f)[P]) {
-          pack(j, k, f);
+        float f[P];
+        pack(k, f);
 #pragma unroll
-          for (int i = 0; i < P; ++i) f[i] = (f[i] - mu[j]) * r[j];
-        };
-        if constexpr (ROWS == 1) {
-          float f[P];
-          xhat(0, f);
-          out.template store<P>(f, row, s.c0 + (tid + k * THREADS) * P);
-        } else {
-          out.template store_rows<P, ROWS>(xhat, row, n_rows, s.c0 + (tid + k * THREADS) * P);
-        }
+        for (int i = 0; i < P; ++i) f[i] = (f[i] - mu) * r;
+        out.template store<P>(f, row, s.c0 + (tid + k * THREADS) * P);
       }
     }
     if (RELOAD) {
       __syncthreads();  // every thread is done with the stage
       if (tid == 0) {
         cl::fence_proxy_async();
-        stream.issue_rows(s, rows, it + STAGES, x, x_stride);
+        stream.issue(s, rows, it + STAGES, x, x_stride, x, x_stride);
       }
     }
   }
@@ -599,13 +459,13 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 #define NK_SM_THREADS(table) (table)
 #endif
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
-          bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024, int ROWS = 1>
+          bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024>
 __global__ void __launch_bounds__(THREADS, RELOAD ? NK_SM_THREADS(SM_THREADS) / THREADS : 1)
     row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, ROWS>(
+  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS>(
       x, x_stride, AffineActStore<T, W, ACT>{y, y_stride, w, b}, mean, rstd, rows, cols, slice, eps);
 #endif
 }
@@ -841,7 +701,7 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
                    float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols, int slice, float eps,
                    int groups, int spatial) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, 1>(
+  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS>(
       x, i64(cols), GroupAffineActStore<T, W, ACT>{y, w, b, cols, groups, spatial}, mean, rstd, rows, cols, slice,
       eps);
 #endif
