@@ -4,6 +4,9 @@
 #                                         is it the parameters' L2 traffic?), ncu of its 128K cluster kernels, ncu of the
 #                                         channels_last GroupNorm cluster forward at 16x640x32x32 and 32x256x56x56 bf16 with
 #                                         a copy of the same bytes (DRAM bytes against the ideal: over-fetch of 80-byte runs?)
+#   bash benchmarks/device_s24.sh gncl    channels_last GroupNorm's cluster forward, this tree against session 13's code
+#                                         (NK_GN_CL_OLD) in turn, gn_sweep.py with torch.compile and a copy; its GPU tests
+#   bash benchmarks/device_s24.sh gncl2   the same after the partials' 16-byte stores, both directions, the GPU tests in full
 #   (groups and wait measure knobs removed after runs S24-2 / S24-3: they run at commit ef88313, which has them)
 #   bash benchmarks/device_s24.sh wait    the cluster kernels' barrier waits: try_wait with a suspend-time hint
 #                                         (NK_WAIT_HINT_NS) or a nanosleep between tries (NK_WAIT_SLEEP_NS) against the
@@ -41,6 +44,36 @@ groups)  # row groups (ROWS): each pack's parameters loaded once for 2-4 rows; c
     echo "groups rc $?"; grep -E "CHECK|copy ceiling|prebuilt|Error" "$OUT/groups.log" | cut -c1-200
     python3 benchmarks/csv_table.py "$OUT/groups/rows.csv" 2>&1 | head -40
     timeout 60 python3 benchmarks/wide_params_probe.py --widths 131072 --reps 1 2>&1 | grep -v -i warn
+    ;;
+gncl)  # channels_last GroupNorm's cluster forward: the group sums without a division per element and y as one FMA,
+    # against session 13's code (NK_GN_CL_OLD) in turn; the GroupNorm GPU tests; ncu's hot spots of the new forward
+    gpu_tests 170 gn-tests.log -n 12 tests/test_group_norm.py tests/test_cuda_backend.py tests/test_host_gpu.py \
+        -k "group_norm or gn_ or channels_last or cl_"
+    S=16x640x32x32,8x640x32x32,32x256x56x56,8x320x64x64,4x128x128x128,8x1280x16x16,1x320x64x64
+    for d in "" NK_GN_CL_OLD "" NK_GN_CL_OLD; do
+        i=$((${i:-0} + 1))
+        NORMKIT_CUDA_DEFINES="$d" timeout 110 python3 benchmarks/gn_sweep.py --out "$OUT/gncl-$i-${d:-new}" \
+            --dtypes bf16,fp32 --acts - --peers compile,copy --layouts cl --shapes $S --variants default --dirs fwd \
+            --budget 95 > "$OUT/gncl-$i.log" 2>&1
+        echo "gncl $i '${d:-new}' rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gncl-$i.log" | cut -c1-300
+    done
+    timeout 90 ncu --kernel-name regex:'gn_cl_fwd' --launch-count 1 --section SourceCounters --section InstructionStats \
+        --section WarpStateStats --section SpeedOfLight python3 benchmarks/gn_ncu.py 16x640x32x32 --cl \
+        > "$OUT/ncu-gncl-src.txt" 2>&1
+    echo "ncu rc $?"; grep -E "Duration|Issued|Executed Ipc|Warp Cycles|Stall|^\s+[0-9a-f]{4}" "$OUT/ncu-gncl-src.txt" | head -40
+    ;;
+gncl2)  # the same with the partials' 16-byte stores (forward and backward): the GroupNorm GPU tests in full, then this
+    # tree and session 13's code (NK_GN_CL_OLD) once each, both directions
+    gpu_tests 250 gn-tests.log -n 14 tests/test_group_norm.py tests/test_cuda_backend.py tests/test_host_gpu.py \
+        -k "group_norm or gn_ or channels_last or cl_"
+    S=16x640x32x32,8x640x32x32,32x256x56x56,4x128x128x128,8x320x64x64
+    for d in "" NK_GN_CL_OLD; do
+        i=$((${i:-0} + 1))
+        NORMKIT_CUDA_DEFINES="$d" timeout 125 python3 benchmarks/gn_sweep.py --out "$OUT/gncl2-$i-${d:-new}" \
+            --dtypes bf16,fp32 --acts - --peers compile,copy --layouts cl --shapes $S --variants default \
+            --dirs fwd,bwd --budget 110 > "$OUT/gncl2-$i.log" 2>&1
+        echo "gncl2 $i '${d:-new}' rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gncl2-$i.log" | cut -c1-300
+    done
     ;;
 wait)  # the barrier waits' spin (try_wait again at once) against a suspend-time hint / a nanosleep between tries
     V="normkit,normkit%NK_WAIT_HINT_NS=1000,normkit%NK_WAIT_HINT_NS=10000,normkit%NK_WAIT_HINT_NS=100000"

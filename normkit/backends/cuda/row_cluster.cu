@@ -933,6 +933,18 @@ struct ClSlab {
   }
 };
 
+// a thread's P per-channel partials into its row of the partials: 16-byte stores (the compiler, not knowing the row's
+// alignment, stored them a word at a time: threads 8 words apart, 8-way bank conflicts). dst is 16-byte aligned.
+template <int P>
+__device__ __forceinline__ void store_partials(float* dst, const float (&v)[P]) {
+  static_assert(P % 4 == 0, "whole float4s");
+#pragma unroll
+  for (int j = 0; j < P / 4; ++j)  // as asm: the fp32 kernel's float4 assignment was split into words again
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(smem_u32(dst + 4 * j)), "f"(v[4 * j]),
+                 "f"(v[4 * j + 1]), "f"(v[4 * j + 2]), "f"(v[4 * j + 3])
+                 : "memory");
+}
+
 // each channel's sum over ty: out[c] = sum over r < rows of red[r * stride + c] (warp c % WARPS,
 // lane-strided, then shuffles): a fixed order
 template <int WARPS>
@@ -945,15 +957,20 @@ __device__ __forceinline__ void channel_sums(const float* red, int stride, int r
   }
 }
 
-// each group's sum over ty and its cg channels (warp g % WARPS; lane-strided over (ty, channel), then
-// shuffles: a fixed order), stored by lane 0 into slot [rank * gpb + g] of every CTA of the cluster
+// each group's sum over ty and its cg channels (warp g % WARPS; each lane its channels c = lane, lane + 32, ... summed
+// over ty in order, then shuffles: a fixed order), stored by lane 0 into slot [rank * gpb + g] of every CTA of the
+// cluster. No division per element: session 13's lane-strided walk over (ty, channel) divided by cg for each one,
+// twice a forward on the path between a CTA's loads and its stores (with y as one FMA, runs S24-4 / S24-5: the bf16
+// forward 0.32 -> 0.35 of copy at 16x640x32x32, 0.21 -> 0.24 at 8x640x32x32, fp32 0.50-0.51 -> 0.55)
 template <int WARPS>
 __device__ __forceinline__ void group_sums_to_cluster(const float* red, int block_c, int rows, int cg, int gpb,
                                                       float* slots, unsigned rank, unsigned size) {
   for (int g = int(threadIdx.x) / kWarpSize; g < gpb; g += WARPS) {
     Sum1 t{0.f};
-    for (int e = int(threadIdx.x) % kWarpSize; e < rows * cg; e += kWarpSize)
-      t.v += red[(e / cg) * block_c + g * cg + e % cg];
+    for (int c = int(threadIdx.x) % kWarpSize; c < cg; c += kWarpSize) {
+      const float* col = red + g * cg + c;
+      for (int r = 0; r < rows; ++r) t.v += col[r * block_c];
+    }
     t = group_allreduce<kWarpSize>(t);
     if (threadIdx.x % kWarpSize == 0)
       for (unsigned r = 0; r < size; ++r) store_remote(&slots[rank * gpb + g], r, t.v);
@@ -1019,9 +1036,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-    if (s.active)
-#pragma unroll
-      for (int i = 0; i < P; ++i) red[s.ty * block_c + s.px * P + i] = acc[i];
+    if (s.active) cl::store_partials<P>(red + s.ty * block_c + s.px * P, acc);
     __syncthreads();
     if (pass == 0) cl::cluster_wait();
     cl::group_sums_to_cluster<WARPS>(red, block_c, s.ty_count, cg, s.gpb, slots[pass], s.rank, s.size);
@@ -1041,20 +1056,23 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (rstd != nullptr) rstd[g] = gstat[2][tid];
   }
   if (!s.active) return;
-  float rs[P], wv[P], bv[P];
+  // y = ((x - shift) - mean) * rstd * w + b as one FMA on x - shift: a = rstd * w, c = b - mean * a (the mean is of
+  // values shifted by the group's first element: a few standard deviations at most, so c loses no digits y keeps)
+  float sa[P], sc[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     const int c = s.cb * block_c + s.px * P + i;
-    rs[i] = gstat[2][(s.px * P + i) / cg];
-    wv[i] = w != nullptr ? to_float(w[c]) : 1.f;
-    bv[i] = b != nullptr ? to_float(b[c]) : 0.f;
+    const float rs = gstat[2][(s.px * P + i) / cg];
+    const float wv = w != nullptr ? to_float(w[c]) : 1.f, bv = b != nullptr ? to_float(b[c]) : 0.f;
+    sa[i] = rs * wv;
+    sc[i] = fmaf(-mu[i], sa[i], bv);
   }
   for (int k = 0; k < s.iters; ++k) {
     const int p = s.position(k);
     float f[P];
     load_floats<P>(tile + s.tile_at(p), f);
 #pragma unroll
-    for (int i = 0; i < P; ++i) f[i] = ACT::fwd(fmaf(((f[i] - sh[i]) - mu[i]) * rs[i], wv[i], bv[i]));
+    for (int i = 0; i < P; ++i) f[i] = ACT::fwd(fmaf(f[i] - sh[i], sa[i], sc[i]));
     store_floats<P>(y + s.global_at(p), f);
   }
 #endif
@@ -1122,12 +1140,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       q[i] += dz[i];
     }
   });
-  if (s.active)
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-      red[s.ty * block_c + s.px * P + i] = a[i];
-      red[(s.ty_count + s.ty) * block_c + s.px * P + i] = q[i];
-    }
+  if (s.active) {
+    cl::store_partials<P>(red + s.ty * block_c + s.px * P, a);
+    cl::store_partials<P>(red + (s.ty_count + s.ty) * block_c + s.px * P, q);
+  }
   __syncthreads();
   cl::channel_sums<WARPS>(red, block_c, s.ty_count, block_c, chsum);
   cl::channel_sums<WARPS>(red + s.ty_count * block_c, block_c, s.ty_count, block_c, chsum + block_c);
