@@ -7,6 +7,7 @@
 #   bash benchmarks/device_s24.sh gncl    channels_last GroupNorm's cluster forward, this tree against session 13's code
 #                                         (NK_GN_CL_OLD) in turn, gn_sweep.py with torch.compile and a copy; its GPU tests
 #   bash benchmarks/device_s24.sh gncl2   the same after the partials' 16-byte stores, both directions, the GPU tests in full
+#   bash benchmarks/device_s24.sh gnnchw  NCHW GroupNorm's cluster kernels without runtime divisions per pack, against them
 #   (groups and wait measure knobs removed after runs S24-2 / S24-3: they run at commit ef88313, which has them)
 #   bash benchmarks/device_s24.sh wait    the cluster kernels' barrier waits: try_wait with a suspend-time hint
 #                                         (NK_WAIT_HINT_NS) or a nanosleep between tries (NK_WAIT_SLEEP_NS) against the
@@ -73,6 +74,18 @@ gncl2)  # the same with the partials' 16-byte stores (forward and backward): the
             --dtypes bf16,fp32 --acts - --peers compile,copy --layouts cl --shapes $S --variants default \
             --dirs fwd,bwd --budget 110 > "$OUT/gncl2-$i.log" 2>&1
         echo "gncl2 $i '${d:-new}' rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gncl2-$i.log" | cut -c1-300
+    done
+    ;;
+gnnchw)  # NCHW GroupNorm's cluster kernels: a pack's channel by a multiply-high (DivBy) and the row's group in 32 bits,
+    # against the runtime divisions (NK_GN_OLD_DIV); the GroupNorm GPU tests first
+    gpu_tests 180 gn-tests.log -n 14 tests/test_group_norm.py tests/test_cuda_backend.py -k "group_norm or gn"
+    S=16x640x32x32,8x640x32x32,32x256x56x56,8x320x64x64
+    for d in "" NK_GN_OLD_DIV; do
+        i=$((${i:-0} + 1))
+        NORMKIT_CUDA_DEFINES="$d" timeout 95 python3 benchmarks/gn_sweep.py --out "$OUT/nchw-$i-${d:-new}" \
+            --dtypes fp32,bf16 --acts - --peers compile,copy --layouts nchw --shapes $S --variants default \
+            --dirs fwd,bwd --budget 80 > "$OUT/nchw-$i.log" 2>&1
+        echo "nchw $i '${d:-new}' rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/nchw-$i.log" | cut -c1-300
     done
     ;;
 wait)  # the barrier waits' spin (try_wait again at once) against a suspend-time hint / a nanosleep between tries

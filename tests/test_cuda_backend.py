@@ -503,6 +503,12 @@ def test_gn_cluster_plans():
     assert configs.plan_gn_cluster("fwd", 40, 64, 2, shape=(256, 8, 1, True, True)).threads == 128  # small: small CTAs
     p = configs.plan_gn_cluster("bwd", 10, 4096, 2, True, (128, 8, 2, False, True, True, True))  # push backward
     assert p.push and not p.one_pass and not p.merge and 10 % p.cluster == 0  # merge, one_pass: forward flags here
+    # the kernels find a column's channel by a multiply-high, exact while cols * spatial < 2^32 (session 24)
+    assert configs.plan_gn_cluster("fwd", 4, 16384, 4) is not None  # 2^16 x 2^14
+    assert configs.plan_gn_cluster("fwd", 1, 65536, 4) is None  # 2^16 x 2^16: past it
+    # and a group's row mod G in 32 bits: no more than 2^31 rows of channels
+    from normkit.backends.cuda import cluster
+    assert cluster.gn_why_not(torch.empty(2**21, 2**10, 8, device="meta")) == "more than 2^31 rows of channels"
 
 
 def test_gn_cl_cluster_plans():

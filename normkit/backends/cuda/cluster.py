@@ -148,6 +148,8 @@ def gn_why_not(x: torch.Tensor, rows_like=(), weight=None, bias=None) -> str | N
     shape, `rows_like`), else why not. Cheap: called on every routed call."""
     if not x.is_contiguous():
         return "x is not a dense NCHW tensor"
+    if x.shape[0] * x.shape[1] >= 2**31:  # the kernels take a group's row index mod G in 32 bits
+        return "more than 2^31 rows of channels"
     if any(t.stride() != x.stride() for t in rows_like):
         return "the gradient's strides are not x's"
     pack = 16 // x.element_size() if x.dtype in kernels.CTYPE else 1

@@ -348,6 +348,8 @@ def plan_gn_cluster(direction: str, cg: int, spatial: int, elem_bytes: int, want
     if cg < 1 or spatial < 1 or spatial % pack:
         return None
     cols = cg * spatial
+    if cols * spatial >= 1 << 32:  # the kernels' channel of a column, col / spatial, is exact below this (DivBy)
+        return None
     whole_channels = direction == "bwd" and want_params
     while True:
         cluster = cdiv(cols, threads * items * pack)
