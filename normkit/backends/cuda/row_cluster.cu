@@ -715,8 +715,8 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
                    int groups, int spatial) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS>(
-      x, i64(cols), GroupAffineActStore<T, W, ACT>{y, w, b, cols, groups, cols / spatial, DivBy(spatial)}, mean, rstd, rows,
-      cols, slice, eps);
+      x, i64(cols), GroupAffineActStore<T, W, ACT>{y, w, b, cols, groups, cols / spatial, DivBy(spatial)}, mean, rstd,
+      rows, cols, slice, eps);
 #endif
 }
 
