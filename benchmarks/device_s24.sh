@@ -8,7 +8,10 @@
 #                                         (NK_GN_CL_OLD) in turn, gn_sweep.py with torch.compile and a copy; its GPU tests
 #   bash benchmarks/device_s24.sh gncl2   the same after the partials' 16-byte stores, both directions, the GPU tests in full
 #   bash benchmarks/device_s24.sh gnnchw  NCHW GroupNorm's cluster kernels without runtime divisions per pack, against them
-#   (groups and wait measure knobs removed after runs S24-2 / S24-3: they run at commit ef88313, which has them)
+#   (the A/B defines of gncl / gncl2 (NK_GN_CL_OLD) and gnnchw (NK_GN_OLD_DIV) were in the device runs' working trees
+#   only, never committed: today both sides run this tree's kernels. Their "old" side is the kernels of 69e6e50 (gncl,
+#   gncl2) and 6eecb9f (gnnchw). groups and wait measure knobs removed after runs S24-2 / S24-3: they run at commit
+#   ef88313, which has them)
 #   bash benchmarks/device_s24.sh wait    the cluster kernels' barrier waits: try_wait with a suspend-time hint
 #                                         (NK_WAIT_HINT_NS) or a nanosleep between tries (NK_WAIT_SLEEP_NS) against the
 #                                         spin, the forward at 32K-256K (widefwd_sweep) and the backward at 16K-256K (bench)
@@ -23,6 +26,20 @@ NCU_SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section 
 NCU_BYTES="--metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read.sum"
 GROUPS_VARIANTS="normkit,256x4g2+1,256x4g2+m1,256x8g2+1%NK_FWD_SM_THREADS=768,128x8g2+1%NK_FWD_SM_THREADS=768"
 GROUPS_VARIANTS="$GROUPS_VARIANTS,256x4g4+1%NK_FWD_SM_THREADS=768,256x4g2+1%NK_FWD_SM_THREADS=1280"
+# gn_ab NAME DEFINE REPS SECONDS BUDGET ARGS...: gn_sweep.py's default plans with ARGS, this tree then the tree built with
+# -D DEFINE (NORMKIT_CUDA_DEFINES), REPS times in turn, into $OUT/NAME-i-{new,DEFINE}, its table lines
+gn_ab() {
+    local name=$1 define=$2 reps=$3 t=$4 budget=$5 i=0 d rep; shift 5
+    for rep in $(seq "$reps"); do
+        for d in "" "$define"; do
+            i=$((i + 1))
+            NORMKIT_CUDA_DEFINES="$d" timeout "$t" python3 benchmarks/gn_sweep.py --out "$OUT/$name-$i-${d:-new}" \
+                --acts - --peers compile,copy --variants default --budget "$budget" "$@" > "$OUT/$name-$i.log" 2>&1
+            echo "$name $i '${d:-new}' rc $?"
+            grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/$name-$i.log" | cut -c1-300
+        done
+    done
+}
 case "${1:-probe}" in
 probe)
     timeout 150 python3 benchmarks/wide_params_probe.py --reps 2 2>&1 | grep -v -i warn | tee "$OUT/params.txt"
@@ -50,14 +67,8 @@ gncl)  # channels_last GroupNorm's cluster forward: the group sums without a div
     # against session 13's code (NK_GN_CL_OLD) in turn; the GroupNorm GPU tests; ncu's hot spots of the new forward
     gpu_tests 170 gn-tests.log -n 12 tests/test_group_norm.py tests/test_cuda_backend.py tests/test_host_gpu.py \
         -k "group_norm or gn_ or channels_last or cl_"
-    S=16x640x32x32,8x640x32x32,32x256x56x56,8x320x64x64,4x128x128x128,8x1280x16x16,1x320x64x64
-    for d in "" NK_GN_CL_OLD "" NK_GN_CL_OLD; do
-        i=$((${i:-0} + 1))
-        NORMKIT_CUDA_DEFINES="$d" timeout 110 python3 benchmarks/gn_sweep.py --out "$OUT/gncl-$i-${d:-new}" \
-            --dtypes bf16,fp32 --acts - --peers compile,copy --layouts cl --shapes $S --variants default --dirs fwd \
-            --budget 95 > "$OUT/gncl-$i.log" 2>&1
-        echo "gncl $i '${d:-new}' rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gncl-$i.log" | cut -c1-300
-    done
+    gn_ab gncl NK_GN_CL_OLD 2 110 95 --dtypes bf16,fp32 --layouts cl --dirs fwd \
+        --shapes 16x640x32x32,8x640x32x32,32x256x56x56,8x320x64x64,4x128x128x128,8x1280x16x16,1x320x64x64
     timeout 90 ncu --kernel-name regex:'gn_cl_fwd' --launch-count 1 --section SourceCounters --section InstructionStats \
         --section WarpStateStats --section SpeedOfLight python3 benchmarks/gn_ncu.py 16x640x32x32 --cl \
         > "$OUT/ncu-gncl-src.txt" 2>&1
@@ -67,26 +78,14 @@ gncl2)  # the same with the partials' 16-byte stores (forward and backward): the
     # tree and session 13's code (NK_GN_CL_OLD) once each, both directions
     gpu_tests 250 gn-tests.log -n 14 tests/test_group_norm.py tests/test_cuda_backend.py tests/test_host_gpu.py \
         -k "group_norm or gn_ or channels_last or cl_"
-    S=16x640x32x32,8x640x32x32,32x256x56x56,4x128x128x128,8x320x64x64
-    for d in "" NK_GN_CL_OLD; do
-        i=$((${i:-0} + 1))
-        NORMKIT_CUDA_DEFINES="$d" timeout 125 python3 benchmarks/gn_sweep.py --out "$OUT/gncl2-$i-${d:-new}" \
-            --dtypes bf16,fp32 --acts - --peers compile,copy --layouts cl --shapes $S --variants default \
-            --dirs fwd,bwd --budget 110 > "$OUT/gncl2-$i.log" 2>&1
-        echo "gncl2 $i '${d:-new}' rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gncl2-$i.log" | cut -c1-300
-    done
+    gn_ab gncl2 NK_GN_CL_OLD 1 125 110 --dtypes bf16,fp32 --layouts cl --dirs fwd,bwd \
+        --shapes 16x640x32x32,8x640x32x32,32x256x56x56,4x128x128x128,8x320x64x64
     ;;
 gnnchw)  # NCHW GroupNorm's cluster kernels: a pack's channel by a multiply-high (DivBy) and the row's group in 32 bits,
     # against the runtime divisions (NK_GN_OLD_DIV); the GroupNorm GPU tests first
     gpu_tests 180 gn-tests.log -n 14 tests/test_group_norm.py tests/test_cuda_backend.py -k "group_norm or gn"
-    S=16x640x32x32,8x640x32x32,32x256x56x56,8x320x64x64
-    for d in "" NK_GN_OLD_DIV; do
-        i=$((${i:-0} + 1))
-        NORMKIT_CUDA_DEFINES="$d" timeout 95 python3 benchmarks/gn_sweep.py --out "$OUT/nchw-$i-${d:-new}" \
-            --dtypes fp32,bf16 --acts - --peers compile,copy --layouts nchw --shapes $S --variants default \
-            --dirs fwd,bwd --budget 80 > "$OUT/nchw-$i.log" 2>&1
-        echo "nchw $i '${d:-new}' rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/nchw-$i.log" | cut -c1-300
-    done
+    gn_ab nchw NK_GN_OLD_DIV 1 95 80 --dtypes fp32,bf16 --layouts nchw --dirs fwd,bwd \
+        --shapes 16x640x32x32,8x640x32x32,32x256x56x56,8x320x64x64
     ;;
 wait)  # the barrier waits' spin (try_wait again at once) against a suspend-time hint / a nanosleep between tries
     V="normkit,normkit%NK_WAIT_HINT_NS=1000,normkit%NK_WAIT_HINT_NS=10000,normkit%NK_WAIT_HINT_NS=100000"
