@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Session 25 (issues 22, 24), one device call each (carry .whl), files in one archive in $OUT:
+#   bash benchmarks/device_s25.sh ab      the wide forward's cluster kernels without the per-row float divisions
+#                                         (LayerNorm: 12 a row per thread, RMSNorm 1), this tree against the tree in
+#                                         ab_old/ (`git archive 6790857 normkit`, untracked, made by hand before the call)
+#                                         in turn twice: `normkit bench` LN / RMS forward, bf16 and fp32, 32K-256K, the
+#                                         CUDA backend forced; then the CUDA backend's cluster tests and test_row_norm
+#   bash benchmarks/device_s25.sh tests   the other GPU test files; the host table
+#   bash benchmarks/device_s25.sh models  issue 22's eager model cases; compiled Llama decode
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh" env.txt
+case "${1:-ab}" in
+ab)
+    [ -d ab_old/normkit ] || { echo "ab_old/normkit missing"; exit 2; }
+    for rep in 1 2; do
+        for side in new old; do
+            pp="$PWD:/tmp/site"; [ "$side" = old ] && pp="$PWD/ab_old:/tmp/site"
+            echo "== $side rep $rep"
+            PYTHONPATH="$pp" NORMKIT_HOST=0 bench 95 --ops ln,rms --dtypes bf16,fp32 --dirs fwd \
+                --widths 32768,65536,131072,262144 --normkit cuda --peers none --no-host --out "$OUT/ab-$side-$rep"
+            grep -v "^#" "$OUT/ab-$side-$rep/results.csv" | cut -d, -f2,4,6,8,13,16,18,21 | grep -v "^op"
+        done
+    done
+    gpu_tests 170 cluster.log -n 14 tests/test_cuda_backend.py tests/test_row_norm.py -k "cluster or row_norm"
+    ;;
+tests)
+    gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_fusion_autograd.py
+    bench 80 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
+    grep -E "^\| (ln|rms) \| bf16 \| 4x4096 \| (normkit|torch) \| fwd \|" "$OUT/host/summary.md"
+    ;;
+models)
+    issue22_eager_models
+    bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 100 --out "$OUT/llama-compiled"
+    grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
+    ;;
+esac
+tar czf "/tmp/s25-${1:-ab}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s25-${1:-ab}.tgz" "$OUT/"
