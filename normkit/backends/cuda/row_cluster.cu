@@ -183,12 +183,10 @@ struct Stream {
 template <bool B, typename A, typename C> struct Pick { typedef A type; };
 template <typename A, typename C> struct Pick<false, A, C> { typedef C type; };
 
-// A warp's (count, mean, sum of squared deviations from that mean) of a LayerNorm row: the push
-// exchange's one value per warp. Merged by merge_slots below, not pairwise. The mean rather than the
-// sum: the merge then needs no division per value (the warp divides once, by a reciprocal it
-// computed before the first row).
+// A warp's (count, sum, sum of squared deviations from the warp's own mean) of a LayerNorm row:
+// the push exchange's one value per warp. Merged by merge_slots below, not pairwise.
 struct Moments {
-  float n, mean, m2;
+  float n, sum, m2;
 };
 
 // Every thread's merge of the `count` slots, in a fixed order (lane-strided, then shuffles): the
@@ -199,23 +197,21 @@ __device__ __forceinline__ V merge_slots(const V* slots, int count) {
   for (int e = threadIdx.x % kWarpSize; e < count; e += kWarpSize) m = V::merge(m, slots[e]);
   return group_allreduce<kWarpSize>(m);
 }
-// Chan's exact merge in two steps: the total mean first (one division per row), then each value's M2
-// plus its count times its mean's squared distance from the total mean. An empty value (n = 0) has
-// mean 0 and m2 0 and adds nothing.
+// Chan's exact merge in two steps: the total mean first, then each warp's M2 plus its count times
+// its mean's squared distance from the total mean.
 __device__ __forceinline__ Moments merge_slots(const Moments* slots, int count) {
   Sum2 t = Sum2::zero();  // (count, sum)
-  for (int e = threadIdx.x % kWarpSize; e < count; e += kWarpSize)
-    t = Sum2::merge(t, Sum2{slots[e].n, slots[e].n * slots[e].mean});
+  for (int e = threadIdx.x % kWarpSize; e < count; e += kWarpSize) t = Sum2::merge(t, Sum2{slots[e].n, slots[e].sum});
   t = group_allreduce<kWarpSize>(t);
   const float mean = t.b / t.a;
   Sum1 m2 = Sum1::zero();
   for (int e = threadIdx.x % kWarpSize; e < count; e += kWarpSize) {
     const Moments& w = slots[e];
-    const float d = w.mean - mean;
-    m2.v += fmaf(w.n * d, d, w.m2);
+    const float d = w.n > 0.f ? w.sum / w.n - mean : 0.f;
+    m2.v += w.m2 + w.n * d * d;
   }
   m2 = group_allreduce<kWarpSize>(m2);
-  return Moments{t.a, mean, m2.v};
+  return Moments{t.a, t.b, m2.v};
 }
 
 // Exchange one warp-reduced value V (a struct of floats) with the cluster and merge all of them:
@@ -348,14 +344,6 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   int valid = 0;  // this thread's packs inside the slice
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) valid += (tid + k * THREADS) * P < s.n ? 1 : 0;
-  // counts are the same for every row: their reciprocals once, so a row's statistics take no division
-  // but the merge's one (an IEEE division is ~10 instructions and a call; the LayerNorm had 12 a row)
-  const float inv_cols = 1.f / float(cols), tn = float(valid * P), inv_tn = valid > 0 ? 1.f / tn : 0.f;
-  float warp_n = 0.f, inv_warp_n = 0.f;
-  if (PUSH && !RMS) {
-    warp_n = group_allreduce<kWarpSize>(Sum1{tn}).v;
-    inv_warp_n = warp_n > 0.f ? 1.f / warp_n : 0.f;
-  }
   int it = 0;
   for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
     const float shift = shift_next;
@@ -384,7 +372,7 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
         const Sum1 w = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true)});
         m2 = cl::exchange<WARPS, true, MERGE>(w, slots[0][it & 1], bar, phase, s, local).v;
       } else {
-        float wmean;  // the warp's mean
+        Sum2 t;
         Sum1 d;
         if constexpr (ONE_PASS) {
           float pmean[ITEMS], pm2[ITEMS], tsum = 0.f;
@@ -403,21 +391,22 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
               tsum += ps;
             }
           }
-          const float tmean = tsum * inv_tn;
+          const float tn = float(valid * P), tmean = valid > 0 ? tsum / tn : 0.f;
           float tm2 = 0.f;
 #pragma unroll
           for (int k = 0; k < ITEMS; ++k)
             if (k < valid) tm2 += pm2[k] + float(P) * (pmean[k] - tmean) * (pmean[k] - tmean);
-          wmean = group_allreduce<kWarpSize>(Sum1{tsum}).v * inv_warp_n;  // the warp's mean, then its M2
-          const float dl = valid > 0 ? tmean - wmean : 0.f;
+          t = group_allreduce<kWarpSize>(Sum2{tn, tsum});  // the warp's count and sum, then its M2
+          const float dl = valid > 0 ? tmean - t.b / t.a : 0.f;
           d = group_allreduce<kWarpSize>(Sum1{tm2 + tn * dl * dl});
         } else {  // the warp's mean, then its squared deviations from it (exact two passes)
-          wmean = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, false)}).v * inv_warp_n;
+          t = group_allreduce<kWarpSize>(Sum2{float(valid * P), cl::thread_sum<ITEMS, P>(pack, valid, false)});
+          const float wmean = t.a > 0.f ? t.b / t.a : 0.f;
           d = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, wmean)});
         }
         const cl::Moments m =
-            cl::exchange<WARPS, true, MERGE>(cl::Moments{warp_n, wmean, d.v}, slots[0][it & 1], bar, phase, s, local);
-        mu = m.mean;
+            cl::exchange<WARPS, true, MERGE>(cl::Moments{t.a, t.b, d.v}, slots[0][it & 1], bar, phase, s, local);
+        mu = m.sum / float(cols);
         m2 = m.m2;
       }
     } else {
@@ -426,7 +415,7 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
       m2 = cl::cluster_allreduce<WARPS, MERGE>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, RMS)}, slots[0], it, s,
                                                local).v;
       if (!RMS) {
-        mu = m2 * inv_cols;
+        mu = m2 / float(cols);
         m2 = cl::cluster_allreduce<WARPS, MERGE>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, mu)},
                                                  slots[PASSES - 1], it, s, local).v;
       }
@@ -436,7 +425,7 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
       cl::fence_proxy_async();
       stream.issue(s, rows, it + STAGES, x, x_stride, x, x_stride);
     }
-    const float r = rsqrtf(fmaf(m2, inv_cols, eps));
+    const float r = rsqrtf(m2 / float(cols) + eps);
     if (s.rank == 0 && tid == 0) {
       if (rstd != nullptr) rstd[row] = r;
       if (!RMS && mean != nullptr) mean[row] = shift + mu;
