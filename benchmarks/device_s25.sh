@@ -5,8 +5,13 @@
 #                                         ab_old/ (`git archive 6790857 normkit`, untracked, made by hand before the call)
 #                                         in turn twice: `normkit bench` LN / RMS forward, bf16 and fp32, 32K-256K, the
 #                                         CUDA backend forced; then the CUDA backend's cluster tests and test_row_norm
-#   bash benchmarks/device_s25.sh tests   the other GPU test files; the host table
-#   bash benchmarks/device_s25.sh models  issue 22's eager model cases; compiled Llama decode
+#   bash benchmarks/device_s25.sh gnroute NCHW GroupNorm's routes re-measured after S24-6 (DivBy): Triton's kernels (default)
+#                                         against the cluster kernels at every group size (cluster, cluster-128), bf16
+#                                         both directions, then fp32 where the cluster is not routed today
+#   bash benchmarks/device_s25.sh tests   the GPU test files (the CUDA backend's apart); the host table; S25-2's GroupNorm
+#                                         routes against session 24's
+#   bash benchmarks/device_s25.sh models  the CUDA backend's row cluster tests; issue 22's eager model cases; compiled
+#                                         Llama decode
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 case "${1:-ab}" in
@@ -23,12 +28,31 @@ ab)
     done
     gpu_tests 170 cluster.log -n 14 tests/test_cuda_backend.py tests/test_row_norm.py -k "cluster or row_norm"
     ;;
+gnroute)
+    timeout 330 python3 benchmarks/gn_sweep.py --out "$OUT/gnroute-bf16" --acts - --peers copy \
+        --variants default,cluster,cluster-128 --dtypes bf16 --layouts nchw --dirs fwd,bwd --budget 300 \
+        --shapes 8x320x64x64,16x640x32x32,32x256x56x56,8x640x32x32,4x128x128x128,8x1280x16x16,1x320x64x64 \
+        > "$OUT/gnroute-bf16.log" 2>&1
+    echo "bf16 rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gnroute-bf16.log" | cut -c1-300
+    timeout 150 python3 benchmarks/gn_sweep.py --out "$OUT/gnroute-fp32" --acts - --peers copy \
+        --variants default,cluster,cluster-128 --dtypes fp32 --layouts nchw --dirs fwd,bwd --budget 130 \
+        --shapes 4x128x128x128,8x1280x16x16,2x512x128x128 > "$OUT/gnroute-fp32.log" 2>&1
+    echo "fp32 rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gnroute-fp32.log" | cut -c1-300
+    ;;
 tests)
     gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_fusion_autograd.py
     bench 80 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
     grep -E "^\| (ln|rms) \| bf16 \| 4x4096 \| (normkit|torch) \| fwd \|" "$OUT/host/summary.md"
+    # S25-2's new routes (default) against session 24's (s24-routes) where they differ, two runs
+    for rep in 1 2; do
+        timeout 70 python3 benchmarks/gn_sweep.py --out "$OUT/gnroute-ab-$rep" --acts - --peers copy \
+            --variants default,s24-routes --dtypes bf16 --layouts nchw --dirs fwd,bwd --budget 55 \
+            --shapes 32x256x56x56,8x640x32x32,8x320x64x64,4x128x128x128,8x1280x16x16 > "$OUT/gnroute-ab-$rep.log" 2>&1
+        echo "ab $rep rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gnroute-ab-$rep.log" | cut -c1-300
+    done
     ;;
 models)
+    gpu_tests 200 cluster.log -n 14 tests/test_cuda_backend.py -k "cluster and not gn"
     issue22_eager_models
     bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 100 --out "$OUT/llama-compiled"

@@ -143,6 +143,9 @@ VARIANTS.update({
                   "cuda.GN_CLUSTER_KERNELS": {**cuda_configs.GN_CLUSTER_KERNELS,
                                               ("bwd", 2): (128, 8, 2, False, True), ("bwd", 4): (128, 8, 2, False, True)}},
     "cluster-b": {"GN_CLUSTER_ROUTE": {"sm_90": {("bwd", b): ((0, 1 << 40),) for b in (2, 4)}}},  # the same, barrier
+    # session 25: the table before run S25-2 widened it (triton/configs.py GN_CLUSTER_ROUTE), for A/B runs
+    "s24-routes": {"GN_CLUSTER_ROUTE": {"sm_90": {("fwd", 4): ((8192, 49152),), ("bwd", 4): ((16384, 49152),),
+                                                  ("bwd", 2): ((16384, 32768),)}}},
 })
 # session 13 (issue 24): channels_last groups on a cluster per (sample, channel block of whole groups), its CTAs
 # holding [positions, channels] tiles in shared memory (row_cluster.cu gn_cl_fwd_cluster / gn_cl_bwd_cluster).

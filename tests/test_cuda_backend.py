@@ -548,12 +548,14 @@ def test_gn_cluster_route_is_data(monkeypatch):
     interpreter (arch ""), none on another arch, none where no measurement put a range."""
     from normkit.backends import triton as tb
     from normkit.backends.triton import configs as tc
-    # the measured table (S12-1 / S12-2, H200): fp32 NCHW groups of 16K-48K elements both ways (the forward
-    # from 8K), the bf16 backward at 16K-32K, not the bf16 forward
+    # the measured table (S12-1 / S12-2, S25-2, H200): fp32 NCHW groups of 16K-48K elements backward, 8K-64K
+    # forward; bf16 backward 16K-64K, bf16 forward 8K-32K and 48K-64K (not 8x320x64x64's 40960)
     assert tc.gn_cluster_routed("fwd", 10, 4096, 4, "sm_90") and tc.gn_cluster_routed("bwd", 8, 3136, 4, "sm_90")
     assert tc.gn_cluster_routed("fwd", 40, 256, 4, "sm_90") and not tc.gn_cluster_routed("bwd", 40, 256, 4, "sm_90")
-    assert tc.gn_cluster_routed("bwd", 8, 3136, 2, "sm_90") and not tc.gn_cluster_routed("bwd", 10, 4096, 2, "sm_90")
-    assert not tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_90") and not tc.gn_cluster_routed("fwd", 4, 16384, 4, "sm_90")
+    assert tc.gn_cluster_routed("bwd", 8, 3136, 2, "sm_90") and tc.gn_cluster_routed("bwd", 10, 4096, 2, "sm_90")
+    assert tc.gn_cluster_routed("fwd", 4, 16384, 4, "sm_90") and not tc.gn_cluster_routed("bwd", 4, 16384, 4, "sm_90")
+    assert tc.gn_cluster_routed("fwd", 8, 3136, 2, "sm_90") and tc.gn_cluster_routed("fwd", 4, 16384, 2, "sm_90")
+    assert not tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_90") and not tc.gn_cluster_routed("fwd", 8, 16384, 4, "sm_90")
     monkeypatch.setattr(tc, "GN_CLUSTER_ROUTE", {"sm_90": {("fwd", 2): ((8192, 65536),)}})
     assert tc.gn_cluster_routed("fwd", 10, 4096, 2, "sm_90")
     assert not tc.gn_cluster_routed("fwd", 10, 4096, 4, "sm_90")

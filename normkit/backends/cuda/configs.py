@@ -325,8 +325,9 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
 # whose items is the most packs a thread holds: the plan takes the fewest CTAs per group that fit, and sizes
 # items to the slice. The backward's weight gradients need each CTA's slice to be whole channels, so there
 # the CTAs per group divide Cg. Runs S12-1 / S12-2 (H200, gn_sweep.py's cluster variants): CTAs of 128
-# threads (more of them per SM) won the routed points (triton/configs.py GN_CLUSTER_ROUTE); the bf16 forward,
-# not routed, keeps the row forward's shape.
+# threads (more of them per SM) won the routed points (triton/configs.py GN_CLUSTER_ROUTE); the bf16 forward
+# keeps the row forward's shape (routed since S25-2, where 128 threads won 3 of 7 shapes by 0.01 and lost
+# 32x256x56x56 by 0.04).
 # Session 14 (run S14-5, H200): the bf16 backward with the push exchange (5th value) on one persistent wave, at the
 # routed groups 0.335 -> 0.343 (8x640x32x32), 0.393 -> 0.427 (16x640x32x32), 0.544 -> 0.570 (32x256x56x56); fp32 not
 # measured with it (S14-4 measured both dtypes on many waves, slower).

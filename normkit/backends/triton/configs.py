@@ -291,8 +291,15 @@ GN_COL_SUM = (32, 128, 4)
 # 0.48 -> 0.54, 16x640x32x32 0.37 -> 0.39 (8x640x32x32 a tie). Not routed where they lost: the bf16 forward
 # (8x320x64x64 0.49 -> 0.42-0.47), groups of 64K (4x128x128x128) and small groups (8x1280x16x16's backward,
 # 32x1280x8x8: Triton's one-tile path is faster).
-GN_CLUSTER_ROUTE: dict = {"sm_90": {("fwd", 4): ((8192, 49152),), ("bwd", 4): ((16384, 49152),),
-                                    ("bwd", 2): ((16384, 32768),)}}
+# Session 25 (run S25-2, after S24-6 took the divisions out of the cluster kernels' NCHW stores), gn_sweep.py
+# default -> cluster, one call: the bf16 forward now wins at groups of 10K-25K and 64K (8x1280x16x16 0.247 -> 0.266,
+# 16x640x32x32 0.490 -> 0.505, 8x640x32x32 0.351 -> 0.378, 32x256x56x56 0.580 -> 0.634, 4x128x128x128 0.429 ->
+# 0.440) and still loses at 40960 (8x320x64x64 0.487 -> 0.463); the bf16 backward wins at 40K-64K too
+# (8x320x64x64 0.411 -> 0.453, 1x320x64x64 0.139 -> 0.161, 4x128x128x128 0.397 -> 0.406); the fp32 forward at 64K
+# (4x128x128x128 0.534 -> 0.595). The fp32 backward at 64K is a tie (0.469 / 0.472) and 8x1280x16x16's backward
+# still loses in both dtypes. Session 24's table is gn_sweep.py's variant "s24-routes".
+GN_CLUSTER_ROUTE: dict = {"sm_90": {("fwd", 4): ((8192, 65536),), ("bwd", 4): ((16384, 49152),),
+                                    ("fwd", 2): ((8192, 32768), (49152, 65536)), ("bwd", 2): ((16384, 65536),)}}
 
 
 # channels_last groups that run on the CUDA backend's cluster kernels (cuda/cluster.py prepare_gn_cl: a cluster per
