@@ -9,11 +9,20 @@
 #                                         against the cluster kernels at every group size (cluster, cluster-128), bf16
 #                                         both directions, then fp32 where the cluster is not routed today
 #   bash benchmarks/device_s25.sh tests   the GPU test files (the CUDA backend's apart); the host table; S25-2's GroupNorm
-#                                         routes against session 24's
+#                                         routes against session 24's (once; again after the models)
+#   bash benchmarks/device_s25.sh hostops torch.profiler's host events of LN / RMS fwd+bwd, normkit and torch
+#                                         (host_ops_profile.py); the Whisper encoder and SD-1.5 batch 2 again
 #   bash benchmarks/device_s25.sh models  the CUDA backend's row cluster tests; issue 22's eager model cases; compiled
 #                                         Llama decode
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
+# gn_route_ab REP: S25-2's new GroupNorm routes (default) against session 24's (s24-routes) where they differ
+gn_route_ab() {
+    timeout 70 python3 benchmarks/gn_sweep.py --out "$OUT/gnroute-ab-$1" --acts - --peers copy \
+        --variants default,s24-routes --dtypes bf16 --layouts nchw --dirs fwd,bwd --budget 55 \
+        --shapes 32x256x56x56,8x640x32x32,8x320x64x64,4x128x128x128,8x1280x16x16 > "$OUT/gnroute-ab-$1.log" 2>&1
+    echo "gn route ab $1 rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gnroute-ab-$1.log" | cut -c1-300
+}
 case "${1:-ab}" in
 ab)
     [ -d ab_old/normkit ] || { echo "ab_old/normkit missing"; exit 2; }
@@ -40,16 +49,11 @@ gnroute)
     echo "fp32 rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gnroute-fp32.log" | cut -c1-300
     ;;
 tests)
-    gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_fusion_autograd.py
+    gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
+        tests/test_fusion_autograd.py
     bench 80 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
     grep -E "^\| (ln|rms) \| bf16 \| 4x4096 \| (normkit|torch) \| fwd \|" "$OUT/host/summary.md"
-    # S25-2's new routes (default) against session 24's (s24-routes) where they differ, two runs
-    for rep in 1 2; do
-        timeout 70 python3 benchmarks/gn_sweep.py --out "$OUT/gnroute-ab-$rep" --acts - --peers copy \
-            --variants default,s24-routes --dtypes bf16 --layouts nchw --dirs fwd,bwd --budget 55 \
-            --shapes 32x256x56x56,8x640x32x32,8x320x64x64,4x128x128x128,8x1280x16x16 > "$OUT/gnroute-ab-$rep.log" 2>&1
-        echo "ab $rep rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gnroute-ab-$rep.log" | cut -c1-300
-    done
+    gn_route_ab 1
     ;;
 models)
     gpu_tests 200 cluster.log -n 14 tests/test_cuda_backend.py -k "cluster and not gn"
@@ -57,6 +61,14 @@ models)
     bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 100 --out "$OUT/llama-compiled"
     grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
+    gn_route_ab 2
+    ;;
+hostops)  # where the plain LayerNorm's fwd+bwd host time goes (S25-3: 1.03x torch's); issue 22's eager cases again
+    PYTHONPATH="$PYTHONPATH:$PWD/benchmarks" timeout 120 python3 benchmarks/host_ops_profile.py 2>&1 | grep -v -i warn \
+        | tee "$OUT/hostops.txt"
+    mkdir -p /tmp/keep && cp -r "$OUT/." /tmp/keep/
+    bash benchmarks/device_s19.sh eager2 > /tmp/s19-eager2.log 2>&1; tail -12 /tmp/s19-eager2.log
+    cp -r /tmp/keep/. "$OUT/"
     ;;
 esac
 tar czf "/tmp/s25-${1:-ab}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s25-${1:-ab}.tgz" "$OUT/"
