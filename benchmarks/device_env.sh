@@ -1,7 +1,7 @@
 # Sourced first by the benchmarks/device_session*.sh scripts, on the device: the repo root as the
 # working directory, the wheels carried in .whl installed under /tmp/site (on PYTHONPATH), $OUT
 # made, the GPU and library versions written to $OUT/${1:-env.txt}, the C++ host path built, GPU_TEST_FILES set,
-# and the helpers gpu_tests, bench, sweep and issue22_eager_models defined.
+# and the helpers gpu_tests, bench, sweep, issue22_eager_models and final_models defined.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
 # the test files the session scripts run on the GPU (the model tests apart: their own time limit)
@@ -36,6 +36,15 @@ issue22_eager_models() {
         bash benchmarks/device_s19.sh "$part" > "/tmp/s19-$part.log" 2>&1; tail -12 "/tmp/s19-$part.log"
         cp -r /tmp/keep/. "$OUT/"
     done
+}
+# final_models: the checks after a change, on the models' side: the CUDA backend's row cluster tests, issue 22's eager
+# model cases (issue22_eager_models), compiled Llama decode (into $OUT/llama-compiled), their summary lines
+final_models() {
+    gpu_tests 200 cluster.log -n 14 tests/test_cuda_backend.py -k "cluster and not gn"
+    issue22_eager_models
+    bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 100 --out "$OUT/llama-compiled"
+    grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
 }
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target /tmp/site .whl/*.whl

@@ -49,11 +49,7 @@ tests)
     grep -E "^\| llama" "$OUT/llama-compiled-rev/models.md" | cut -c1-200
     ;;
 models)
-    gpu_tests 200 cluster.log -n 14 tests/test_cuda_backend.py -k "cluster and not gn"
-    issue22_eager_models
-    bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
-        --time-budget 100 --out "$OUT/llama-compiled"
-    grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
+    final_models
     ;;
 host)  # the host table twice: as device_s19.sh eager runs it, then with LayerNorm's rows not first
     bench 80 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"

@@ -56,11 +56,7 @@ tests)
     gn_route_ab 1
     ;;
 models)
-    gpu_tests 200 cluster.log -n 14 tests/test_cuda_backend.py -k "cluster and not gn"
-    issue22_eager_models
-    bench 130 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
-        --time-budget 100 --out "$OUT/llama-compiled"
-    grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
+    final_models
     gn_route_ab 2
     ;;
 hostops)  # where the plain LayerNorm's fwd+bwd host time goes (S25-3: 1.03x torch's); issue 22's eager cases again
