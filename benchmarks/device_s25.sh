@@ -16,12 +16,16 @@
 #                                         Llama decode
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
+# gn_nchw NAME SECONDS BUDGET VARIANTS DTYPE SHAPES: gn_sweep.py on NCHW groups, both directions, a copy of the same
+# bytes as the peer, into $OUT/NAME (and NAME.log); its exit status and table lines
+gn_nchw() {
+    timeout "$2" python3 benchmarks/gn_sweep.py --out "$OUT/$1" --acts - --peers copy --variants "$4" --dtypes "$5" \
+        --layouts nchw --dirs fwd,bwd --budget "$3" --shapes "$6" > "$OUT/$1.log" 2>&1
+    echo "$1 rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/$1.log" | cut -c1-300
+}
 # gn_route_ab REP: S25-2's new GroupNorm routes (default) against session 24's (s24-routes) where they differ
 gn_route_ab() {
-    timeout 70 python3 benchmarks/gn_sweep.py --out "$OUT/gnroute-ab-$1" --acts - --peers copy \
-        --variants default,s24-routes --dtypes bf16 --layouts nchw --dirs fwd,bwd --budget 55 \
-        --shapes 32x256x56x56,8x640x32x32,8x320x64x64,4x128x128x128,8x1280x16x16 > "$OUT/gnroute-ab-$1.log" 2>&1
-    echo "gn route ab $1 rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gnroute-ab-$1.log" | cut -c1-300
+    gn_nchw "gnroute-ab-$1" 70 55 default,s24-routes bf16 32x256x56x56,8x640x32x32,8x320x64x64,4x128x128x128,8x1280x16x16
 }
 case "${1:-ab}" in
 ab)
@@ -38,15 +42,9 @@ ab)
     gpu_tests 170 cluster.log -n 14 tests/test_cuda_backend.py tests/test_row_norm.py -k "cluster or row_norm"
     ;;
 gnroute)
-    timeout 330 python3 benchmarks/gn_sweep.py --out "$OUT/gnroute-bf16" --acts - --peers copy \
-        --variants default,cluster,cluster-128 --dtypes bf16 --layouts nchw --dirs fwd,bwd --budget 300 \
-        --shapes 8x320x64x64,16x640x32x32,32x256x56x56,8x640x32x32,4x128x128x128,8x1280x16x16,1x320x64x64 \
-        > "$OUT/gnroute-bf16.log" 2>&1
-    echo "bf16 rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gnroute-bf16.log" | cut -c1-300
-    timeout 150 python3 benchmarks/gn_sweep.py --out "$OUT/gnroute-fp32" --acts - --peers copy \
-        --variants default,cluster,cluster-128 --dtypes fp32 --layouts nchw --dirs fwd,bwd --budget 130 \
-        --shapes 4x128x128x128,8x1280x16x16,2x512x128x128 > "$OUT/gnroute-fp32.log" 2>&1
-    echo "fp32 rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gnroute-fp32.log" | cut -c1-300
+    gn_nchw gnroute-bf16 330 300 default,cluster,cluster-128 bf16 \
+        8x320x64x64,16x640x32x32,32x256x56x56,8x640x32x32,4x128x128x128,8x1280x16x16,1x320x64x64
+    gn_nchw gnroute-fp32 150 130 default,cluster,cluster-128 fp32 4x128x128x128,8x1280x16x16,2x512x128x128
     ;;
 tests)
     gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
