@@ -794,6 +794,10 @@ def test_cluster_refuses_what_it_cannot_take(monkeypatch):
 
     from normkit.backends.cuda import cluster, nvrtc
     assert "not a CUDA tensor" in cluster.why_not(torch.ones(4, 16, dtype=torch.bfloat16))
+    # RMSNorm's cluster forward reads no bias (its store keeps no registers for one): a bias sends the call elsewhere
+    w16 = torch.ones(16, dtype=torch.bfloat16)
+    assert "takes no bias" in cluster.why_not(torch.ones(4, 16, dtype=torch.bfloat16), (), w16, w16, rms_fwd=True)
+    assert "takes no bias" not in cluster.why_not(torch.ones(4, 16, dtype=torch.bfloat16), (), w16, w16)
     nchw = torch.ones(2, 16, 8, dtype=torch.bfloat16)  # [B, C, S]
     assert "not a dense channels_last tensor" in cluster.gn_cl_why_not(nchw)
     assert "not a CUDA tensor" in cluster.gn_cl_why_not(nchw.transpose(1, 2).contiguous().transpose(1, 2))
@@ -1200,6 +1204,23 @@ def test_cluster_kernels_match_oracle(op, m, n, dtype, cuda_poison, monkeypatch)
     assert cb._on_clusters("fwd", x, (), w, None if rms else b, None, rms) is not None
     assert cb._on_clusters("bwd", x, (x,), w, None, None, rms, True) is not None
     check_fwd_bwd(op, x, (n,), w, b, backend="cuda", what=f"cluster {op} {m}x{n} {dtype}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_rms_forward_with_a_bias_at_cluster_widths(backend):
+    """The backends' interface takes a bias for RMSNorm too (no public function passes one). The cluster forward
+    never reads it, so such a call at a width routed to the clusters runs another kernel, with the bias added."""
+    from normkit.backends import get
+    n = 131072
+    x = randn(3, n, dtype=torch.bfloat16, device=DEVICE) + 0.5
+    w, b = randn(n, device=DEVICE), randn(n, device=DEVICE)
+    assert cb._on_clusters("fwd", x, (), w, b, None, True) is None and cb._on_clusters("fwd", x, (), w, None, None,
+                                                                                          True) is not None
+    y = get(backend).row_norm_fwd(x, w, b, 1e-6, True)[0]
+    expect = ref.rms_norm(x.double(), (n,), w.double(), 1e-6)[0] + b.double()
+    assert ref.rel_err(y, expect) <= TOL[torch.bfloat16]
 
 
 # the push forward (quack's exchange): reload or registers, one or two stages

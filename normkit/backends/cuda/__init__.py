@@ -156,7 +156,7 @@ def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_pa
     if M == 0 or not lo <= configs.next_pow2(N) <= hi:
         return None
     from . import cluster
-    if cluster.why_not(x, rows_like, weight, bias) is not None:
+    if cluster.why_not(x, rows_like, weight, bias, rms and direction == "fwd") is not None:
         return None
     wdtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
     return cluster.prepare(direction, N, x.dtype, wdtype, activation, rms, want_params, _begin(x))

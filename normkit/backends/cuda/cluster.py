@@ -32,9 +32,12 @@ def _aligned16(t) -> bool:
     return t is None or t.data_ptr() % 16 == 0
 
 
-def why_not(x: torch.Tensor, rows_like=(), weight=None, bias=None) -> str | None:
+def why_not(x: torch.Tensor, rows_like=(), weight=None, bias=None, rms_fwd: bool = False) -> str | None:
     """None if the cluster kernels can take x (and the other [M, N] tensors `rows_like`, and the
-    parameters), else why not. Cheap: called on every routed call."""
+    parameters), else why not. Cheap: called on every routed call. rms_fwd: for RMSNorm's forward, which
+    reads no bias (no public function passes one; the backends' interface may)."""
+    if rms_fwd and bias is not None:
+        return "RMSNorm's cluster forward takes no bias"
     if x.device.type != "cuda":
         return "x is not a CUDA tensor"
     if x.dtype not in kernels.CTYPE:

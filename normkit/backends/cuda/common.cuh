@@ -90,6 +90,51 @@ __device__ __forceinline__ void load_floats(const T* src, float* out) {
   pack_to_floats<P>(load_pack<P>(src), out);
 }
 
+// element i of 32-bit words holding elements of the pointer's type (the first in the low half)
+__device__ __forceinline__ float word_elem(const unsigned* u, int i, const float*) { return __uint_as_float(u[i]); }
+__device__ __forceinline__ float word_elem(const unsigned* u, int i, const __nv_bfloat16*) {
+  return __uint_as_float(i & 1 ? u[i >> 1] & 0xffff0000u : u[i >> 1] << 16);
+}
+__device__ __forceinline__ float word_elem(const unsigned* u, int i, const __half*) {
+  return __half2float(__ushort_as_half((unsigned short)(i & 1 ? u[i >> 1] >> 16 : u[i >> 1] & 0xffffu)));
+}
+
+// P elements kept as 32-bit words (a Pack of 16-bit elements held across other work was spilled a half-word at a
+// time), read back one element at a time by elem()
+template <typename T, int P>
+struct Words {
+  static constexpr int N = int(sizeof(T)) * P / 4;
+  static_assert(N >= 1 && int(sizeof(T)) * P % 4 == 0, "Words: whole 32-bit words");
+  unsigned u[N];
+  __device__ __forceinline__ void load(const T* src) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+        u[4 * i] = v.x, u[4 * i + 1] = v.y, u[4 * i + 2] = v.z, u[4 * i + 3] = v.w;
+      }
+    } else if constexpr (N == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(src);
+      u[0] = v.x, u[1] = v.y;
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) u[i] = reinterpret_cast<const unsigned*>(src)[i];
+    }
+  }
+  __device__ __forceinline__ float elem(int i) const { return word_elem(u, i, static_cast<const T*>(nullptr)); }
+  __device__ __forceinline__ void fill(unsigned v) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) u[i] = v;
+  }
+};
+
+// Words of nothing: zeros (a parameter the caller never has)
+struct NoWords {
+  __device__ __forceinline__ float elem(int) const { return 0.f; }
+  __device__ __forceinline__ void fill(unsigned) {}
+  template <typename T> __device__ __forceinline__ void load(const T*) {}
+};
+
 // two values rounded to T (16 bits each) as one 32-bit word, the first in the low half
 template <typename T> __device__ __forceinline__ unsigned round_pair(float a, float b);
 template <> __device__ __forceinline__ unsigned round_pair<__half>(float a, float b) {
@@ -208,17 +253,38 @@ struct RowLoad {
   __device__ __forceinline__ float first(i64 row) const { return to_float(ptr[row * stride]); }
 };
 
-// OneFlow's AffineStore plus an activation: y = act(xhat * w + b), rounded to T.
-template <typename T, typename W, typename ACT>
+// OneFlow's AffineStore plus an activation: y = act(xhat * w + b), rounded to T. BIAS false: b is never read
+// (RMSNorm's cluster forward, whose host sends a bias elsewhere), so a pack's parameters ahead take half the registers.
+template <typename T, typename W, typename ACT, bool BIAS = true>
 struct AffineActStore {
   T* ptr;
   i64 stride;
   const W* w;
   const W* b;
+  // A pack's parameters, loaded apart from its store so that a caller can fetch them ahead (row_cluster.cu's
+  // forward), as 32-bit words: no bias is zeros, its neutral value
+  template <int P> struct Params {
+    Words<W, P> w;
+    typename Select<BIAS, Words<W, P>, NoWords>::type b;
+  };
+  template <int P> __device__ __forceinline__ Params<P> params(i64, int col) const {
+    Params<P> q;
+    q.w.fill(0u);
+    q.b.fill(0u);
+    if (w != nullptr) q.w.load(w + col);
+    if (BIAS && b != nullptr) q.b.load(b + col);
+    return q;
+  }
+  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col, const Params<P>& q) const {
+    float y[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) y[i] = ACT::fwd(xhat[i] * (w != nullptr ? q.w.elem(i) : 1.f) + q.b.elem(i));
+    store_floats<P>(ptr + row * stride + col, y);
+  }
   template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
     float wv[P], bv[P], y[P];
     load_param<P>(w, col, 1.f, wv);
-    load_param<P>(b, col, 0.f, bv);
+    load_param<P>(BIAS ? b : nullptr, col, 0.f, bv);
 #pragma unroll
     for (int i = 0; i < P; ++i) y[i] = ACT::fwd(xhat[i] * wv[i] + bv[i]);
     store_floats<P>(ptr + row * stride + col, y);

@@ -315,8 +315,11 @@ __device__ __forceinline__ float thread_sum(const PACK& pack, int valid, bool sq
 // read of its packs (each pack's sum and squared deviations from the pack's own mean, merged exactly
 // (Chan) over the thread's packs, then the warp's) instead of a pass for the warp's mean and a second
 // for the deviations from it: one read of the stage fewer, one warp reduction less on the row's path.
+// OUT::Params<P> where the forward fetches parameters ahead (AHEAD > 0; OUT then has params() and a store taking them)
+template <int AHEAD, typename OUT, int P> struct ParamsOf { typedef typename OUT::template Params<P> type; };
+template <typename OUT, int P> struct ParamsOf<0, OUT, P> { typedef int type; };
 template <typename T, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH, bool MERGE,
-          bool ONE_PASS, typename OUT>
+          bool ONE_PASS, int AHEAD_MAX, typename OUT>
 __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_stride, const OUT& out,
                                             float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                                             int slice, float eps) {
@@ -325,6 +328,9 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   // LayerNorm: two barrier exchanges of sums, or one push exchange of each warp's moments
   using Stat = typename cl::Pick<PUSH && !RMS, cl::Moments, Sum1>::type;
   constexpr int PASSES = RMS || PUSH ? 1 : 2;
+  // packs whose parameters are in flight ahead of their stores
+  constexpr int AHEAD = AHEAD_MAX < ITEMS ? AHEAD_MAX : ITEMS;
+  using Prm = typename ParamsOf<AHEAD, OUT, P>::type;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ cl::Barrier bars[STAGES];
   __shared__ cl::Barrier xbars[2];                                // PUSH: the exchange's, per row parity
@@ -363,6 +369,14 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
         for (int i = 0; i < P; ++i) f[i] = v[RELOAD ? 0 : k][i];
       }
     };
+    // the first AHEAD packs' parameters, fetched before the row's sums: their latency (L2: every CTA of every row
+    // reads them) hides behind the reduction and the exchange, and each later pack's is fetched AHEAD packs ahead
+    Prm ahead[AHEAD > 0 ? AHEAD : 1];
+    if constexpr (AHEAD > 0) {
+#pragma unroll
+      for (int k = 0; k < AHEAD; ++k)
+        if (k < valid) ahead[k] = out.template params<P>(row, s.c0 + (tid + k * THREADS) * P);
+    }
     float mu = 0.f, m2;
     if constexpr (PUSH) {
       if (it == 0) cl::cluster_wait();
@@ -437,7 +451,14 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
         pack(k, f);
 #pragma unroll
         for (int i = 0; i < P; ++i) f[i] = (f[i] - mu) * r;
-        out.template store<P>(f, row, s.c0 + (tid + k * THREADS) * P);
+        const int col = s.c0 + (tid + k * THREADS) * P;
+        if constexpr (AHEAD > 0) {
+          const Prm q = ahead[k % AHEAD];
+          if (k + AHEAD < ITEMS && k + AHEAD < valid) ahead[k % AHEAD] = out.template params<P>(row, col + AHEAD * THREADS * P);
+          out.template store<P>(f, row, col, q);
+        } else {
+          out.template store<P>(f, row, col);
+        }
       }
     }
     if (RELOAD) {
@@ -450,6 +471,11 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   }
 }
 
+// The packs whose weight and bias a thread fetches ahead of their stores (NK_PARAM_AHEAD: a define, for A/B runs):
+// every CTA of every row reads them from L2, and fetched next to its store each pack waited a round trip
+#ifndef NK_PARAM_AHEAD
+#define NK_PARAM_AHEAD 2
+#endif
 // RELOAD kernels are compiled for SM_THREADS / THREADS CTAs per SM (registers capped to fit; configs.py
 // CLUSTER_FWD_SM_THREADS), the others for one. NK_FWD_SM_THREADS (a define, for A/B runs through
 // NORMKIT_CUDA_DEFINES) replaces SM_THREADS in every RELOAD forward.
@@ -465,8 +491,8 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? NK_SM_THREADS(SM_THREADS) / 
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS>(
-      x, x_stride, AffineActStore<T, W, ACT>{y, y_stride, w, b}, mean, rstd, rows, cols, slice, eps);
+  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_PARAM_AHEAD>(
+      x, x_stride, AffineActStore<T, W, ACT, !RMS>{y, y_stride, w, b}, mean, rstd, rows, cols, slice, eps);
 #endif
 }
 
@@ -714,7 +740,7 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
                    float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols, int slice, float eps,
                    int groups, int spatial) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS>(
+  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, 0>(
       x, i64(cols), GroupAffineActStore<T, W, ACT>{y, w, b, cols, groups, cols / spatial, DivBy(spatial)}, mean, rstd,
       rows, cols, slice, eps);
 #endif

@@ -421,7 +421,7 @@ def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_pa
     """For widths the table routes to the CUDA backend's cluster kernels: the prepared kernel if
     this call can take it, else None (the Triton kernels run)."""
     cluster = _cuda_cluster()
-    if cluster.why_not(x, rows_like, weight, bias) is not None:
+    if cluster.why_not(x, rows_like, weight, bias, rms and direction == "fwd") is not None:
         return None
     wdtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
     return cluster.prepare(direction, x.shape[1], x.dtype, wdtype, activation, rms, want_params,
