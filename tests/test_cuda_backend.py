@@ -680,13 +680,16 @@ def test_cluster_launches(cluster_recorded):
     plan = configs.plan_cluster("fwd", 65536, 2)
     flags = ", ".join("true" if f else "false" for f in (plan.recompute, plan.push, plan.merge, plan.one_pass))
     assert name == (f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, "
-                    f"{plan.stages}, {flags}, {plan.sm_threads}>")
+                    f"{plan.stages}, {flags}, {plan.sm_threads}, {plan.ahead}>")
     assert cl == plan.cluster and grid == (p.grid_clusters(300) * cl, 1, 1) and block == (plan.threads, 1, 1)
     # RMSNorm at 128K: the register cap of CLUSTER_FWD_SM_THREADS in the kernel's name (its __launch_bounds__)
     p = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, True, False, 0)
     assert p.plan.sm_threads == configs.CLUSTER_FWD_SM_THREADS[("rms", 2, 131072)]
     assert p.kernel.spec.name == ("nk::row_fwd_cluster<__nv_bfloat16, __nv_bfloat16, nk::Identity, true, "
-                                  f"{p.plan.threads}, {p.plan.items}, 1, true, true, false, true, 1536>")
+                                  f"{p.plan.threads}, {p.plan.items}, 1, true, true, false, true, 1536, 0>")
+    # and the parameters fetched ahead (CLUSTER_FWD_PARAM_AHEAD) in fp32 RMSNorm's
+    p = cluster.prepare("fwd", 131072, torch.float32, torch.float32, None, True, False, 0)
+    assert p.kernel.spec.name.endswith(", 1536, 2>")
     assert smem == plan.smem and args[-4:] == [300, 65536, plan.slice, 1e-5]
     # backward: one partial row per cluster, the dx kernel with the weight-gradient sums
     p = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0)
@@ -744,7 +747,11 @@ def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
     x = torch.empty(5000, 65536, dtype=torch.bfloat16)
     cluster.launch_fwd(p, x, torch.empty_like(x), None, None, None, torch.empty(5000), 1e-6)
     name, grid, block, smem, args, cl = cluster_recorded[-1]
-    assert name.endswith(", 256, 8, 1, true, true, false, false, 1024>") and cl == 4
+    assert name.endswith(", 256, 8, 1, true, true, false, false, 1024, 0>") and cl == 4
+    # fp32 RMSNorm fetches its weight packs ahead (CLUSTER_FWD_PARAM_AHEAD, session 26); LayerNorm and 16-bit rows do not
+    assert configs.plan_cluster("fwd", 131072, 4, op="rms").ahead == 2
+    assert configs.plan_cluster("fwd", 131072, 4, op="ln").ahead == configs.plan_cluster("fwd", 131072, 2, op="rms").ahead == 0
+    assert configs.plan_cluster("bwd", 131072, 4, op="rms").ahead == 0
     assert grid == (min(5000, persistent.clusters * configs.CLUSTER_PUSH_WAVES) * 4, 1, 1)
 
 

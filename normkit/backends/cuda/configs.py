@@ -104,6 +104,13 @@ CLUSTER_SHAPES = {
 CLUSTER_FWD_SM_THREADS = {("rms", 2, 131072): 1536, ("rms", 2, 262144): 1536,
                           ("ln", 2, 131072): 1280, ("ln", 2, 262144): 1280,
                           **{(op, 4, n): 1536 for op in ("ln", "rms") for n in (65536, 131072, 262144)}}
+# The push forward's parameters fetched ahead: each pack's weight (and bias) loaded that many packs before its store, the
+# first ones before the row's sums (row_cluster.cu AHEAD), per (op, element bytes); else 0 (next to its store). Run
+# S26-1 (H200, `bash benchmarks/device_s26.sh ahead`, `normkit bench` forward, the CUDA backend, against 0): fp32
+# RMSNorm 64K / 128K / 256K 0.905 / 0.795 / 0.780 -> 0.933 / 0.879 / 0.805 of copy; bf16 RMSNorm level (0.81-0.83 /
+# 0.78-0.80 both ways: its L2 reads of the parameters are not waited on one by one); LayerNorm 0.01-0.15 slower
+# (48 registers at its cap: spills)
+CLUSTER_FWD_PARAM_AHEAD = {("rms", 4): 2}
 CLUSTER_SMEM_MAX = 220 * 1024
 # PUSH kernels launch up to this many waves of resident clusters (each cluster walks rows past
 # that): at 64K-256K rows of 2^26 elements this is one row per cluster
@@ -279,6 +286,7 @@ class ClusterPlan:
     one_pass: bool = False  # push LayerNorm: moments from one read of the slice (ONE_PASS)
     overlap: bool = False  # push backward: two rows in flight (OVERLAP)
     sm_threads: int = 1024  # RELOAD forward: the threads per SM its registers are capped for (SM_THREADS)
+    ahead: int = 0  # push forward: the packs whose weight and bias are fetched ahead of their stores (AHEAD)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str = "ln") -> ClusterPlan | None:
@@ -316,8 +324,9 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
         return None
     reload_fwd = direction == "fwd" and recompute  # the cap is RELOAD's (the registers kernel holds the slice)
     sm_threads = CLUSTER_FWD_SM_THREADS.get((op, elem_bytes, next_pow2(cols)), 1024) if reload_fwd else 1024
+    ahead = CLUSTER_FWD_PARAM_AHEAD.get((op, elem_bytes), 0) if push and direction == "fwd" else 0
     return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass, overlap,
-                       sm_threads)
+                       sm_threads, ahead)
 
 
 # GroupNorm over dense NCHW groups on the same cluster kernels (row_cluster.cu gn_*_cluster; issue 24): a group

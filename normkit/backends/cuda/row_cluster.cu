@@ -454,7 +454,8 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
         const int col = s.c0 + (tid + k * THREADS) * P;
         if constexpr (AHEAD > 0) {
           const Prm q = ahead[k % AHEAD];
-          if (k + AHEAD < ITEMS && k + AHEAD < valid) ahead[k % AHEAD] = out.template params<P>(row, col + AHEAD * THREADS * P);
+          if (k + AHEAD < ITEMS && k + AHEAD < valid)
+            ahead[k % AHEAD] = out.template params<P>(row, col + AHEAD * THREADS * P);
           out.template store<P>(f, row, col, q);
         } else {
           out.template store<P>(f, row, col);
@@ -471,10 +472,13 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   }
 }
 
-// The packs whose weight and bias a thread fetches ahead of their stores (NK_PARAM_AHEAD: a define, for A/B runs):
-// every CTA of every row reads them from L2, and fetched next to its store each pack waited a round trip
-#ifndef NK_PARAM_AHEAD
-#define NK_PARAM_AHEAD 2
+// AHEAD: the packs whose weight and bias a thread fetches ahead of their stores (configs.py CLUSTER_FWD_PARAM_AHEAD):
+// every CTA of every row reads them from L2, and fetched next to its store each pack waits a round trip.
+// NK_PARAM_AHEAD (a define, for A/B runs through NORMKIT_CUDA_DEFINES) replaces it in every row forward.
+#ifdef NK_PARAM_AHEAD
+#define NK_AHEAD(plan) NK_PARAM_AHEAD
+#else
+#define NK_AHEAD(plan) (plan)
 #endif
 // RELOAD kernels are compiled for SM_THREADS / THREADS CTAs per SM (registers capped to fit; configs.py
 // CLUSTER_FWD_SM_THREADS), the others for one. NK_FWD_SM_THREADS (a define, for A/B runs through
@@ -485,13 +489,13 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 #define NK_SM_THREADS(table) (table)
 #endif
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
-          bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024>
+          bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024, int AHEAD = 0>
 __global__ void __launch_bounds__(THREADS, RELOAD ? NK_SM_THREADS(SM_THREADS) / THREADS : 1)
     row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_PARAM_AHEAD>(
+  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_AHEAD(AHEAD)>(
       x, x_stride, AffineActStore<T, W, ACT, !RMS>{y, y_stride, w, b}, mean, rstd, rows, cols, slice, eps);
 #endif
 }
