@@ -5,6 +5,12 @@
 #                                         cap at 1280 threads per SM (NK_FWD_SM_THREADS), in turn twice: `normkit bench`
 #                                         LN / RMS forward, 64K-256K, the CUDA backend forced (bf16; fp32 in round 1);
 #                                         then the CUDA backend's row cluster tests on the default
+#   bash benchmarks/device_s26.sh measure the row backward's clusters with each CTA's weight slice held in registers
+#                                         over its rows (NK_BWD_HOLD_W=1) against read at each use (=0), rounds A B B A:
+#                                         `normkit bench` LN / RMS backward, bf16 and fp32, 16K-256K; fp32 RMSNorm's
+#                                         forward with its parameters ahead (S26-1's pick) against none, A B B A; NCHW
+#                                         GroupNorm's cluster forward with its channels' parameters ahead (NK_GN_AHEAD
+#                                         0 / 1 / 2) at the routed shapes (gn_sweep.py, default routes)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 # fwd_ab NAME DEFINES DTYPES: the wide forward under NORMKIT_CUDA_DEFINES=DEFINES into $OUT/NAME, its table lines
@@ -12,6 +18,13 @@ fwd_ab() {
     echo "== $1 ($2)"
     NORMKIT_CUDA_DEFINES="$2" NORMKIT_HOST=0 bench 80 --ops ln,rms --dtypes "$3" --dirs fwd \
         --widths 65536,131072,262144 --normkit cuda --peers none --no-host --out "$OUT/$1"
+    grep -v "^#" "$OUT/$1/results.csv" | cut -d, -f2,4,6,8,13,16,18,21 | grep -v "^op"
+}
+# bwd_ab NAME DEFINES: the row backward under NORMKIT_CUDA_DEFINES=DEFINES into $OUT/NAME, its table lines
+bwd_ab() {
+    echo "== $1 ($2)"
+    NORMKIT_CUDA_DEFINES="$2" NORMKIT_HOST=0 bench 100 --ops ln,rms --dtypes bf16,fp32 --dirs bwd \
+        --widths 16384,32768,131072,262144 --normkit cuda --peers none --no-host --out "$OUT/$1"
     grep -v "^#" "$OUT/$1/results.csv" | cut -d, -f2,4,6,8,13,16,18,21 | grep -v "^op"
 }
 case "${1:-ahead}" in
@@ -24,6 +37,21 @@ ahead)
         fwd_ab "a1-$rep" "NK_PARAM_AHEAD=1" "$dtypes"
     done
     gpu_tests 150 cluster.log -n 14 tests/test_cuda_backend.py -k "cluster and not gn"
+    ;;
+measure)
+    for v in h0-1:0 h1-1:1 h1-2:1 h0-2:0; do bwd_ab "bwd-${v%%:*}" "NK_BWD_HOLD_W=${v##*:}"; done
+    for v in a0-1:0 a2-1:2 a2-2:2 a0-2:0; do
+        echo "== rms fp32 forward ${v%%:*}"
+        NORMKIT_CUDA_DEFINES="NK_PARAM_AHEAD=${v##*:}" NORMKIT_HOST=0 bench 60 --ops rms --dtypes fp32 --dirs fwd \
+            --widths 32768,65536,131072,262144 --normkit cuda --peers none --no-host --out "$OUT/fwd-${v%%:*}"
+        grep -v "^#" "$OUT/fwd-${v%%:*}/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
+    done
+    for g in 0 1 2; do
+        NORMKIT_CUDA_DEFINES="NK_GN_AHEAD=$g" timeout 70 python3 benchmarks/gn_sweep.py --out "$OUT/gn-ahead$g" --acts - \
+            --peers copy --variants default --dtypes bf16,fp32 --layouts nchw --dirs fwd --budget 55 \
+            --shapes 32x256x56x56,8x640x32x32,16x640x32x32,4x128x128x128,8x320x64x64 > "$OUT/gn-ahead$g.log" 2>&1
+        echo "gn-ahead$g rc $?"; grep -E "^(bf16|fp32|copy|budget)|FAIL|rror" "$OUT/gn-ahead$g.log" | cut -c1-300
+    done
     ;;
 esac
 tar czf "/tmp/s26-${1:-ahead}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s26-${1:-ahead}.tgz" "$OUT/"

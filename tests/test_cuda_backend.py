@@ -702,7 +702,7 @@ def test_cluster_launches(cluster_recorded):
     name, grid, block, smem, args, cl = cluster_recorded[-1]
     assert name.startswith("nk::row_bwd_cluster<__nv_bfloat16, float, nk::Identity, true,") and \
         name.endswith(f"{plan_b.stages}, true, {str(plan_b.recompute).lower()}, false, {str(plan_b.push).lower()}, "
-                      f"{str(plan_b.overlap).lower()}>")
+                      f"{str(plan_b.overlap).lower()}, {str(plan_b.hold_w).lower()}>")
     assert plan_b.push  # the 16-bit backward's default exchange (session 14)
     assert grid == (3 * cl, 1, 1) and args[10] is dw_part and args[11] is None
 
@@ -720,14 +720,14 @@ def test_push_backward_stays_one_persistent_wave(cluster_recorded, monkeypatch):
     assert cluster.launch_bwd(p, x, x, None, None, None, torch.empty(5000), torch.empty_like(x), parts, None) == \
         barrier.clusters
     name = cluster_recorded[-1][0]
-    assert name.endswith(", 512, 2, 2, true, false, false, true, false>")
+    assert name.endswith(", 512, 2, 2, true, false, false, true, false, false>")  # (a shape given: no weight held)
     # two rows in flight: the same grid, its own flag
     o = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0,
                         shape=(512, 2, 3, True, True, False, True))
     assert o.plan.overlap and o.clusters == cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True,
                                                             True, 0, shape=(512, 2, 3, True)).clusters
     cluster.launch_bwd(o, x, x, None, None, None, torch.empty(5000), torch.empty_like(x), parts, None)
-    assert cluster_recorded[-1][0].endswith(", 512, 2, 3, true, true, false, true, true>")
+    assert cluster_recorded[-1][0].endswith(", 512, 2, 3, true, true, false, true, true, false>")
     with pytest.raises(ValueError, match="3 stages"):
         configs.plan_cluster("bwd", 65536, 2, (512, 2, 2, True, True, False, True))
     with pytest.raises(ValueError, match="2 stages"):  # two register sets: two stages are enough

@@ -437,12 +437,11 @@ __device__ V block_allreduce(V v) {
 // ------------------------------------------------------------------ row backward, per pack
 // (g = dz * w, dz = dy * act'(z), z = xhat * w + b recomputed from x)
 
-// One pack of the backward's elementwise part: xhat, and the gradients reaching z and xhat.
+// One pack of the backward's elementwise part: xhat, and the gradients reaching z and xhat, from the pack's weight wv.
 template <int P, typename W, typename ACT, bool RMS>
-__device__ __forceinline__ void pack_grads(const W* w, const W* b, int col, float mean, float rstd, const float* x,
-                                           const float* dy, float* xhat, float* dz, float* g) {
-  float wv[P], bv[P];
-  load_param<P>(w, col, 1.f, wv);
+__device__ __forceinline__ void pack_grads_with(const float* wv, const W* b, int col, float mean, float rstd,
+                                                const float* x, const float* dy, float* xhat, float* dz, float* g) {
+  float bv[P];
   load_param<P>(b, col, 0.f, bv);  // dead (and removed) unless ACT needs z
 #pragma unroll
   for (int i = 0; i < P; ++i) {
@@ -450,6 +449,15 @@ __device__ __forceinline__ void pack_grads(const W* w, const W* b, int col, floa
     dz[i] = dy[i] * ACT::grad(xhat[i] * wv[i] + bv[i]);
     g[i] = dz[i] * wv[i];
   }
+}
+
+// ... with the pack's weight loaded here
+template <int P, typename W, typename ACT, bool RMS>
+__device__ __forceinline__ void pack_grads(const W* w, const W* b, int col, float mean, float rstd, const float* x,
+                                           const float* dy, float* xhat, float* dz, float* g) {
+  float wv[P];
+  load_param<P>(w, col, 1.f, wv);
+  pack_grads_with<P, W, ACT, RMS>(wv, b, col, mean, rstd, x, dy, xhat, dz, g);
 }
 
 // dx for one pack from the row sums s = (sum xhat*g, sum g)

@@ -287,6 +287,7 @@ class ClusterPlan:
     overlap: bool = False  # push backward: two rows in flight (OVERLAP)
     sm_threads: int = 1024  # RELOAD forward: the threads per SM its registers are capped for (SM_THREADS)
     ahead: int = 0  # push forward: the packs whose weight and bias are fetched ahead of their stores (AHEAD)
+    hold_w: bool = False  # row backward: the CTA's weight slice held in registers over its rows (HOLD_PLAN)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str = "ln") -> ClusterPlan | None:

@@ -115,7 +115,7 @@ def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: conf
                           ROW_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
                       f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}, "
-                      f"{_b(plan.merge)}, {_b(plan.push)}, {_b(plan.overlap)}>",
+                      f"{_b(plan.merge)}, {_b(plan.push)}, {_b(plan.overlap)}, {_b(plan.hold_w)}>",
                       ROW_BWD_CLUSTER_PARAMS)
 
 

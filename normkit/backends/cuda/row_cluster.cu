@@ -480,6 +480,9 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 #else
 #define NK_AHEAD(plan) (plan)
 #endif
+#ifndef NK_GN_AHEAD
+#define NK_GN_AHEAD 0  // the NCHW GroupNorm forward's (for A/B runs: its parameters are one channel's per pack)
+#endif
 // RELOAD kernels are compiled for SM_THREADS / THREADS CTAs per SM (registers capped to fit; configs.py
 // CLUSTER_FWD_SM_THREADS), the others for one. NK_FWD_SM_THREADS (a define, for A/B runs through
 // NORMKIT_CUDA_DEFINES) replaces SM_THREADS in every RELOAD forward.
@@ -517,8 +520,16 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? NK_SM_THREADS(SM_THREADS) / 
 // stages until their dx steps (STAGES >= 3: the next in flight); else the two rows' xhat and g are
 // held in two register sets (the loop unrolled by two) and a row's stage is refilled once its sums
 // are taken (STAGES >= 2).
+// HOLD_W: the CTA's slice of the weight read once, before the first row, and held in registers (as words) for every
+// row it takes (the CTAs are persistent: the same columns every row); else each pack's is read (L1 / L2) at each use.
+// NK_BWD_HOLD_W (a define, for A/B runs) replaces it in every row backward.
+#ifdef NK_BWD_HOLD_W
+#define NK_HOLD(plan) NK_BWD_HOLD_W
+#else
+#define NK_HOLD(plan) (plan)
+#endif
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool PARAMS,
-          bool RECOMPUTE, bool MERGE = false, bool PUSH = false, bool OVERLAP = false>
+          bool RECOMPUTE, bool MERGE = false, bool PUSH = false, bool OVERLAP = false, bool HOLD_PLAN = false>
 __global__ void __launch_bounds__(THREADS, 1)
     row_bwd_cluster(const T* __restrict__ dy, i64 dy_stride, const T* __restrict__ x, i64 x_stride,
                     const W* __restrict__ w, const W* __restrict__ b, const float* __restrict__ mean,
@@ -552,6 +563,27 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int k = 0; k < ACC; ++k)
 #pragma unroll
     for (int i = 0; i < P; ++i) dw_acc[k][i] = db_acc[k][i] = 0.f;
+  constexpr bool HOLD_W = NK_HOLD(HOLD_PLAN);
+  Words<W, P> w_held[HOLD_W ? ITEMS : 1];
+  if constexpr (HOLD_W) {
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      w_held[k].fill(0u);
+      if (w != nullptr && k < valid) w_held[k].load(w + s.c0 + (tid + k * THREADS) * P);
+    }
+  }
+  // pack k's xhat, dz and g (its weight held, or read here)
+  const auto grads = [&](int k, int col, float mu, float rs, const float* xv, const float* dyv, float* xhat, float* dz,
+                         float* g) {
+    if constexpr (HOLD_W) {
+      float wv[P];
+#pragma unroll
+      for (int i = 0; i < P; ++i) wv[i] = w != nullptr ? w_held[HOLD_W ? k : 0].elem(i) : 1.f;
+      pack_grads_with<P, W, ACT, RMS>(wv, b, col, mu, rs, xv, dyv, xhat, dz, g);
+    } else {
+      pack_grads<P, W, ACT, RMS>(w, b, col, mu, rs, xv, dyv, xhat, dz, g);
+    }
+  };
   constexpr int HELD = RECOMPUTE ? 1 : ITEMS;
   using Held = float[HELD][P];
   Held xhat_a, g_a, xhat_b, g_b;  // a row's xhat and g (b: OVERLAP's other row)
@@ -569,7 +601,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         float xv[P], dyv[P], dz[P];
         load_floats<P>(xs + p * P, xv);
         load_floats<P>(dys + p * P, dyv);
-        pack_grads<P, W, ACT, RMS>(w, b, s.c0 + p * P, mu, rs, xv, dyv, xhat[h], dz, g[h]);
+        grads(k, s.c0 + p * P, mu, rs, xv, dyv, xhat[h], dz, g[h]);
 #pragma unroll
         for (int i = 0; i < P; ++i) {
           part.a = fmaf(xhat[h][i], g[h][i], part.a);
@@ -596,7 +628,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           float xv[P], dyv[P], dz[P];
           load_floats<P>(xs + p * P, xv);
           load_floats<P>(dys + p * P, dyv);
-          pack_grads<P, W, ACT, RMS>(w, b, s.c0 + p * P, mu, rs, xv, dyv, xhat[h], dz, g[h]);
+          grads(k, s.c0 + p * P, mu, rs, xv, dyv, xhat[h], dz, g[h]);
         }
         float d[P];
         pack_dx<P, RMS>(xhat[h], g[h], sums, inv_cols, rs, d);
@@ -726,13 +758,22 @@ struct GroupAffineActStore {
   DivBy by_spatial;
   // (rows < 2^31: gn_why_not) a 32-bit remainder, the same for every pack of the row: computed once (a 64-bit one
   // was a call per pack)
-  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
+  // the pack's channel's weight and bias (fetched ahead by the forward where AHEAD > 0)
+  template <int P> struct Params {
+    float w, b;
+  };
+  template <int P> __device__ __forceinline__ Params<P> params(i64 row, int col) const {
     const int ch = int(unsigned(row) % unsigned(groups)) * cg + by_spatial(col);
-    const float wv = w != nullptr ? to_float(w[ch]) : 1.f, bv = b != nullptr ? to_float(b[ch]) : 0.f;
+    return {w != nullptr ? to_float(w[ch]) : 1.f, b != nullptr ? to_float(b[ch]) : 0.f};
+  }
+  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col, const Params<P>& q) const {
     float y[P];
 #pragma unroll
-    for (int i = 0; i < P; ++i) y[i] = ACT::fwd(fmaf(xhat[i], wv, bv));
+    for (int i = 0; i < P; ++i) y[i] = ACT::fwd(fmaf(xhat[i], q.w, q.b));
     store_floats<P>(ptr + row * i64(cols) + col, y);
+  }
+  template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col) const {
+    store<P>(xhat, row, col, params<P>(row, col));
   }
 };
 
@@ -744,7 +785,7 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
                    float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols, int slice, float eps,
                    int groups, int spatial) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, 0>(
+  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_GN_AHEAD>(
       x, i64(cols), GroupAffineActStore<T, W, ACT>{y, w, b, cols, groups, cols / spatial, DivBy(spatial)}, mean, rstd,
       rows, cols, slice, eps);
 #endif
