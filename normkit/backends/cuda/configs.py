@@ -111,6 +111,15 @@ CLUSTER_FWD_SM_THREADS = {("rms", 2, 131072): 1536, ("rms", 2, 262144): 1536,
 # 0.78-0.80 both ways: its L2 reads of the parameters are not waited on one by one); LayerNorm 0.01-0.15 slower
 # (48 registers at its cap: spills)
 CLUSTER_FWD_PARAM_AHEAD = {("rms", 4): 2}
+# The row backward's weight held in registers (row_cluster.cu HOLD_W): the clusters are persistent, each CTA on the
+# same columns every row, so its slice of the weight is read once instead of once a row (from L2 / L1: a third more
+# bytes through L2 than x, dy and dx in 16-bit rows). Run S26-2 (H200, `bash benchmarks/device_s26.sh measure`,
+# `normkit bench` backward, the CUDA backend, rounds A B B A against reading it at each use): bf16 LN 16K / 32K /
+# 128K / 256K 0.76 / 0.71 / 0.63 / 0.47 -> 0.80 / 0.77 / 0.71 / 0.50, RMS 0.78 / 0.77 / 0.66 / 0.52 -> 0.84 / 0.83 /
+# 0.77 / 0.59; fp32 LN 0.63 / 0.59 / 0.53 / 0.49 -> 0.65 / 0.59 / 0.72 / 0.53, RMS 128K / 256K 0.54 / 0.52 -> 0.73 /
+# 0.57-0.62. Everywhere but the widths below, where fp32 RMSNorm's 512-thread CTAs go from 64 to 72 registers: one
+# CTA per SM instead of two (16K / 32K 0.88 / 0.82 -> 0.67 / 0.61).
+CLUSTER_BWD_HOLD_W_OFF = {("rms", 4, n) for n in (8192, 16384, 32768)}
 CLUSTER_SMEM_MAX = 220 * 1024
 # PUSH kernels launch up to this many waves of resident clusters (each cluster walks rows past
 # that): at 64K-256K rows of 2^26 elements this is one row per cluster
@@ -326,8 +335,9 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
     reload_fwd = direction == "fwd" and recompute  # the cap is RELOAD's (the registers kernel holds the slice)
     sm_threads = CLUSTER_FWD_SM_THREADS.get((op, elem_bytes, next_pow2(cols)), 1024) if reload_fwd else 1024
     ahead = CLUSTER_FWD_PARAM_AHEAD.get((op, elem_bytes), 0) if push and direction == "fwd" else 0
+    hold_w = direction == "bwd" and (op, elem_bytes, next_pow2(cols)) not in CLUSTER_BWD_HOLD_W_OFF
     return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass, overlap,
-                       sm_threads, ahead)
+                       sm_threads, ahead, hold_w)
 
 
 # GroupNorm over dense NCHW groups on the same cluster kernels (row_cluster.cu gn_*_cluster; issue 24): a group

@@ -312,6 +312,9 @@ def catalog() -> list[KernelSpec]:
                 specs.append(row_cluster(direction, dtype, torch.float32, None, rms, p, True))
             specs.append(row_cluster(direction, dtype, dtype, "silu", False,
                                      dataclasses.replace(plan, push=True, merge=True), True))
+            for rms in (False, True):  # the weight held in registers (session 26), with an activation's bias
+                specs.append(row_cluster(direction, dtype, torch.float32, "silu", rms,
+                                         dataclasses.replace(plan, push=True, hold_w=True), True))
             # two rows in flight (session 15): three stages, the stage read again; with MERGE and without weights
             p = dataclasses.replace(plan, stages=3, recompute=True, push=True, overlap=True)
             for rms in (False, True):
