@@ -5,6 +5,8 @@
 #                                         cap at 1280 threads per SM (NK_FWD_SM_THREADS), in turn twice: `normkit bench`
 #                                         LN / RMS forward, 64K-256K, the CUDA backend forced (bf16; fp32 in round 1);
 #                                         then the CUDA backend's row cluster tests on the default
+#   bash benchmarks/device_s26.sh tests   the GPU test files (the CUDA backend's apart), its row cluster tests, and the
+#                                         16-bit backward at 16K-256K against torch and torch.compile (`normkit bench`)
 #   bash benchmarks/device_s26.sh measure the row backward's clusters with each CTA's weight slice held in registers
 #                                         over its rows (NK_BWD_HOLD_W=1) against read at each use (=0), rounds A B B A:
 #                                         `normkit bench` LN / RMS backward, bf16 and fp32, 16K-256K; fp32 RMSNorm's
@@ -28,6 +30,14 @@ bwd_ab() {
     grep -v "^#" "$OUT/$1/results.csv" | cut -d, -f2,4,6,8,13,16,18,21 | grep -v "^op"
 }
 case "${1:-ahead}" in
+tests)  # after S26-1 / S26-2's changes: the GPU test files, the CUDA backend's row cluster tests, the backward table
+    gpu_tests 300 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
+        tests/test_fusion_autograd.py
+    gpu_tests 150 cluster.log -n 14 tests/test_cuda_backend.py -k "(cluster and not gn) or bias_at_cluster or launches"
+    bench 150 --ops ln,rms --dtypes bf16 --dirs bwd --widths 16384,32768,65536,131072,262144 --peers torch,compile \
+        --no-host --out "$OUT/bwd"
+    grep -v "^#" "$OUT/bwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
+    ;;
 ahead)
     for rep in 1 2; do
         dtypes=bf16; [ "$rep" = 1 ] && dtypes=bf16,fp32
