@@ -7,6 +7,9 @@
 #                                         then the CUDA backend's row cluster tests on the default
 #   bash benchmarks/device_s26.sh tests   the GPU test files (the CUDA backend's apart), its row cluster tests, and the
 #                                         16-bit backward at 16K-256K against torch and torch.compile (`normkit bench`)
+#   bash benchmarks/device_s26.sh hold    RMSNorm's bf16 forward at 128K / 256K on persistent clusters (one or two waves)
+#                                         holding each CTA's weight slice in registers over its rows (NK_FWD_HOLD=1),
+#                                         against the committed kernel and the same shapes without it (widefwd_sweep.py)
 #   bash benchmarks/device_s26.sh measure the row backward's clusters with each CTA's weight slice held in registers
 #                                         over its rows (NK_BWD_HOLD_W=1) against read at each use (=0), rounds A B B A:
 #                                         `normkit bench` LN / RMS backward, bf16 and fp32, 16K-256K; fp32 RMSNorm's
@@ -47,6 +50,13 @@ ahead)
         fwd_ab "a1-$rep" "NK_PARAM_AHEAD=1" "$dtypes"
     done
     gpu_tests 150 cluster.log -n 14 tests/test_cuda_backend.py -k "cluster and not gn"
+    ;;
+hold)  # the wide forward on persistent clusters holding their parameters over the rows (NK_FWD_HOLD), RMSNorm bf16
+    H="NK_FWD_HOLD=1.NK_FWD_SM_THREADS=1024" C="NK_FWD_SM_THREADS=1024"
+    timeout 420 python3 benchmarks/widefwd_sweep.py --out "$OUT/hold" --budget 360 --parts check,time \
+        --checks variants --ops rms --dtypes bf16 --widths 131072,262144 --repeat 2 \
+        --variants "normkit,256x4x1@1%$H,256x4x2@1%$H,256x4x2@1%$C,256x4x1%$H,256x4x2@2%$H" > "$OUT/hold.log" 2>&1
+    echo "hold rc $?"; grep -E "CHECKS|FAIL|rror|N=" "$OUT/hold.log" | cut -c1-200
     ;;
 measure)
     for v in h0-1:0 h1-1:1 h1-2:1 h0-2:0; do bwd_ab "bwd-${v%%:*}" "NK_BWD_HOLD_W=${v##*:}"; done

@@ -319,7 +319,7 @@ __device__ __forceinline__ float thread_sum(const PACK& pack, int valid, bool sq
 template <int AHEAD, typename OUT, int P> struct ParamsOf { typedef typename OUT::template Params<P> type; };
 template <typename OUT, int P> struct ParamsOf<0, OUT, P> { typedef int type; };
 template <typename T, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH, bool MERGE,
-          bool ONE_PASS, int AHEAD_MAX, typename OUT>
+          bool ONE_PASS, int AHEAD_MAX, bool HOLD, typename OUT>
 __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_stride, const OUT& out,
                                             float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                                             int slice, float eps) {
@@ -330,7 +330,7 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   constexpr int PASSES = RMS || PUSH ? 1 : 2;
   // packs whose parameters are in flight ahead of their stores
   constexpr int AHEAD = AHEAD_MAX < ITEMS ? AHEAD_MAX : ITEMS;
-  using Prm = typename ParamsOf<AHEAD, OUT, P>::type;
+  using Prm = typename ParamsOf<AHEAD + int(HOLD), OUT, P>::type;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ cl::Barrier bars[STAGES];
   __shared__ cl::Barrier xbars[2];                                // PUSH: the exchange's, per row parity
@@ -350,6 +350,14 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   int valid = 0;  // this thread's packs inside the slice
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) valid += (tid + k * THREADS) * P < s.n ? 1 : 0;
+  // HOLD: every pack's parameters loaded once, before the first row, and held over the rows the CTA takes (its
+  // columns are the same every row: a persistent cluster reads them once instead of once a row)
+  Prm held[HOLD ? ITEMS : 1];
+  if constexpr (HOLD) {
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+      if (k < valid) held[k] = out.template params<P>(0, s.c0 + (tid + k * THREADS) * P);
+  }
   int it = 0;
   for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
     const float shift = shift_next;
@@ -452,7 +460,9 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 #pragma unroll
         for (int i = 0; i < P; ++i) f[i] = (f[i] - mu) * r;
         const int col = s.c0 + (tid + k * THREADS) * P;
-        if constexpr (AHEAD > 0) {
+        if constexpr (HOLD) {
+          out.template store<P>(f, row, col, held[HOLD ? k : 0]);
+        } else if constexpr (AHEAD > 0) {
           const Prm q = ahead[k % AHEAD];
           if (k + AHEAD < ITEMS && k + AHEAD < valid)
             ahead[k % AHEAD] = out.template params<P>(row, col + AHEAD * THREADS * P);
@@ -475,6 +485,9 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 // AHEAD: the packs whose weight and bias a thread fetches ahead of their stores (configs.py CLUSTER_FWD_PARAM_AHEAD):
 // every CTA of every row reads them from L2, and fetched next to its store each pack waits a round trip.
 // NK_PARAM_AHEAD (a define, for A/B runs through NORMKIT_CUDA_DEFINES) replaces it in every row forward.
+#ifndef NK_FWD_HOLD
+#define NK_FWD_HOLD 0  // (an experiment: the parameters held over the rows, row_fwd_cluster's HOLD)
+#endif
 #ifdef NK_PARAM_AHEAD
 #define NK_AHEAD(plan) NK_PARAM_AHEAD
 #else
@@ -495,7 +508,7 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? NK_SM_THREADS(SM_THREADS) / 
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_AHEAD(AHEAD)>(
+  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_AHEAD(AHEAD), NK_FWD_HOLD != 0>(
       x, x_stride, AffineActStore<T, W, ACT, !RMS>{y, y_stride, w, b}, mean, rstd, rows, cols, slice, eps);
 #endif
 }
@@ -774,7 +787,7 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
                    int groups, int spatial) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // (no parameters ahead: run S26-2, NK_GN_AHEAD 1 / 2, bf16 0.01-0.06 slower, fp32 within 0.01)
-  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, 0>(
+  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, 0, false>(
       x, i64(cols), GroupAffineActStore<T, W, ACT>{y, w, b, cols, groups, cols / spatial, DivBy(spatial)}, mean, rstd,
       rows, cols, slice, eps);
 #endif
