@@ -5,8 +5,9 @@
 #                                         cap at 1280 threads per SM (NK_FWD_SM_THREADS), in turn twice: `normkit bench`
 #                                         LN / RMS forward, 64K-256K, the CUDA backend forced (bf16; fp32 in round 1);
 #                                         then the CUDA backend's row cluster tests on the default
-#   bash benchmarks/device_s26.sh tests   the GPU test files (the CUDA backend's apart), its row cluster tests, and the
-#                                         16-bit backward at 16K-256K against torch and torch.compile (`normkit bench`)
+#   bash benchmarks/device_s26.sh tests   the GPU test files (the CUDA backend's apart) and its row cluster tests
+#   bash benchmarks/device_s26.sh table   `normkit bench`: the bf16 backward at 16K-256K, the bf16 / fp32 forward at
+#                                         64K-256K, against torch and torch.compile
 #   bash benchmarks/device_s26.sh hold    RMSNorm's bf16 forward at 128K / 256K on persistent clusters (one or two waves)
 #                                         holding each CTA's weight slice in registers over its rows (NK_FWD_HOLD=1),
 #                                         against the committed kernel and the same shapes without it (widefwd_sweep.py)
@@ -33,13 +34,19 @@ bwd_ab() {
     grep -v "^#" "$OUT/$1/results.csv" | cut -d, -f2,4,6,8,13,16,18,21 | grep -v "^op"
 }
 case "${1:-ahead}" in
-tests)  # after S26-1 / S26-2's changes: the GPU test files, the CUDA backend's row cluster tests, the backward table
-    gpu_tests 300 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
+tests)  # after session 26's kernel changes: the GPU test files, the CUDA backend's row cluster tests
+    gpu_tests 320 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
         tests/test_fusion_autograd.py
-    gpu_tests 150 cluster.log -n 14 tests/test_cuda_backend.py -k "(cluster and not gn) or bias_at_cluster or launches"
-    bench 150 --ops ln,rms --dtypes bf16 --dirs bwd --widths 16384,32768,65536,131072,262144 --peers torch,compile \
+    gpu_tests 170 cluster.log -n 14 tests/test_cuda_backend.py \
+        -k "(cluster and not gn) or bias_at_cluster or launches or held or spills"
+    ;;
+table)  # the 16-bit backward at 16K-256K and forward at 64K-256K against torch and torch.compile
+    bench 200 --ops ln,rms --dtypes bf16 --dirs bwd --widths 16384,32768,65536,131072,262144 --peers torch,compile \
         --no-host --out "$OUT/bwd"
     grep -v "^#" "$OUT/bwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
+    bench 150 --ops ln,rms --dtypes bf16,fp32 --dirs fwd --widths 65536,131072,262144 --peers torch,compile \
+        --no-host --out "$OUT/fwd"
+    grep -v "^#" "$OUT/fwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
     ;;
 ahead)
     for rep in 1 2; do

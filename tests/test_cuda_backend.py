@@ -480,6 +480,15 @@ def test_cluster_plans():
         assert configs.plan_cluster("fwd", n, eb, (256, 8, 1, False, True), op=op).sm_threads == 1024  # registers
     assert configs.plan_cluster("fwd", 131072, 2, op="rms").sm_threads != configs.plan_cluster("fwd", 131072, 2).sm_threads
     assert configs.plan_cluster("fwd", 32768, 2, op="rms").sm_threads == 1024
+    # the forwards holding their parameters over the rows (session 26): their shape and cap, padded widths too; a
+    # shape given (the sweeps') takes the usual plan
+    for (op, eb, n), (shape, cap) in configs.CLUSTER_FWD_HOLD.items():
+        for cols in (n, n - 8 * 100):
+            p = configs.plan_cluster("fwd", cols, eb, op=op)
+            assert p.hold_w and p.sm_threads == cap and (p.items, p.stages) == shape[1:3] and cap % p.threads == 0
+            assert p.threads * p.items * (16 // eb) * p.cluster >= cols and not p.ahead
+        assert not configs.plan_cluster("fwd", n, eb, shape, op=op).hold_w
+        assert not configs.plan_cluster("fwd", n, eb, op="ln" if op == "rms" else "rms").hold_w
 
 
 def test_gn_cluster_plans():
@@ -680,16 +689,23 @@ def test_cluster_launches(cluster_recorded):
     plan = configs.plan_cluster("fwd", 65536, 2)
     flags = ", ".join("true" if f else "false" for f in (plan.recompute, plan.push, plan.merge, plan.one_pass))
     assert name == (f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, "
-                    f"{plan.stages}, {flags}, {plan.sm_threads}, {plan.ahead}>")
+                    f"{plan.stages}, {flags}, {plan.sm_threads}, {plan.ahead}, false>")
     assert cl == plan.cluster and grid == (p.grid_clusters(300) * cl, 1, 1) and block == (plan.threads, 1, 1)
-    # RMSNorm at 128K: the register cap of CLUSTER_FWD_SM_THREADS in the kernel's name (its __launch_bounds__)
+    # LayerNorm at 128K: the register cap of CLUSTER_FWD_SM_THREADS in the kernel's name (its __launch_bounds__)
+    p = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, False, False, 0)
+    assert p.plan.sm_threads == configs.CLUSTER_FWD_SM_THREADS[("ln", 2, 131072)]
+    assert p.kernel.spec.name == ("nk::row_fwd_cluster<__nv_bfloat16, __nv_bfloat16, nk::Identity, false, "
+                                  f"{p.plan.threads}, {p.plan.items}, 1, true, true, false, true, 1280, 0, false>")
+    # RMSNorm at 128K: CLUSTER_FWD_HOLD's plan (the parameters held, its own cap), on one wave of clusters
     p = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, True, False, 0)
-    assert p.plan.sm_threads == configs.CLUSTER_FWD_SM_THREADS[("rms", 2, 131072)]
-    assert p.kernel.spec.name == ("nk::row_fwd_cluster<__nv_bfloat16, __nv_bfloat16, nk::Identity, true, "
-                                  f"{p.plan.threads}, {p.plan.items}, 1, true, true, false, true, 1536, 0>")
+    shape, cap = configs.CLUSTER_FWD_HOLD[("rms", 2, 131072)]
+    assert p.plan.hold_w and p.plan.sm_threads == cap and (p.plan.threads, p.plan.items, p.plan.stages) == shape[:3]
+    assert p.kernel.spec.name.endswith(f", {cap}, 0, true>")
+    walking = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, False, False, 0)
+    assert p.clusters < walking.clusters  # one wave against CLUSTER_PUSH_WAVES
     # and the parameters fetched ahead (CLUSTER_FWD_PARAM_AHEAD) in fp32 RMSNorm's
     p = cluster.prepare("fwd", 131072, torch.float32, torch.float32, None, True, False, 0)
-    assert p.kernel.spec.name.endswith(", 1536, 2>")
+    assert p.kernel.spec.name.endswith(", 1536, 2, false>")
     assert smem == plan.smem and args[-4:] == [300, 65536, plan.slice, 1e-5]
     # backward: one partial row per cluster, the dx kernel with the weight-gradient sums
     p = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0)
@@ -747,7 +763,7 @@ def test_push_forward_launches_many_clusters(cluster_recorded, monkeypatch):
     x = torch.empty(5000, 65536, dtype=torch.bfloat16)
     cluster.launch_fwd(p, x, torch.empty_like(x), None, None, None, torch.empty(5000), 1e-6)
     name, grid, block, smem, args, cl = cluster_recorded[-1]
-    assert name.endswith(", 256, 8, 1, true, true, false, false, 1024, 0>") and cl == 4
+    assert name.endswith(", 256, 8, 1, true, true, false, false, 1024, 0, false>") and cl == 4
     # fp32 RMSNorm fetches its weight packs ahead (CLUSTER_FWD_PARAM_AHEAD, session 26); LayerNorm and 16-bit rows do not
     assert configs.plan_cluster("fwd", 131072, 4, op="rms").ahead == 2
     assert configs.plan_cluster("fwd", 131072, 4, op="ln").ahead == configs.plan_cluster("fwd", 131072, 2, op="rms").ahead == 0
@@ -1256,6 +1272,7 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
     eb = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setitem(configs.CLUSTER_KERNELS, ("fwd", eb), shape)
     monkeypatch.setattr(configs, "CLUSTER_SHAPES", {})
+    monkeypatch.setattr(configs, "CLUSTER_FWD_HOLD", {})  # (test_held_parameters_forward_matches_oracle's)
     for kind in ("ln", "rms"):
         monkeypatch.setitem(configs.CLUSTER_WIDTHS, ("fwd", kind, eb), (16384, 262144))
     if waves is not None:
@@ -1282,6 +1299,46 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
             assert_close(y, y_ref, TOL[dtype], what)
             assert_close(rstd, rstd_ref, 1e-4 if offset else 2e-5, what + " rstd")
             y2 = cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)[0]
+            assert torch.equal(y.nan_to_num(), y2.nan_to_num()), what
+    finally:
+        cluster.prepare.cache_clear()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32, None], ids=["w-bf16", "w-fp32", "no-w"])
+@pytest.mark.parametrize("op", OPS)
+def test_held_parameters_forward_matches_oracle(op, wdtype, cuda_poison, monkeypatch):
+    """The forward on one wave of persistent clusters holding their parameters over their rows (CLUSTER_FWD_HOLD,
+    session 26), for both ops, at widths that are not powers of two and row counts from one to many walks per cluster,
+    rows offset by 1e4, a NaN confined to its row, the same bits twice."""
+    from normkit.backends.cuda import cluster
+    monkeypatch.setattr(configs, "CLUSTER_FWD_HOLD", {(k, 2, n): ((256, 4, 2, True, True), 1024)
+                                                      for k in ("ln", "rms") for n in (65536, 131072, 262144)})
+    for kind in ("ln", "rms"):
+        monkeypatch.setitem(configs.CLUSTER_WIDTHS, ("fwd", kind, 2), (32768, 262144))
+    cluster.prepare.cache_clear()
+    rms = op == "rms_norm"
+    try:
+        for m, n, offset in [(1, 65536, 0.0), (700, 65536, 0.0), (3, 200000, 0.0), (257, 131072, 1e4),
+                             (40, 131064, 0.0)]:
+            x = (randn(m, n, device=DEVICE) * 2 + 0.5 + offset).to(torch.bfloat16)
+            if m >= 3:
+                x[m // 2, n // 3] = math.nan
+            w = None if wdtype is None else randn(n, device=DEVICE).to(wdtype)
+            b = None if rms or wdtype is None else randn(n, device=DEVICE).to(wdtype)
+            p = cb._on_clusters("fwd", x, (), w, b, None, rms)
+            assert p is not None and p.plan.hold_w and p.plan.stages == 2
+            y, mean, rstd = cb.row_norm_fwd(x, w, b, 1e-5, rms)
+            what = f"held {op} {m}x{n} w {wdtype} offset {offset}"
+            if rms:
+                y_ref, rstd_ref = ref.rms_norm(x, (n,), w, 1e-5)
+            else:
+                y_ref, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b, 1e-5)
+                assert_close(mean, mean_ref, 1e-6, what + " mean")
+            assert_close(y, y_ref, TOL[torch.bfloat16], what)
+            assert_close(rstd, rstd_ref, 1e-4 if offset else 2e-5, what + " rstd")
+            y2 = cb.row_norm_fwd(x, w, b, 1e-5, rms)[0]
             assert torch.equal(y.nan_to_num(), y2.nan_to_num()), what
     finally:
         cluster.prepare.cache_clear()

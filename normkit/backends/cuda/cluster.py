@@ -117,7 +117,8 @@ def _prepared(plan, spec, index: int, direction: str) -> Prepared | None:
     if not kernel.smem_fits(plan.smem):
         return None
     clusters = kernel.max_active_clusters(plan.threads, plan.smem, plan.cluster)
-    waves = configs.CLUSTER_PUSH_WAVES if plan.push and direction == "fwd" else 1
+    # (a forward holding its parameters over its rows: one wave, each cluster walking rows)
+    waves = configs.CLUSTER_PUSH_WAVES if plan.push and direction == "fwd" and not plan.hold_w else 1
     return Prepared(plan, kernel, clusters * waves) if clusters > 0 else None
 
 

@@ -101,8 +101,8 @@ CLUSTER_SHAPES = {
 # 128K 0.66 / 0.68 / 0.64, 256K 0.60 / 0.63 / 0.61, but 32K level at 1280 and 64K (128-thread CTAs) 0.72 / 0.68 / 0.65.
 # fp32 (run S23-2, `... caps`, the CUDA backend, 40 registers at 1536, no spills), 1024 / 1536: LN 64K 0.75 / 0.81,
 # 128K 0.63 / 0.75, 256K 0.57 / 0.66; RMS 64K 0.86 / 0.91, 128K 0.74 / 0.78, 256K 0.69 / 0.76; 32K level (0.80-0.90)
-CLUSTER_FWD_SM_THREADS = {("rms", 2, 131072): 1536, ("rms", 2, 262144): 1536,
-                          ("ln", 2, 131072): 1280, ("ln", 2, 262144): 1280,
+# (RMSNorm's 16-bit 128K-256K: CLUSTER_FWD_HOLD's plans since session 26, with their own caps)
+CLUSTER_FWD_SM_THREADS = {("ln", 2, 131072): 1280, ("ln", 2, 262144): 1280,
                           **{(op, 4, n): 1536 for op in ("ln", "rms") for n in (65536, 131072, 262144)}}
 # The push forward's parameters fetched ahead: each pack's weight (and bias) loaded that many packs before its store, the
 # first ones before the row's sums (row_cluster.cu AHEAD), per (op, element bytes); else 0 (next to its store). Run
@@ -120,6 +120,15 @@ CLUSTER_FWD_PARAM_AHEAD = {("rms", 4): 2}
 # 0.57-0.62. Everywhere but the widths below, where fp32 RMSNorm's 512-thread CTAs go from 64 to 72 registers: one
 # CTA per SM instead of two (16K / 32K 0.88 / 0.82 -> 0.67 / 0.61).
 CLUSTER_BWD_HOLD_W_OFF = {("rms", 4, n) for n in (8192, 16384, 32768)}
+# The push forward on one wave of persistent clusters holding each CTA's parameters in registers over its rows
+# (row_cluster.cu HOLD), per (op, element bytes, padded width): (shape, SM_THREADS cap). 4 packs a thread (16 more
+# registers for the weight), two stages so the next row loads during this one's stores. Runs S26-3 / S26-4 (H200,
+# `bash benchmarks/device_s26.sh hold` and its variants, widefwd_sweep.py, two rounds each): RMSNorm bf16 128K
+# 0.819-0.826 -> 0.850-0.854 (768 threads per SM; 1024: 0.834-0.839), 256K 0.787-0.792 -> 0.844-0.855 (512-thread
+# CTAs, 1024); the same shapes without holding 0.79 / 0.75-0.76, one stage 0.70 / 0.62. LayerNorm (weight and bias,
+# 32 registers) spills at every cap that keeps 3 CTAs per SM: 0.35-0.43 against 0.62-0.68, not used.
+CLUSTER_FWD_HOLD = {("rms", 2, 131072): ((256, 4, 2, True, True), 768),
+                    ("rms", 2, 262144): ((256, 4, 2, True, True), 1024)}
 CLUSTER_SMEM_MAX = 220 * 1024
 # PUSH kernels launch up to this many waves of resident clusters (each cluster walks rows past
 # that): at 64K-256K rows of 2^26 elements this is one row per cluster
@@ -296,7 +305,8 @@ class ClusterPlan:
     overlap: bool = False  # push backward: two rows in flight (OVERLAP)
     sm_threads: int = 1024  # RELOAD forward: the threads per SM its registers are capped for (SM_THREADS)
     ahead: int = 0  # push forward: the packs whose weight and bias are fetched ahead of their stores (AHEAD)
-    hold_w: bool = False  # row backward: the CTA's weight slice held in registers over its rows (HOLD_PLAN)
+    hold_w: bool = False  # the CTA's weight slice held in registers over its rows (backward: HOLD_PLAN; push
+    #                       forward: HOLD, with its bias, on one wave of persistent clusters)
 
 
 def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str = "ln") -> ClusterPlan | None:
@@ -304,7 +314,8 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
     shape: (threads, items, stages[, recompute[, push[, merge[, one_pass (forward) / overlap (backward)]]]]);
     default: CLUSTER_SHAPES' for the width, else CLUSTER_KERNELS'."""
-    shape = shape or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
+    hold = CLUSTER_FWD_HOLD.get((op, elem_bytes, next_pow2(cols))) if direction == "fwd" and not shape else None
+    shape = shape or (hold[0] if hold else None) or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
         or CLUSTER_KERNELS[(direction, elem_bytes)]
     threads, items, stages, *rest = shape
     recompute = bool(rest and rest[0])
@@ -334,8 +345,10 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
         return None
     reload_fwd = direction == "fwd" and recompute  # the cap is RELOAD's (the registers kernel holds the slice)
     sm_threads = CLUSTER_FWD_SM_THREADS.get((op, elem_bytes, next_pow2(cols)), 1024) if reload_fwd else 1024
-    ahead = CLUSTER_FWD_PARAM_AHEAD.get((op, elem_bytes), 0) if push and direction == "fwd" else 0
-    hold_w = direction == "bwd" and (op, elem_bytes, next_pow2(cols)) not in CLUSTER_BWD_HOLD_W_OFF
+    if hold:
+        sm_threads = hold[1]
+    ahead = CLUSTER_FWD_PARAM_AHEAD.get((op, elem_bytes), 0) if push and direction == "fwd" and not hold else 0
+    hold_w = bool(hold) if direction == "fwd" else (op, elem_bytes, next_pow2(cols)) not in CLUSTER_BWD_HOLD_W_OFF
     return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass, overlap,
                        sm_threads, ahead, hold_w)
 

@@ -111,7 +111,7 @@ def row_cluster(direction: str, dtype, wdtype, activation, rms: bool, plan: conf
     if direction == "fwd":
         return KernelSpec("row_cluster.cu",
                           f"nk::row_fwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {flags}, {plan.sm_threads}, "
-                          f"{plan.ahead}>",
+                          f"{plan.ahead}, {_b(plan.hold_w)}>",
                           ROW_FWD_CLUSTER_PARAMS)
     return KernelSpec("row_cluster.cu",
                       f"nk::row_bwd_cluster<{t}, {w}, {a}, {_b(rms)}, {shape}, {_b(want_params)}, {_b(plan.recompute)}, "
@@ -301,9 +301,11 @@ def catalog() -> list[KernelSpec]:
                         for sm_threads in sorted(set(configs.CLUSTER_FWD_SM_THREADS.values())):
                             specs.append(row_cluster(direction, dtype, torch.float32, act, rms,
                                                      dataclasses.replace(p, sm_threads=sm_threads)))
-                        # the parameters fetched ahead (CLUSTER_FWD_PARAM_AHEAD, session 26)
+                        # the parameters fetched ahead, or held over the rows (session 26)
                         specs.append(row_cluster(direction, dtype, torch.float32, act, rms,
                                                  dataclasses.replace(p, ahead=2)))
+                        specs.append(row_cluster(direction, dtype, torch.float32, act, rms,
+                                                 dataclasses.replace(p, hold_w=True, stages=2)))
         specs.append(row_cluster(direction, torch.float16, torch.float16, "gelu", False, plan, direction == "bwd"))
         if direction == "bwd":  # one value per CTA in the exchange (session 10); the push exchange (session 14)
             specs.append(row_cluster(direction, dtype, torch.float32, None, False, dataclasses.replace(plan, merge=True), True))

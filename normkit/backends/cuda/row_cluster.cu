@@ -485,8 +485,12 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 // AHEAD: the packs whose weight and bias a thread fetches ahead of their stores (configs.py CLUSTER_FWD_PARAM_AHEAD):
 // every CTA of every row reads them from L2, and fetched next to its store each pack waits a round trip.
 // NK_PARAM_AHEAD (a define, for A/B runs through NORMKIT_CUDA_DEFINES) replaces it in every row forward.
-#ifndef NK_FWD_HOLD
-#define NK_FWD_HOLD 0  // (an experiment: the parameters held over the rows, row_fwd_cluster's HOLD)
+// HOLD: the parameters held over a persistent cluster's rows (configs.py CLUSTER_FWD_HOLD); NK_FWD_HOLD (a define, for
+// A/B runs) replaces it in every row forward
+#ifdef NK_FWD_HOLD
+#define NK_HOLD_FWD(plan) (NK_FWD_HOLD != 0)
+#else
+#define NK_HOLD_FWD(plan) (plan)
 #endif
 #ifdef NK_PARAM_AHEAD
 #define NK_AHEAD(plan) NK_PARAM_AHEAD
@@ -502,13 +506,13 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 #define NK_SM_THREADS(table) (table)
 #endif
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
-          bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024, int AHEAD = 0>
+          bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024, int AHEAD = 0, bool HOLD = false>
 __global__ void __launch_bounds__(THREADS, RELOAD ? NK_SM_THREADS(SM_THREADS) / THREADS : 1)
     row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_AHEAD(AHEAD), NK_FWD_HOLD != 0>(
+  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_AHEAD(AHEAD), NK_HOLD_FWD(HOLD)>(
       x, x_stride, AffineActStore<T, W, ACT, !RMS>{y, y_stride, w, b}, mean, rstd, rows, cols, slice, eps);
 #endif
 }
