@@ -40,7 +40,8 @@ tests)  # after session 26's kernel changes: the GPU test files, the CUDA backen
     gpu_tests 170 cluster.log -n 14 tests/test_cuda_backend.py \
         -k "(cluster and not gn) or bias_at_cluster or launches or held or spills"
     ;;
-table)  # the 16-bit backward at 16K-256K and forward at 64K-256K against torch and torch.compile
+table)  # the 16-bit backward at 16K-256K and forward at 64K-256K against torch and torch.compile; the spill checks again
+    gpu_tests 60 spills.log tests/test_cuda_backend.py -k "spills"
     bench 200 --ops ln,rms --dtypes bf16 --dirs bwd --widths 16384,32768,65536,131072,262144 --peers torch,compile \
         --no-host --out "$OUT/bwd"
     grep -v "^#" "$OUT/bwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"

@@ -577,7 +577,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int k = 0; k < ACC; ++k)
 #pragma unroll
     for (int i = 0; i < P; ++i) dw_acc[k][i] = db_acc[k][i] = 0.f;
-  constexpr bool HOLD_W = NK_HOLD(HOLD_PLAN);
+  // (a weight wider than x not in the RECOMPUTE kernels: at their 128-register cap, 256K bf16 rows with an fp32 weight
+  // spilled under CUDA 13's ptxas)
+  constexpr bool HOLD_W = NK_HOLD(HOLD_PLAN) && (sizeof(W) <= sizeof(T) || !RECOMPUTE);
   Words<W, P> w_held[HOLD_W ? ITEMS : 1];
   if constexpr (HOLD_W) {
 #pragma unroll
