@@ -1257,6 +1257,21 @@ PUSH_SHAPES = [(256, 8, 1, True, True), (256, 8, 1, False, True), (128, 8, 2, Tr
                (128, 8, 2, True, True, True, True), (256, 8, 1, True, True, False, True)]
 
 
+def _check_cuda_fwd(x, w, b, rms, offset, what):
+    """The CUDA backend's forward of rows x against the float64 oracle (y, mean, rstd), and the same bits twice."""
+    n = x.shape[-1]
+    y, mean, rstd = cb.row_norm_fwd(x, w, b, 1e-5, rms)
+    if rms:
+        y_ref, rstd_ref = ref.rms_norm(x, (n,), w, 1e-5)
+    else:
+        y_ref, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b, 1e-5)
+        assert_close(mean, mean_ref, 1e-6, what + " mean")
+    assert_close(y, y_ref, TOL[x.dtype], what)
+    assert_close(rstd, rstd_ref, 1e-4 if offset else 2e-5, what + " rstd")
+    y2 = cb.row_norm_fwd(x, w, b, 1e-5, rms)[0]
+    assert torch.equal(y.nan_to_num(), y2.nan_to_num()), what
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("waves", [None, 1], ids=["rows", "walking"])
@@ -1289,17 +1304,7 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
             p = cb._on_clusters("fwd", x, (), w, None if rms else b, None, rms)
             assert p is not None and p.plan.push and p.plan.recompute == shape[3]
             assert (p.plan.merge, p.plan.one_pass) == (tuple(shape[5:]) + (False, False))[:2]
-            y, mean, rstd = cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)
-            what = f"push {op} {m}x{n} {dtype} offset {offset}"
-            if rms:
-                y_ref, rstd_ref = ref.rms_norm(x, (n,), w, 1e-5)
-            else:
-                y_ref, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b, 1e-5)
-                assert_close(mean, mean_ref, 1e-6, what + " mean")
-            assert_close(y, y_ref, TOL[dtype], what)
-            assert_close(rstd, rstd_ref, 1e-4 if offset else 2e-5, what + " rstd")
-            y2 = cb.row_norm_fwd(x, w, None if rms else b, 1e-5, rms)[0]
-            assert torch.equal(y.nan_to_num(), y2.nan_to_num()), what
+            _check_cuda_fwd(x, w, None if rms else b, rms, offset, f"push {op} {m}x{n} {dtype} offset {offset}")
     finally:
         cluster.prepare.cache_clear()
 
@@ -1329,17 +1334,7 @@ def test_held_parameters_forward_matches_oracle(op, wdtype, cuda_poison, monkeyp
             b = None if rms or wdtype is None else randn(n, device=DEVICE).to(wdtype)
             p = cb._on_clusters("fwd", x, (), w, b, None, rms)
             assert p is not None and p.plan.hold_w and p.plan.stages == 2
-            y, mean, rstd = cb.row_norm_fwd(x, w, b, 1e-5, rms)
-            what = f"held {op} {m}x{n} w {wdtype} offset {offset}"
-            if rms:
-                y_ref, rstd_ref = ref.rms_norm(x, (n,), w, 1e-5)
-            else:
-                y_ref, mean_ref, rstd_ref = ref.layer_norm(x, (n,), w, b, 1e-5)
-                assert_close(mean, mean_ref, 1e-6, what + " mean")
-            assert_close(y, y_ref, TOL[torch.bfloat16], what)
-            assert_close(rstd, rstd_ref, 1e-4 if offset else 2e-5, what + " rstd")
-            y2 = cb.row_norm_fwd(x, w, b, 1e-5, rms)[0]
-            assert torch.equal(y.nan_to_num(), y2.nan_to_num()), what
+            _check_cuda_fwd(x, w, b, rms, offset, f"held {op} {m}x{n} w {wdtype} offset {offset}")
     finally:
         cluster.prepare.cache_clear()
 
