@@ -313,7 +313,8 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
     """The cluster kernel's plan for rows of `cols` columns of op "ln" or "rms", or None when they cannot take it
     (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
     shape: (threads, items, stages[, recompute[, push[, merge[, one_pass (forward) / overlap (backward)]]]]);
-    default: CLUSTER_SHAPES' for the width, else CLUSTER_KERNELS'."""
+    default: CLUSTER_FWD_HOLD's for the (op, width) (the forward holding its parameters), else CLUSTER_SHAPES' for the
+    width, else CLUSTER_KERNELS'."""
     hold = CLUSTER_FWD_HOLD.get((op, elem_bytes, next_pow2(cols))) if direction == "fwd" and not shape else None
     shape = shape or (hold[0] if hold else None) or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
         or CLUSTER_KERNELS[(direction, elem_bytes)]

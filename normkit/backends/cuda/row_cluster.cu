@@ -483,7 +483,7 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 }
 
 // AHEAD: the packs whose weight and bias a thread fetches ahead of their stores (configs.py CLUSTER_FWD_PARAM_AHEAD):
-// every CTA of every row reads them from L2, and fetched next to its store each pack waits a round trip.
+// fetched next to its store each pack waits an L2 round trip, which showed in fp32 rows only (S26-1: 16-bit rows hid it).
 // NK_PARAM_AHEAD (a define, for A/B runs through NORMKIT_CUDA_DEFINES) replaces it in every row forward.
 // HOLD: the parameters held over a persistent cluster's rows (configs.py CLUSTER_FWD_HOLD); NK_FWD_HOLD (a define, for
 // A/B runs) replaces it in every row forward
