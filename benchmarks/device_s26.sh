@@ -19,20 +19,18 @@
 #                                         0 / 1 / 2) at the routed shapes (gn_sweep.py, default routes)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
-# fwd_ab NAME DEFINES DTYPES: the wide forward under NORMKIT_CUDA_DEFINES=DEFINES into $OUT/NAME, its table lines
-fwd_ab() {
-    echo "== $1 ($2)"
-    NORMKIT_CUDA_DEFINES="$2" NORMKIT_HOST=0 bench 80 --ops ln,rms --dtypes "$3" --dirs fwd \
-        --widths 65536,131072,262144 --normkit cuda --peers none --no-host --out "$OUT/$1"
-    grep -v "^#" "$OUT/$1/results.csv" | cut -d, -f2,4,6,8,13,16,18,21 | grep -v "^op"
+# cuda_ab NAME DEFINES SECONDS ARGS...: `normkit bench ARGS` on the CUDA backend (no peers, no host table) under
+# NORMKIT_CUDA_DEFINES=DEFINES into $OUT/NAME, its table lines
+cuda_ab() {
+    local name=$1 defines=$2 t=$3; shift 3
+    echo "== $name ($defines)"
+    NORMKIT_CUDA_DEFINES="$defines" NORMKIT_HOST=0 bench "$t" "$@" --normkit cuda --peers none --no-host \
+        --out "$OUT/$name"
+    grep -v "^#" "$OUT/$name/results.csv" | cut -d, -f2,4,6,8,13,16,18,21 | grep -v "^op"
 }
-# bwd_ab NAME DEFINES: the row backward under NORMKIT_CUDA_DEFINES=DEFINES into $OUT/NAME, its table lines
-bwd_ab() {
-    echo "== $1 ($2)"
-    NORMKIT_CUDA_DEFINES="$2" NORMKIT_HOST=0 bench 100 --ops ln,rms --dtypes bf16,fp32 --dirs bwd \
-        --widths 16384,32768,131072,262144 --normkit cuda --peers none --no-host --out "$OUT/$1"
-    grep -v "^#" "$OUT/$1/results.csv" | cut -d, -f2,4,6,8,13,16,18,21 | grep -v "^op"
-}
+# fwd_ab NAME DEFINES DTYPES: the wide forward; bwd_ab NAME DEFINES: the row backward
+fwd_ab() { cuda_ab "$1" "$2" 80 --ops ln,rms --dtypes "$3" --dirs fwd --widths 65536,131072,262144; }
+bwd_ab() { cuda_ab "$1" "$2" 100 --ops ln,rms --dtypes bf16,fp32 --dirs bwd --widths 16384,32768,131072,262144; }
 case "${1:-ahead}" in
 tests)  # after session 26's kernel changes: the GPU test files, the CUDA backend's row cluster tests
     gpu_tests 320 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
@@ -69,11 +67,11 @@ hold)  # the wide forward on persistent clusters holding their parameters over t
 measure)
     for v in h0-1:0 h1-1:1 h1-2:1 h0-2:0; do bwd_ab "bwd-${v%%:*}" "NK_BWD_HOLD_W=${v##*:}"; done
     for v in a0-1:0 a2-1:2 a2-2:2 a0-2:0; do
-        echo "== rms fp32 forward ${v%%:*}"
-        NORMKIT_CUDA_DEFINES="NK_PARAM_AHEAD=${v##*:}" NORMKIT_HOST=0 bench 60 --ops rms --dtypes fp32 --dirs fwd \
-            --widths 32768,65536,131072,262144 --normkit cuda --peers none --no-host --out "$OUT/fwd-${v%%:*}"
-        grep -v "^#" "$OUT/fwd-${v%%:*}/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
+        cuda_ab "fwd-${v%%:*}" "NK_PARAM_AHEAD=${v##*:}" 60 --ops rms --dtypes fp32 --dirs fwd \
+            --widths 32768,65536,131072,262144
     done
+    # (NK_GN_AHEAD is in the kernels of 53a4c5c, where S26-2 ran; 7f5b609 removed it: on a later tree the three
+    # runs below time the same kernel)
     for g in 0 1 2; do
         NORMKIT_CUDA_DEFINES="NK_GN_AHEAD=$g" timeout 70 python3 benchmarks/gn_sweep.py --out "$OUT/gn-ahead$g" --acts - \
             --peers copy --variants default --dtypes bf16,fp32 --layouts nchw --dirs fwd --budget 55 \
