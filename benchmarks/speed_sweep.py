@@ -76,7 +76,8 @@ class Routing:
     def __init__(self, cuda_rows=None, shapes=None, cluster_widths=None, triton_rows=None):
         self.cuda_rows, self.shapes = cuda_rows, shapes
         self.cluster_widths, self.triton_rows = cluster_widths, triton_rows
-        self.tables = (tc.CUDA_OVERRIDES, cc.CLUSTER_KERNELS, cc.CLUSTER_SHAPES, cc.CLUSTER_WIDTHS, tc.OVERRIDES)
+        self.tables = (tc.CUDA_OVERRIDES, cc.CLUSTER_KERNELS, cc.CLUSTER_SHAPES, cc.CLUSTER_WIDTHS, tc.OVERRIDES,
+                       cc.CLUSTER_FWD_HOLD)
 
     def __enter__(self):
         self.saved = [dict(t) for t in self.tables]
@@ -85,6 +86,7 @@ class Routing:
         if self.shapes is not None:  # this shape at every width
             cc.CLUSTER_KERNELS.update(self.shapes)
             cc.CLUSTER_SHAPES.clear()
+            cc.CLUSTER_FWD_HOLD.clear()  # (its shapes would come first)
         if self.cluster_widths is not None:
             cc.CLUSTER_WIDTHS.clear()
             cc.CLUSTER_WIDTHS.update(self.cluster_widths)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Session 27 (issue 24), one device call each (carry .whl), files in one archive in $OUT:
+#   bash benchmarks/device_s27.sh shared  the wide forward on one wave of persistent clusters holding each CTA's weight
+#                                         (and LayerNorm's bias) slice in shared memory past its stages (shape value
+#                                         HOLD_SHARED, widefwd_sweep.py `~s` variants), LN / RMS bf16 at 64K-256K,
+#                                         against the committed kernels; first the held-forward and spill tests
+#   bash benchmarks/device_s27.sh overlap the same with two rows in flight (OVERLAP: row it + 1's first pass and send
+#                                         before row it's merge and store; 3 stages), parameters held in shared
+#                                         memory, registers or not at all
+#   bash benchmarks/device_s27.sh tests   the GPU test files (the CUDA backend's apart) and its row cluster tests
+#   bash benchmarks/device_s27.sh table   `normkit bench`: the bf16 / fp32 forward at 64K-256K against torch and
+#                                         torch.compile; the spill checks
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh" env.txt
+# widefwd NAME SECONDS WIDTHS OPS DTYPES VARIANTS: widefwd_sweep.py's variants checked and timed into $OUT/NAME
+widefwd() {
+    local name=$1 t=$2 widths=$3 ops=$4 dtypes=$5 variants=$6
+    timeout "$t" python3 benchmarks/widefwd_sweep.py --out "$OUT/$name" --budget $((t - 40)) --parts check,time \
+        --checks variants --ops "$ops" --dtypes "$dtypes" --widths "$widths" --variants "$variants" \
+        > "$OUT/$name.log" 2>&1
+    echo "$name rc $?"; grep -E "CHECKS|FAIL|rror|N=" "$OUT/$name.log" | cut -c1-200
+}
+case "${1:-shared}" in
+shared)
+    gpu_tests 100 held.log -n 14 tests/test_cuda_backend.py -k "held or spills"
+    C768="NK_FWD_SM_THREADS=768" C1024="NK_FWD_SM_THREADS=1024"
+    widefwd shared 430 65536,131072,262144 ln,rms bf16 \
+        "normkit,256x4x2@1+1~s%$C768,256x4x2@1+m1~s%$C768,256x4x2@1+1~s%$C1024,256x4x1@1+1~s%$C1024,256x2x2@1+1~s%$C1024"
+    ;;
+overlap)  # two rows in flight (OVERLAP, 3 stages), parameters held in shared memory (~so), registers (~ro) or not (~o)
+    gpu_tests 150 held.log -n 14 tests/test_cuda_backend.py -k "held or spills"
+    C512="NK_FWD_SM_THREADS=512" C768="NK_FWD_SM_THREADS=768" C1024="NK_FWD_SM_THREADS=1024"
+    widefwd overlap 400 65536,131072,262144 ln,rms bf16 \
+        "normkit,256x4x3@1+1~so%$C512,256x4x3@1+1~o%$C768,256x4x3@1+1~ro%$C768,256x4x3@1+1~ro%$C512,256x4x3@1+1~o%$C1024,256x4x3@1+m1~o%$C768"
+    ;;
+tests)
+    gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
+        tests/test_fusion_autograd.py
+    gpu_tests 170 cluster.log -n 14 tests/test_cuda_backend.py \
+        -k "(cluster and not gn) or bias_at_cluster or launches or held or spills"
+    ;;
+table)
+    gpu_tests 60 spills.log tests/test_cuda_backend.py -k "spills"
+    bench 200 --ops ln,rms --dtypes bf16,fp32 --dirs fwd --widths 65536,131072,262144 --peers torch,compile \
+        --no-host --out "$OUT/fwd"
+    grep -v "^#" "$OUT/fwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
+    ;;
+esac
+tar czf "/tmp/s27-${1:-shared}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s27-${1:-shared}.tgz" "$OUT/"
