@@ -440,7 +440,7 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   };
   // the row's statistics stored (rank 0) and its packs normalized and stored (ahead: the AHEAD packs' parameters
   // already in flight)
-  const auto store_row = [&](const auto& pack, i64 row, float shift, float mu, float m2, Prm(&ahead)[AHEAD > 0 ? AHEAD : 1]) {
+  const auto store_row = [&](const auto& pack, i64 row, float shift, float mu, float m2, auto& ahead) {
     const float r = rsqrtf(m2 / float(cols) + eps);
     if (s.rank == 0 && tid == 0) {
       if (rstd != nullptr) rstd[row] = r;
@@ -471,7 +471,7 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
   };
   // the first AHEAD packs' parameters of a row, fetched before the row's sums: their latency (L2: every CTA of every
   // row reads them) hides behind the reduction and the exchange, and each later pack's is fetched AHEAD packs ahead
-  const auto fetch_ahead = [&](i64 row, Prm(&ahead)[AHEAD > 0 ? AHEAD : 1]) {
+  const auto fetch_ahead = [&](i64 row, auto& ahead) {  // (ahead: Prm[AHEAD]; an array-reference parameter crashes NVRTC 13.0)
     if constexpr (AHEAD > 0) {
 #pragma unroll
       for (int k = 0; k < AHEAD; ++k)
