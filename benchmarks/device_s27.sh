@@ -7,6 +7,7 @@
 #   bash benchmarks/device_s27.sh overlap the same with two rows in flight (OVERLAP: row it + 1's first pass and send
 #                                         before row it's merge and store; 3 stages), parameters held in shared
 #                                         memory, registers or not at all
+#   bash benchmarks/device_s27.sh wide512 the same on 512-thread CTAs of 2 packs a thread at 64K-128K
 #   bash benchmarks/device_s27.sh tests   the GPU test files (the CUDA backend's apart) and its row cluster tests
 #   bash benchmarks/device_s27.sh table   `normkit bench`: the bf16 / fp32 forward at 64K-256K against torch and
 #                                         torch.compile; the spill checks
@@ -32,6 +33,11 @@ overlap)  # two rows in flight (OVERLAP, 3 stages), parameters held in shared me
     C512="NK_FWD_SM_THREADS=512" C768="NK_FWD_SM_THREADS=768" C1024="NK_FWD_SM_THREADS=1024"
     widefwd overlap 400 65536,131072,262144 ln,rms bf16 \
         "normkit,256x4x3@1+1~so%$C512,256x4x3@1+1~o%$C768,256x4x3@1+1~ro%$C768,256x4x3@1+1~ro%$C512,256x4x3@1+1~o%$C1024,256x4x3@1+m1~o%$C768"
+    ;;
+wide512)  # the same on 512-thread CTAs of 2 packs a thread (more warps per SM at the same stage bytes), 64K-128K
+    C1024="NK_FWD_SM_THREADS=1024" C1536="NK_FWD_SM_THREADS=1536"
+    widefwd wide512 300 65536,131072 ln,rms bf16 \
+        "normkit,512x2x2@1+1~s%$C1536,512x2x2@1+1~s%$C1024,512x2x2@1+1~r%$C1024,512x2x2@1+1~r%$C1536,512x2x3@1+1~ro%$C1024,512x2x2@1+m1~s%$C1536"
     ;;
 tests)
     gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
