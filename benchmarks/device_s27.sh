@@ -8,6 +8,7 @@
 #                                         before row it's merge and store; 3 stages), parameters held in shared
 #                                         memory, registers or not at all
 #   bash benchmarks/device_s27.sh wide512 the same on 512-thread CTAs of 2 packs a thread at 64K-128K
+#   bash benchmarks/device_s27.sh ncu     ncu of LayerNorm and RMSNorm at 128K: committed kernels and the held one
 #   bash benchmarks/device_s27.sh tests   the GPU test files (the CUDA backend's apart) and its row cluster tests
 #   bash benchmarks/device_s27.sh table   `normkit bench`: the bf16 / fp32 forward at 64K-256K against torch and
 #                                         torch.compile; the spill checks
@@ -38,6 +39,17 @@ wide512)  # the same on 512-thread CTAs of 2 packs a thread (more warps per SM a
     C1024="NK_FWD_SM_THREADS=1024" C1536="NK_FWD_SM_THREADS=1536"
     widefwd wide512 300 65536,131072 ln,rms bf16 \
         "normkit,512x2x2@1+1~s%$C1536,512x2x2@1+1~s%$C1024,512x2x2@1+1~r%$C1024,512x2x2@1+1~r%$C1536,512x2x3@1+1~ro%$C1024,512x2x2@1+m1~s%$C1536"
+    ;;
+ncu)  # LayerNorm against RMSNorm on the persistent held kernel, and LayerNorm's committed many-wave kernel, at 128K
+    export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
+    H="256x4x2@1+1~s%NK_FWD_SM_THREADS=768"
+    timeout 200 ncu --kernel-name regex:'row_fwd_cluster' --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section SchedulerStats --section LaunchStats --section InstructionStats \
+        --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio',smsp__inst_executed.sum,dram__bytes.sum \
+        python3 benchmarks/fwd_ncu.py --width 131072 --cases "ln:normkit,rms:normkit,ln:$H,rms:$H" \
+        > "$OUT/ncu-fwd.txt" 2>&1
+    echo "ncu rc $?"; grep -E "case:|row_fwd_cluster|DRAM Throughput|Duration|Achieved Occupancy|Registers Per|inst_executed.sum|Issue Slots Busy|Eligible Warps|issue_stalled_(long|barrier|membar|wait|short|mio|lg|math|no_inst|branch|dispatch|sleeping|not_sel|select|tex|drain|imc)" \
+        "$OUT/ncu-fwd.txt" | grep -v "^==PROF==" | cut -c1-150 | head -120
     ;;
 tests)
     gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
