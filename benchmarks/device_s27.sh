@@ -12,6 +12,9 @@
 #   bash benchmarks/device_s27.sh tests   the GPU test files (the CUDA backend's apart) and its row cluster tests
 #   bash benchmarks/device_s27.sh table   `normkit bench`: the bf16 / fp32 forward at 64K-256K against torch and
 #                                         torch.compile; the spill checks
+# The kernels these modes time (HOLD 2: the parameters in shared memory; the forward's OVERLAP; widefwd_sweep.py's `~`
+# variants) are in the tree at a4fb261 only: none was adopted, and the next commit restored 73f55f0's kernels. On a
+# later tree, shared / overlap / wide512 and ncu's held cases need that commit checked out.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 # widefwd NAME SECONDS WIDTHS OPS DTYPES VARIANTS: widefwd_sweep.py's variants checked and timed into $OUT/NAME

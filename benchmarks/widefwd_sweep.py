@@ -76,10 +76,8 @@ def push_waves(waves):
 
 def name(shape, waves=None):
     t, i, s, reload, push, *flags = shape
-    hold = next((k for k, h in HOLDS.items() if flags[2:3] == [h]), "") + ("o" if flags[3:4] == [True] else "")
-    hold = f"~{hold}" if hold else ""
-    suffix = next((k for k, f in FLAGS.items() if f and tuple(flags[:2]) in (f, f + (False,))), "")
-    return f"push{t}x{i}x{s}" + ("r" if reload else "") + (f"+{suffix}" if suffix else "") + hold + \
+    suffix = next((k for k, f in FLAGS.items() if f and tuple(flags) == f), "")
+    return f"push{t}x{i}x{s}" + ("r" if reload else "") + (f"+{suffix}" if suffix else "") + \
         (f"-w{waves}" if waves else "")
 
 
@@ -101,19 +99,10 @@ def compiled_with(defines: tuple):
     return _swapped(kernels, "row_cluster", lambda *a, **k: dataclasses.replace(spec(*a, **k), defines=defines))
 
 
-HOLDS = {"r": cc.HOLD_REGISTERS, "s": cc.HOLD_SHARED}  # ~r / ~s: the parameters held in registers / shared memory
-
-
 def variant_shape(variant, eb, N):
     """push+FLAGS: the width's shipped shape with FLAGS; TxI[xS]+FLAGS: that shape (reload, push, S stages: 1
-    unless given); a trailing ~ with r or s holds the parameters over the rows in registers or shared memory, with o
-    keeps two rows in flight (session 27: `256x4x2@1+1~s%NK_FWD_SM_THREADS=768`, `256x4x3@1+1~so`, `256x4x3@1~o`)."""
-    spec, _, tail = variant.partition("%")[0].partition("~")
-    if tail:
-        shape = variant_shape(spec, eb, N)
-        hold = next((h for k, h in HOLDS.items() if k in tail), 0)
-        return tuple(shape[:5]) + (tuple(shape[5:]) + (False, False))[:2] + (hold, "o" in tail)
-    base, _, suffix = spec.partition("+")
+    unless given)."""
+    base, _, suffix = variant.partition("%")[0].partition("+")
     base = base.partition("@")[0]
     if base == "push":
         shape = cc.CLUSTER_SHAPES.get(("fwd", eb, triton_key(N))) or cc.CLUSTER_KERNELS[("fwd", eb)]
@@ -199,7 +188,7 @@ def impls(eb, N, rms, compiled, variants=None):
             if v.partition("%")[0] == "normkit":
                 yield v, defs, nk
             else:  # TxI[xS][@W]+FLAGS: W waves of resident clusters (walking rows), else CLUSTER_PUSH_WAVES
-                waves = v.partition("%")[0].partition("~")[0].partition("+")[0].partition("@")[2]
+                waves = v.partition("%")[0].partition("+")[0].partition("@")[2]
                 yield v, _both(_both(Routing(cuda_rows=routed, shapes={("fwd", eb): variant_shape(v, eb, N)}),
                                      push_waves(int(waves) if waves else None)), defs), nk
         return

@@ -487,18 +487,8 @@ def test_cluster_plans():
             p = configs.plan_cluster("fwd", cols, eb, op=op)
             assert p.hold_w and p.sm_threads == cap and (p.items, p.stages) == shape[1:3] and cap % p.threads == 0
             assert p.threads * p.items * (16 // eb) * p.cluster >= cols and not p.ahead
-        assert not configs.plan_cluster("fwd", n, eb, shape[:7], op=op).hold_w
-        other = "ln" if op == "rms" else "rms"
-        assert configs.plan_cluster("fwd", n, eb, op=other).hold_w == ((other, eb, n) in configs.CLUSTER_FWD_HOLD)
-    # held in shared memory (session 27): the stages, then the weight's slice (and LayerNorm's bias) in its dtype
-    held = (256, 4, 2, True, True, False, True, configs.HOLD_SHARED)
-    for op, wb, arrays in (("ln", 2, 2), ("ln", 4, 2), ("rms", 2, 1), ("rms", 4, 1)):
-        p = configs.plan_cluster("fwd", 131072, 2, held, op, wb)
-        assert p.hold_w and p.hold_shared and p.slice == 8192 and p.smem == 2 * 8192 * 2 + arrays * 8192 * wb
-        p = configs.plan_cluster("fwd", 131072 - 8 * 3, 2, held, op, wb)  # slices not a multiple of 128 bytes
-        assert p.smem == 2 * 128 * -(-p.slice * 2 // 128) + arrays * 128 * -(-p.slice * wb // 128)
-    assert not configs.plan_cluster("fwd", 131072, 2, held[:7] + (configs.HOLD_REGISTERS,)).hold_shared
-    assert configs.plan_cluster("fwd", 131072, 2, held[:7] + (configs.HOLD_REGISTERS,)).smem == 2 * 8192 * 2
+        assert not configs.plan_cluster("fwd", n, eb, shape, op=op).hold_w
+        assert not configs.plan_cluster("fwd", n, eb, op="ln" if op == "rms" else "rms").hold_w
 
 
 def test_gn_cluster_plans():
@@ -699,23 +689,23 @@ def test_cluster_launches(cluster_recorded):
     plan = configs.plan_cluster("fwd", 65536, 2)
     flags = ", ".join("true" if f else "false" for f in (plan.recompute, plan.push, plan.merge, plan.one_pass))
     assert name == (f"nk::row_fwd_cluster<__nv_bfloat16, float, nk::Silu, false, {plan.threads}, {plan.items}, "
-                    f"{plan.stages}, {flags}, {plan.sm_threads}, {plan.ahead}, 0, false>")
+                    f"{plan.stages}, {flags}, {plan.sm_threads}, {plan.ahead}, false>")
     assert cl == plan.cluster and grid == (p.grid_clusters(300) * cl, 1, 1) and block == (plan.threads, 1, 1)
     # LayerNorm at 128K: the register cap of CLUSTER_FWD_SM_THREADS in the kernel's name (its __launch_bounds__)
     p = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, False, False, 0)
     assert p.plan.sm_threads == configs.CLUSTER_FWD_SM_THREADS[("ln", 2, 131072)]
     assert p.kernel.spec.name == ("nk::row_fwd_cluster<__nv_bfloat16, __nv_bfloat16, nk::Identity, false, "
-                                  f"{p.plan.threads}, {p.plan.items}, 1, true, true, false, true, 1280, 0, 0, false>")
+                                  f"{p.plan.threads}, {p.plan.items}, 1, true, true, false, true, 1280, 0, false>")
     # RMSNorm at 128K: CLUSTER_FWD_HOLD's plan (the parameters held, its own cap), on one wave of clusters
     p = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, True, False, 0)
     shape, cap = configs.CLUSTER_FWD_HOLD[("rms", 2, 131072)]
     assert p.plan.hold_w and p.plan.sm_threads == cap and (p.plan.threads, p.plan.items, p.plan.stages) == shape[:3]
-    assert p.kernel.spec.name.endswith(f", {cap}, 0, {shape[7]}, false>")
+    assert p.kernel.spec.name.endswith(f", {cap}, 0, true>")
     walking = cluster.prepare("fwd", 131072, torch.bfloat16, torch.bfloat16, None, False, False, 0)
     assert p.clusters < walking.clusters  # one wave against CLUSTER_PUSH_WAVES
     # and the parameters fetched ahead (CLUSTER_FWD_PARAM_AHEAD) in fp32 RMSNorm's
     p = cluster.prepare("fwd", 131072, torch.float32, torch.float32, None, True, False, 0)
-    assert p.kernel.spec.name.endswith(", 1536, 2, 0, false>")
+    assert p.kernel.spec.name.endswith(", 1536, 2, false>")
     assert smem == plan.smem and args[-4:] == [300, 65536, plan.slice, 1e-5]
     # backward: one partial row per cluster, the dx kernel with the weight-gradient sums
     p = cluster.prepare("bwd", 65536, torch.bfloat16, torch.float32, None, True, True, 0)
@@ -1323,17 +1313,12 @@ def test_push_forward_matches_oracle(op, dtype, shape, waves, cuda_poison, monke
 @needs_hopper
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32, None], ids=["w-bf16", "w-fp32", "no-w"])
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("hold, overlap", [(configs.HOLD_REGISTERS, False), (configs.HOLD_SHARED, False),
-                                           (0, True), (configs.HOLD_SHARED, True), (configs.HOLD_REGISTERS, True)],
-                         ids=["registers", "shared", "overlap", "shared-overlap", "registers-overlap"])
-def test_held_parameters_forward_matches_oracle(hold, overlap, op, wdtype, cuda_poison, monkeypatch):
+def test_held_parameters_forward_matches_oracle(op, wdtype, cuda_poison, monkeypatch):
     """The forward on one wave of persistent clusters holding their parameters over their rows (CLUSTER_FWD_HOLD,
-    session 26: in registers; session 27: in shared memory, and two rows in flight, OVERLAP, with or without them
-    held), for both ops, at widths that are not powers of two and row counts from one to many walks per cluster, rows
-    offset by 1e4, a NaN confined to its row, the same bits twice."""
+    session 26), for both ops, at widths that are not powers of two and row counts from one to many walks per cluster,
+    rows offset by 1e4, a NaN confined to its row, the same bits twice."""
     from normkit.backends.cuda import cluster
-    shape = (256, 4, 3 if overlap else 2, True, True, False, True, hold, overlap)
-    monkeypatch.setattr(configs, "CLUSTER_FWD_HOLD", {(k, 2, n): (shape, 1024)
+    monkeypatch.setattr(configs, "CLUSTER_FWD_HOLD", {(k, 2, n): ((256, 4, 2, True, True), 1024)
                                                       for k in ("ln", "rms") for n in (65536, 131072, 262144)})
     for kind in ("ln", "rms"):
         monkeypatch.setitem(configs.CLUSTER_WIDTHS, ("fwd", kind, 2), (32768, 262144))
@@ -1348,8 +1333,7 @@ def test_held_parameters_forward_matches_oracle(hold, overlap, op, wdtype, cuda_
             w = None if wdtype is None else randn(n, device=DEVICE).to(wdtype)
             b = None if rms or wdtype is None else randn(n, device=DEVICE).to(wdtype)
             p = cb._on_clusters("fwd", x, (), w, b, None, rms)
-            assert p is not None and p.plan.hold_w == (hold > 0) and p.plan.stages == shape[2]
-            assert p.plan.hold_shared == (hold == configs.HOLD_SHARED) and p.plan.overlap == overlap
+            assert p is not None and p.plan.hold_w and p.plan.stages == 2
             _check_cuda_fwd(x, w, b, rms, offset, f"held {op} {m}x{n} w {wdtype} offset {offset}")
     finally:
         cluster.prepare.cache_clear()

@@ -101,7 +101,7 @@ def prepare(direction: str, cols: int, dtype, wdtype, activation, rms: bool, wan
     """The plan and loaded kernel for one kind of call; None if the rows cannot take a cluster
     kernel (too wide, or not resident on this GPU). shape: (threads, items, stages) override."""
     plan = configs.plan_cluster(direction, cols, torch.empty((), dtype=dtype).element_size(), shape,
-                                "rms" if rms else "ln", torch.empty((), dtype=wdtype).element_size())
+                                "rms" if rms else "ln")
     if plan is None:
         return None
     return _prepared(plan, kernels.row_cluster(direction, dtype, wdtype, activation, rms, plan, want_params), index,
@@ -117,8 +117,8 @@ def _prepared(plan, spec, index: int, direction: str) -> Prepared | None:
     if not kernel.smem_fits(plan.smem):
         return None
     clusters = kernel.max_active_clusters(plan.threads, plan.smem, plan.cluster)
-    # (a forward holding its parameters over its rows, or with two rows in flight: one wave, each cluster walking rows)
-    waves = configs.CLUSTER_PUSH_WAVES if plan.push and direction == "fwd" and not (plan.hold_w or plan.overlap) else 1
+    # (a forward holding its parameters over its rows: one wave, each cluster walking rows)
+    waves = configs.CLUSTER_PUSH_WAVES if plan.push and direction == "fwd" and not plan.hold_w else 1
     return Prepared(plan, kernel, clusters * waves) if clusters > 0 else None
 
 

@@ -121,18 +121,6 @@ struct Words {
       for (int i = 0; i < N; ++i) u[i] = reinterpret_cast<const unsigned*>(src)[i];
     }
   }
-  __device__ __forceinline__ void store(T* dst) const {
-    if constexpr (N % 4 == 0) {
-#pragma unroll
-      for (int i = 0; i < N / 4; ++i)
-        reinterpret_cast<uint4*>(dst)[i] = make_uint4(u[4 * i], u[4 * i + 1], u[4 * i + 2], u[4 * i + 3]);
-    } else if constexpr (N == 2) {
-      *reinterpret_cast<uint2*>(dst) = make_uint2(u[0], u[1]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) reinterpret_cast<unsigned*>(dst)[i] = u[i];
-    }
-  }
   __device__ __forceinline__ float elem(int i) const { return word_elem(u, i, static_cast<const T*>(nullptr)); }
   __device__ __forceinline__ void fill(unsigned v) {
 #pragma unroll
@@ -145,7 +133,6 @@ struct NoWords {
   __device__ __forceinline__ float elem(int) const { return 0.f; }
   __device__ __forceinline__ void fill(unsigned) {}
   template <typename T> __device__ __forceinline__ void load(const T*) {}
-  template <typename T> __device__ __forceinline__ void store(T*) const {}
 };
 
 // two values rounded to T (16 bits each) as one 32-bit word, the first in the low half
@@ -287,19 +274,6 @@ struct AffineActStore {
     if (w != nullptr) q.w.load(w + col);
     if (BIAS && b != nullptr) q.b.load(b + col);
     return q;
-  }
-  // The same store with its parameters read from shared memory at `base` (row_cluster.cu's forward holding them over
-  // its rows): the weight of n columns, then the bias at the next 128 bytes; a parameter the caller has none of stays
-  // none. copy_params fills it a pack at a time.
-  __device__ __forceinline__ AffineActStore in_shared(unsigned char* base, int n) const {
-    W* sw = reinterpret_cast<W*>(base);
-    W* sb = reinterpret_cast<W*>(base + (n * int(sizeof(W)) + 127) / 128 * 128);
-    return AffineActStore{ptr, stride, w != nullptr ? sw : nullptr, BIAS && b != nullptr ? sb : nullptr};
-  }
-  template <int P> __device__ __forceinline__ void copy_params(const AffineActStore& to, int col, int at) const {
-    const Params<P> q = params<P>(0, col);
-    if (w != nullptr) q.w.store(const_cast<W*>(to.w) + at);
-    if (BIAS && b != nullptr) q.b.store(const_cast<W*>(to.b) + at);
   }
   template <int P> __device__ __forceinline__ void store(const float* xhat, i64 row, int col, const Params<P>& q) const {
     float y[P];

@@ -127,11 +127,8 @@ CLUSTER_BWD_HOLD_W_OFF = {("rms", 4, n) for n in (8192, 16384, 32768)}
 # 0.819-0.826 -> 0.850-0.854 (768 threads per SM; 1024: 0.834-0.839), 256K 0.787-0.792 -> 0.844-0.855 (512-thread
 # CTAs, 1024); the same shapes without holding 0.79 / 0.75-0.76, one stage 0.70 / 0.62. LayerNorm (weight and bias,
 # 32 registers) spills at every cap that keeps 3 CTAs per SM: 0.35-0.43 against 0.62-0.68, not used.
-# A forward shape's 8th value says where it holds them: HOLD_REGISTERS, or HOLD_SHARED (past the stages: the plan's
-# shared memory grows by the slice's weight, and bias for LayerNorm, in the weight's dtype).
-HOLD_REGISTERS, HOLD_SHARED = 1, 2
-CLUSTER_FWD_HOLD = {("rms", 2, 131072): ((256, 4, 2, True, True, False, False, HOLD_REGISTERS), 768),
-                    ("rms", 2, 262144): ((256, 4, 2, True, True, False, False, HOLD_REGISTERS), 1024)}
+CLUSTER_FWD_HOLD = {("rms", 2, 131072): ((256, 4, 2, True, True), 768),
+                    ("rms", 2, 262144): ((256, 4, 2, True, True), 1024)}
 CLUSTER_SMEM_MAX = 220 * 1024
 # PUSH kernels launch up to this many waves of resident clusters (each cluster walks rows past
 # that): at 64K-256K rows of 2^26 elements this is one row per cluster
@@ -305,25 +302,21 @@ class ClusterPlan:
     push: bool = False  # partials pushed by st.async to mbarriers (PUSH); the forward's: many clusters
     merge: bool = False  # the CTA's warps merged first, one value per CTA in each exchange (MERGE)
     one_pass: bool = False  # push LayerNorm: moments from one read of the slice (ONE_PASS)
-    overlap: bool = False  # push backward / forward: two rows in flight (OVERLAP)
+    overlap: bool = False  # push backward: two rows in flight (OVERLAP)
     sm_threads: int = 1024  # RELOAD forward: the threads per SM its registers are capped for (SM_THREADS)
     ahead: int = 0  # push forward: the packs whose weight and bias are fetched ahead of their stores (AHEAD)
     hold_w: bool = False  # the CTA's weight slice held in registers over its rows (backward: HOLD_PLAN; push
     #                       forward: HOLD, with its bias, on one wave of persistent clusters)
-    hold_shared: bool = False  # push forward: held in shared memory past the stages instead (HOLD 2; in smem)
 
 
-def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str = "ln",
-                 param_bytes: int | None = None) -> ClusterPlan | None:
+def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str = "ln") -> ClusterPlan | None:
     """The cluster kernel's plan for rows of `cols` columns of op "ln" or "rms", or None when they cannot take it
-    (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big). param_bytes: the weight's
-    element size (default elem_bytes), for a forward holding its parameters in shared memory.
-    shape: (threads, items, stages[, recompute[, push[, merge[, one_pass (forward) / overlap (backward)[, hold
-    (forward: 0, HOLD_REGISTERS or HOLD_SHARED)[, overlap (forward)]]]]]]);
+    (not a whole number of 16-byte packs, more than CLUSTER_MAX CTAs, stages too big).
+    shape: (threads, items, stages[, recompute[, push[, merge[, one_pass (forward) / overlap (backward)]]]]);
     default: CLUSTER_FWD_HOLD's for the (op, width) (the forward holding its parameters), else CLUSTER_SHAPES' for the
     width, else CLUSTER_KERNELS'."""
-    table_hold = CLUSTER_FWD_HOLD.get((op, elem_bytes, next_pow2(cols))) if direction == "fwd" and not shape else None
-    shape = shape or (table_hold[0] if table_hold else None) or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
+    hold = CLUSTER_FWD_HOLD.get((op, elem_bytes, next_pow2(cols))) if direction == "fwd" and not shape else None
+    shape = shape or (hold[0] if hold else None) or CLUSTER_SHAPES.get((direction, elem_bytes, next_pow2(cols))) \
         or CLUSTER_KERNELS[(direction, elem_bytes)]
     threads, items, stages, *rest = shape
     recompute = bool(rest and rest[0])
@@ -332,13 +325,9 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
     one_pass = push and direction == "fwd" and len(rest) > 3 and bool(rest[3])
     # the backward's two rows in flight (push exchange): with the stage read again, rows it and it + 1 stay in
     # their stages (3 stages or more), else in two register sets (2 or more)
-    # the forward's: rows it and it + 1 in their stages (read again: RELOAD), the next one loading (3 stages or more)
-    overlap = push and len(rest) > (3 if direction == "bwd" else 5) and bool(rest[3 if direction == "bwd" else 5])
-    hold = int(rest[4]) if push and direction == "fwd" and len(rest) > 4 else 0
-    if overlap and direction == "bwd" and stages < (3 if recompute else 2):
+    overlap = push and direction == "bwd" and len(rest) > 3 and bool(rest[3])
+    if overlap and stages < (3 if recompute else 2):
         raise ValueError(f"cluster shape {shape}: the backward's overlap needs {3 if recompute else 2} stages or more")
-    if overlap and direction == "fwd" and (not recompute or stages < 3):
-        raise ValueError(f"cluster shape {shape}: the forward's overlap needs the stage read again and 3 stages")
     pack = 16 // elem_bytes
     if cols < 1 or cols % pack:
         return None
@@ -353,18 +342,16 @@ def plan_cluster(direction: str, cols: int, elem_bytes: int, shape=None, op: str
     slice_ = cdiv(cdiv(cols, cluster), pack) * pack
     arrays = 1 if direction == "fwd" else 2
     smem = stages * arrays * cdiv(slice_ * elem_bytes, 128) * 128
-    if hold == HOLD_SHARED:  # the weight (and LayerNorm's bias) slice past the stages
-        smem += (1 if op == "rms" else 2) * cdiv(slice_ * (param_bytes or elem_bytes), 128) * 128
     if smem > CLUSTER_SMEM_MAX:
         return None
     reload_fwd = direction == "fwd" and recompute  # the cap is RELOAD's (the registers kernel holds the slice)
     sm_threads = CLUSTER_FWD_SM_THREADS.get((op, elem_bytes, next_pow2(cols)), 1024) if reload_fwd else 1024
-    if table_hold:
-        sm_threads = table_hold[1]
+    if hold:
+        sm_threads = hold[1]
     ahead = CLUSTER_FWD_PARAM_AHEAD.get((op, elem_bytes), 0) if push and direction == "fwd" and not hold else 0
-    hold_w = hold > 0 if direction == "fwd" else (op, elem_bytes, next_pow2(cols)) not in CLUSTER_BWD_HOLD_W_OFF
+    hold_w = bool(hold) if direction == "fwd" else (op, elem_bytes, next_pow2(cols)) not in CLUSTER_BWD_HOLD_W_OFF
     return ClusterPlan(threads, items, stages, cluster, slice_, smem, recompute, push, merge, one_pass, overlap,
-                       sm_threads, ahead, hold_w, hold == HOLD_SHARED)
+                       sm_threads, ahead, hold_w)
 
 
 # GroupNorm over dense NCHW groups on the same cluster kernels (row_cluster.cu gn_*_cluster; issue 24): a group

@@ -315,211 +315,49 @@ __device__ __forceinline__ float thread_sum(const PACK& pack, int valid, bool sq
 // read of its packs (each pack's sum and squared deviations from the pack's own mean, merged exactly
 // (Chan) over the thread's packs, then the warp's) instead of a pass for the warp's mean and a second
 // for the deviations from it: one read of the stage fewer, one warp reduction less on the row's path.
-// OVERLAP (PUSH, RELOAD, 3 stages or more): two rows in flight, as the backward's. Row it + 1's first pass runs and
-// its sums are sent before the CTA waits for row it's sums and stores row it: the exchange's latency (and the wait
-// for the cluster's slowest CTA) hides behind a row's first pass. Four slot buffers and exchange barriers, by row mod
-// 4 (see row_bwd_cluster's OVERLAP).
 // OUT::Params<P> where the forward fetches parameters ahead (AHEAD > 0; OUT then has params() and a store taking them)
 template <int AHEAD, typename OUT, int P> struct ParamsOf { typedef typename OUT::template Params<P> type; };
 template <typename OUT, int P> struct ParamsOf<0, OUT, P> { typedef int type; };
 template <typename T, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH, bool MERGE,
-          bool ONE_PASS, int AHEAD_MAX, int HOLD, bool OVERLAP, typename OUT>
+          bool ONE_PASS, int AHEAD_MAX, bool HOLD, typename OUT>
 __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_stride, const OUT& out,
                                             float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                                             int slice, float eps) {
-  static_assert(!OVERLAP || (PUSH && RELOAD && STAGES >= 3), "OVERLAP: the push exchange, the stage read again, "
-                "3 stages or more (rows it and it + 1 held while the next one loads)");
   constexpr int P = 16 / int(sizeof(T));
   constexpr int WARPS = THREADS / kWarpSize;
   // LayerNorm: two barrier exchanges of sums, or one push exchange of each warp's moments
   using Stat = typename cl::Pick<PUSH && !RMS, cl::Moments, Sum1>::type;
   constexpr int PASSES = RMS || PUSH ? 1 : 2;
-  constexpr int BUFS = OVERLAP ? 4 : 2;  // slot buffers (and exchange barriers), by row parity or row mod 4
   // packs whose parameters are in flight ahead of their stores
   constexpr int AHEAD = AHEAD_MAX < ITEMS ? AHEAD_MAX : ITEMS;
-  // HOLD: the parameters held over the rows, 1 in registers, 2 in shared memory past the stages
-  constexpr bool HOLD_REGS = HOLD == 1, HOLD_SMEM = HOLD == 2;
-  using Prm = typename ParamsOf<AHEAD + int(HOLD_REGS), OUT, P>::type;
+  using Prm = typename ParamsOf<AHEAD + int(HOLD), OUT, P>::type;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ cl::Barrier bars[STAGES];
-  __shared__ cl::Barrier xbars[BUFS];                            // PUSH: the exchange's, per buffer
-  __shared__ Stat slots[PASSES][BUFS][cl::kMaxCluster * WARPS];  // [pass][buffer][rank * WARPS + warp]
-  __shared__ Stat local[MERGE ? WARPS : 1];                      // MERGE: the CTA's warps' values
+  __shared__ cl::Barrier xbars[2];                                // PUSH: the exchange's, per row parity
+  __shared__ Stat slots[PASSES][2][cl::kMaxCluster * WARPS];  // [pass][row parity][rank * WARPS + warp]
+  __shared__ Stat local[MERGE ? WARPS : 1];                   // MERGE: the CTA's warps' values
   const cl::Slice s(cols, slice);
   const cl::Stream<T, STAGES, 1> stream{reinterpret_cast<T*>(smem), bars, cl::stage_elems<T>(slice)};
   const int tid = threadIdx.x;
   if (PUSH && tid == 0) {
-    for (int i = 0; i < BUFS; ++i) cl::barrier_init(&xbars[i], 1);
+    cl::barrier_init(&xbars[0], 1);
+    cl::barrier_init(&xbars[1], 1);
   }
   stream.start(s, rows, x, x_stride, x, x_stride);  // its fence and __syncthreads cover xbars too
   if (PUSH) cl::cluster_arrive_relaxed();  // peers may push once every CTA has arrived
-  // LayerNorm's shift of each row (its first element), loaded a row ahead so its latency is hidden (OVERLAP: two
-  // rows ahead, since row it + 1's first pass runs in iteration it): the CTA's first rows'
-  constexpr int SHIFTS = OVERLAP ? 3 : 1;
-  float shifts[SHIFTS];
-#pragma unroll
-  for (int j = 0; j < SHIFTS; ++j) {
-    const i64 r = s.cluster + j * s.clusters;
-    shifts[j] = (!RMS && r < rows) ? to_float(x[r * x_stride]) : 0.f;
-  }
+  // the next row's shift (its first element), loaded a row ahead so its latency is hidden
+  float shift_next = (!RMS && s.cluster < rows) ? to_float(x[s.cluster * x_stride]) : 0.f;
   int valid = 0;  // this thread's packs inside the slice
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) valid += (tid + k * THREADS) * P < s.n ? 1 : 0;
   // HOLD: every pack's parameters loaded once, before the first row, and held over the rows the CTA takes (its
-  // columns are the same every row: a persistent cluster reads them once instead of once a row). In shared memory
-  // each thread copies its own packs and reads only those back: no barrier.
-  Prm held[HOLD_REGS ? ITEMS : 1];
-  const OUT from_smem = [&] {
-    if constexpr (HOLD_SMEM) return out.in_shared(smem + STAGES * cl::stage_elems<T>(slice) * int(sizeof(T)), slice);
-    else return out;
-  }();
-  if constexpr (HOLD_REGS || HOLD_SMEM) {
+  // columns are the same every row: a persistent cluster reads them once instead of once a row)
+  Prm held[HOLD ? ITEMS : 1];
+  if constexpr (HOLD) {
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
-      if (k < valid) {
-        const int col = (tid + k * THREADS) * P;
-        if constexpr (HOLD_REGS) held[k] = out.template params<P>(0, s.c0 + col);
-        else out.template copy_params<P>(from_smem, s.c0 + col, col);
-      }
+      if (k < valid) held[k] = out.template params<P>(0, s.c0 + (tid + k * THREADS) * P);
   }
-  // pack k of a row's stage, shifted (RELOAD: read from the stage at each use)
-  const auto reload_pack = [&](const T* src, float shift, int k, float(&f)[P]) {
-    load_floats<P>(src + (tid + k * THREADS) * P, f);
-#pragma unroll
-    for (int i = 0; i < P; ++i) f[i] -= shift;
-  };
-  // PUSH: this warp's value of a row for the exchange (RMSNorm: its sum of squares; LayerNorm: its moments)
-  const auto warp_value = [&](const auto& pack) -> Stat {
-    if constexpr (RMS) {
-      return group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true)});
-    } else if constexpr (!PUSH) {
-      return Stat{};  // (the barrier exchange's LayerNorm: two sums, not this)
-    } else {
-      Sum2 t;
-      Sum1 d;
-      if constexpr (ONE_PASS) {
-        float pmean[ITEMS], pm2[ITEMS], tsum = 0.f;
-#pragma unroll
-        for (int k = 0; k < ITEMS; ++k) {
-          pmean[k] = pm2[k] = 0.f;
-          if (k < valid) {
-            float f[P], ps = 0.f, q = 0.f;
-            pack(k, f);
-#pragma unroll
-            for (int i = 0; i < P; ++i) ps += f[i];
-            pmean[k] = ps * (1.f / float(P));
-#pragma unroll
-            for (int i = 0; i < P; ++i) q = fmaf(f[i] - pmean[k], f[i] - pmean[k], q);
-            pm2[k] = q;
-            tsum += ps;
-          }
-        }
-        const float tn = float(valid * P), tmean = valid > 0 ? tsum / tn : 0.f;
-        float tm2 = 0.f;
-#pragma unroll
-        for (int k = 0; k < ITEMS; ++k)
-          if (k < valid) tm2 += pm2[k] + float(P) * (pmean[k] - tmean) * (pmean[k] - tmean);
-        t = group_allreduce<kWarpSize>(Sum2{tn, tsum});  // the warp's count and sum, then its M2
-        const float dl = valid > 0 ? tmean - t.b / t.a : 0.f;
-        d = group_allreduce<kWarpSize>(Sum1{tm2 + tn * dl * dl});
-      } else {  // the warp's mean, then its squared deviations from it (exact two passes)
-        t = group_allreduce<kWarpSize>(Sum2{float(valid * P), cl::thread_sum<ITEMS, P>(pack, valid, false)});
-        const float wmean = t.a > 0.f ? t.b / t.a : 0.f;
-        d = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, wmean)});
-      }
-      return cl::Moments{t.a, t.b, d.v};
-    }
-  };
-  // the row's statistics from the exchange's merge: (mean of the shifted values, sum of squared deviations)
-  const auto row_stats = [&](const Stat& m, float& mu, float& m2) {
-    if constexpr (RMS) {
-      mu = 0.f, m2 = m.v;
-    } else if constexpr (PUSH) {
-      mu = m.sum / float(cols), m2 = m.m2;
-    }
-  };
-  // the row's statistics stored (rank 0) and its packs normalized and stored (ahead: the AHEAD packs' parameters
-  // already in flight)
-  const auto store_row = [&](const auto& pack, i64 row, float shift, float mu, float m2, auto& ahead) {
-    const float r = rsqrtf(m2 / float(cols) + eps);
-    if (s.rank == 0 && tid == 0) {
-      if (rstd != nullptr) rstd[row] = r;
-      if (!RMS && mean != nullptr) mean[row] = shift + mu;
-    }
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      if (k < valid) {
-        float f[P];
-        pack(k, f);
-#pragma unroll
-        for (int i = 0; i < P; ++i) f[i] = (f[i] - mu) * r;
-        const int col = s.c0 + (tid + k * THREADS) * P;
-        if constexpr (HOLD_REGS) {
-          out.template store<P>(f, row, col, held[HOLD_REGS ? k : 0]);
-        } else if constexpr (HOLD_SMEM) {
-          out.template store<P>(f, row, col, from_smem.template params<P>(0, (tid + k * THREADS) * P));
-        } else if constexpr (AHEAD > 0) {
-          const Prm q = ahead[k % AHEAD];
-          if (k + AHEAD < ITEMS && k + AHEAD < valid)
-            ahead[k % AHEAD] = out.template params<P>(row, col + AHEAD * THREADS * P);
-          out.template store<P>(f, row, col, q);
-        } else {
-          out.template store<P>(f, row, col);
-        }
-      }
-    }
-  };
-  // the first AHEAD packs' parameters of a row, fetched before the row's sums: their latency (L2: every CTA of every
-  // row reads them) hides behind the reduction and the exchange, and each later pack's is fetched AHEAD packs ahead
-  const auto fetch_ahead = [&](i64 row, auto& ahead) {  // (ahead: Prm[AHEAD]; an array-reference parameter crashes NVRTC 13.0)
-    if constexpr (AHEAD > 0) {
-#pragma unroll
-      for (int k = 0; k < AHEAD; ++k)
-        if (k < valid) ahead[k] = out.template params<P>(row, s.c0 + (tid + k * THREADS) * P);
-    }
-  };
-  // RELOAD: every thread is done with row it's stage; refill it with row it + STAGES
-  const auto refill = [&](int it) {
-    __syncthreads();
-    if (tid == 0) {
-      cl::fence_proxy_async();
-      stream.issue(s, rows, it + STAGES, x, x_stride, x, x_stride);
-    }
-  };
-  if constexpr (OVERLAP) {
-    // row it's value sent; in iteration it: row it + 1's first pass and send, then row it's merge and store
-    const auto send = [&](int it) {
-      stream.wait(s, it);
-      const T* src = stream.slice_at(it % STAGES, 0);
-      const float shift = shifts[it == 0 ? 0 : 1];
-      const Stat v = warp_value([&](int k, float(&f)[P]) { reload_pack(src, shift, k, f); });
-      cl::exchange_send<WARPS, true, MERGE>(v, slots[0][it % BUFS], &xbars[it % BUFS], s, local);
-    };
-    if (s.cluster < rows) {
-      cl::cluster_wait();
-      send(0);
-    }
-    int it = 0;
-    for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
-      if (row + s.clusters < rows) send(it + 1);
-      const Stat m = cl::exchange_take<WARPS, true, MERGE, Stat>(slots[0][it % BUFS], &xbars[it % BUFS],
-                                                                  unsigned(it / BUFS) & 1u, s);
-      float mu, m2;
-      row_stats(m, mu, m2);
-      const T* src = stream.slice_at(it % STAGES, 0);
-      const float shift = shifts[0];
-      Prm ahead[AHEAD > 0 ? AHEAD : 1];
-      fetch_ahead(row, ahead);
-      store_row([&](int k, float(&f)[P]) { reload_pack(src, shift, k, f); }, row, shift, mu, m2, ahead);
-      refill(it);
-      // the shifts move down a row; row it + 3's is loaded (used two iterations on)
-      shifts[0] = shifts[1], shifts[1] = shifts[2];
-      const i64 far = row + 3 * s.clusters;
-      if (!RMS) shifts[2] = far < rows ? to_float(x[far * x_stride]) : 0.f;
-    }
-    return;
-  }
-  float shift_next = shifts[0];
   int it = 0;
   for (i64 row = s.cluster; row < rows; row += s.clusters, ++it) {
     const float shift = shift_next;
@@ -531,20 +369,68 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
     if (!RELOAD) cl::load_slice<T, THREADS>(src, valid, shift, v);
     const auto pack = [&](int k, float(&f)[P]) {
       if (RELOAD) {
-        reload_pack(src, shift, k, f);
+        load_floats<P>(src + (tid + k * THREADS) * P, f);
+#pragma unroll
+        for (int i = 0; i < P; ++i) f[i] -= shift;
       } else {
 #pragma unroll
         for (int i = 0; i < P; ++i) f[i] = v[RELOAD ? 0 : k][i];
       }
     };
+    // the first AHEAD packs' parameters, fetched before the row's sums: their latency (L2: every CTA of every row
+    // reads them) hides behind the reduction and the exchange, and each later pack's is fetched AHEAD packs ahead
     Prm ahead[AHEAD > 0 ? AHEAD : 1];
-    fetch_ahead(row, ahead);
+    if constexpr (AHEAD > 0) {
+#pragma unroll
+      for (int k = 0; k < AHEAD; ++k)
+        if (k < valid) ahead[k] = out.template params<P>(row, s.c0 + (tid + k * THREADS) * P);
+    }
     float mu = 0.f, m2;
     if constexpr (PUSH) {
       if (it == 0) cl::cluster_wait();
-      const Stat m = cl::exchange<WARPS, true, MERGE>(warp_value(pack), slots[0][it & 1], &xbars[it & 1],
-                                                     unsigned(it >> 1) & 1u, s, local);
-      row_stats(m, mu, m2);
+      cl::Barrier* bar = &xbars[it & 1];
+      const unsigned phase = unsigned(it >> 1) & 1u;
+      if constexpr (RMS) {
+        const Sum1 w = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true)});
+        m2 = cl::exchange<WARPS, true, MERGE>(w, slots[0][it & 1], bar, phase, s, local).v;
+      } else {
+        Sum2 t;
+        Sum1 d;
+        if constexpr (ONE_PASS) {
+          float pmean[ITEMS], pm2[ITEMS], tsum = 0.f;
+#pragma unroll
+          for (int k = 0; k < ITEMS; ++k) {
+            pmean[k] = pm2[k] = 0.f;
+            if (k < valid) {
+              float f[P], ps = 0.f, q = 0.f;
+              pack(k, f);
+#pragma unroll
+              for (int i = 0; i < P; ++i) ps += f[i];
+              pmean[k] = ps * (1.f / float(P));
+#pragma unroll
+              for (int i = 0; i < P; ++i) q = fmaf(f[i] - pmean[k], f[i] - pmean[k], q);
+              pm2[k] = q;
+              tsum += ps;
+            }
+          }
+          const float tn = float(valid * P), tmean = valid > 0 ? tsum / tn : 0.f;
+          float tm2 = 0.f;
+#pragma unroll
+          for (int k = 0; k < ITEMS; ++k)
+            if (k < valid) tm2 += pm2[k] + float(P) * (pmean[k] - tmean) * (pmean[k] - tmean);
+          t = group_allreduce<kWarpSize>(Sum2{tn, tsum});  // the warp's count and sum, then its M2
+          const float dl = valid > 0 ? tmean - t.b / t.a : 0.f;
+          d = group_allreduce<kWarpSize>(Sum1{tm2 + tn * dl * dl});
+        } else {  // the warp's mean, then its squared deviations from it (exact two passes)
+          t = group_allreduce<kWarpSize>(Sum2{float(valid * P), cl::thread_sum<ITEMS, P>(pack, valid, false)});
+          const float wmean = t.a > 0.f ? t.b / t.a : 0.f;
+          d = group_allreduce<kWarpSize>(Sum1{cl::thread_sum<ITEMS, P>(pack, valid, true, wmean)});
+        }
+        const cl::Moments m =
+            cl::exchange<WARPS, true, MERGE>(cl::Moments{t.a, t.b, d.v}, slots[0][it & 1], bar, phase, s, local);
+        mu = m.sum / float(cols);
+        m2 = m.m2;
+      }
     } else {
       // the sum (of squares for RMSNorm), then for LayerNorm the squared deviations from the mean;
       // each summed over the cluster
@@ -561,19 +447,48 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
       cl::fence_proxy_async();
       stream.issue(s, rows, it + STAGES, x, x_stride, x, x_stride);
     }
-    store_row(pack, row, shift, mu, m2, ahead);
-    if (RELOAD) refill(it);
+    const float r = rsqrtf(m2 / float(cols) + eps);
+    if (s.rank == 0 && tid == 0) {
+      if (rstd != nullptr) rstd[row] = r;
+      if (!RMS && mean != nullptr) mean[row] = shift + mu;
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (k < valid) {
+        float f[P];
+        pack(k, f);
+#pragma unroll
+        for (int i = 0; i < P; ++i) f[i] = (f[i] - mu) * r;
+        const int col = s.c0 + (tid + k * THREADS) * P;
+        if constexpr (HOLD) {
+          out.template store<P>(f, row, col, held[HOLD ? k : 0]);
+        } else if constexpr (AHEAD > 0) {
+          const Prm q = ahead[k % AHEAD];
+          if (k + AHEAD < ITEMS && k + AHEAD < valid)
+            ahead[k % AHEAD] = out.template params<P>(row, col + AHEAD * THREADS * P);
+          out.template store<P>(f, row, col, q);
+        } else {
+          out.template store<P>(f, row, col);
+        }
+      }
+    }
+    if (RELOAD) {
+      __syncthreads();  // every thread is done with the stage
+      if (tid == 0) {
+        cl::fence_proxy_async();
+        stream.issue(s, rows, it + STAGES, x, x_stride, x, x_stride);
+      }
+    }
   }
 }
 
 // AHEAD: the packs whose weight and bias a thread fetches ahead of their stores (configs.py CLUSTER_FWD_PARAM_AHEAD):
 // fetched next to its store each pack waits an L2 round trip, which showed in fp32 rows only (S26-1: 16-bit rows hid it).
 // NK_PARAM_AHEAD (a define, for A/B runs through NORMKIT_CUDA_DEFINES) replaces it in every row forward.
-// HOLD: the parameters held over a persistent cluster's rows (configs.py CLUSTER_FWD_HOLD), 1 in registers, 2 in
-// shared memory (the plan's smem has room for them); NK_FWD_HOLD (a define, for A/B runs) replaces it in every row
-// forward, 0 or 1 (registers: no shared memory needed)
+// HOLD: the parameters held over a persistent cluster's rows (configs.py CLUSTER_FWD_HOLD); NK_FWD_HOLD (a define, for
+// A/B runs) replaces it in every row forward
 #ifdef NK_FWD_HOLD
-#define NK_HOLD_FWD(plan) (NK_FWD_HOLD != 0 ? 1 : 0)
+#define NK_HOLD_FWD(plan) (NK_FWD_HOLD != 0)
 #else
 #define NK_HOLD_FWD(plan) (plan)
 #endif
@@ -591,14 +506,13 @@ __device__ __forceinline__ void fwd_cluster(const T* __restrict__ x, i64 x_strid
 #define NK_SM_THREADS(table) (table)
 #endif
 template <typename T, typename W, typename ACT, bool RMS, int THREADS, int ITEMS, int STAGES, bool RELOAD, bool PUSH,
-          bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024, int AHEAD = 0, int HOLD = 0,
-          bool OVERLAP = false>
+          bool MERGE = false, bool ONE_PASS = false, int SM_THREADS = 1024, int AHEAD = 0, bool HOLD = false>
 __global__ void __launch_bounds__(THREADS, RELOAD ? NK_SM_THREADS(SM_THREADS) / THREADS : 1)
     row_fwd_cluster(const T* __restrict__ x, i64 x_stride, T* __restrict__ y, i64 y_stride, const W* __restrict__ w,
                     const W* __restrict__ b, float* __restrict__ mean, float* __restrict__ rstd, i64 rows, int cols,
                     int slice, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_AHEAD(AHEAD), NK_HOLD_FWD(HOLD), OVERLAP>(
+  fwd_cluster<T, RMS, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, NK_AHEAD(AHEAD), NK_HOLD_FWD(HOLD)>(
       x, x_stride, AffineActStore<T, W, ACT, !RMS>{y, y_stride, w, b}, mean, rstd, rows, cols, slice, eps);
 #endif
 }
@@ -879,7 +793,7 @@ __global__ void __launch_bounds__(THREADS, RELOAD ? 1024 / THREADS : 1)
                    int groups, int spatial) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // (no parameters ahead: run S26-2, NK_GN_AHEAD 1 / 2, bf16 0.01-0.06 slower, fp32 within 0.01)
-  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, 0, 0, false>(
+  fwd_cluster<T, false, THREADS, ITEMS, STAGES, RELOAD, PUSH, MERGE, ONE_PASS, 0, false>(
       x, i64(cols), GroupAffineActStore<T, W, ACT>{y, w, b, cols, groups, cols / spatial, DivBy(spatial)}, mean, rstd,
       rows, cols, slice, eps);
 #endif
