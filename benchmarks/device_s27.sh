@@ -9,6 +9,7 @@
 #                                         memory, registers or not at all
 #   bash benchmarks/device_s27.sh wide512 the same on 512-thread CTAs of 2 packs a thread at 64K-128K
 #   bash benchmarks/device_s27.sh ncu     ncu of LayerNorm and RMSNorm at 128K: committed kernels and the held one
+#   bash benchmarks/device_s27.sh final   the GPU and row cluster tests on the restored kernels; the backward at 1K-8K
 #   bash benchmarks/device_s27.sh tests   the GPU test files (the CUDA backend's apart) and its row cluster tests
 #   bash benchmarks/device_s27.sh table   `normkit bench`: the bf16 / fp32 forward at 64K-256K against torch and
 #                                         torch.compile; the spill checks
@@ -53,6 +54,17 @@ ncu)  # LayerNorm against RMSNorm on the persistent held kernel, and LayerNorm's
         > "$OUT/ncu-fwd.txt" 2>&1
     echo "ncu rc $?"; grep -E "case:|row_fwd_cluster|DRAM Throughput|Duration|Achieved Occupancy|Registers Per|inst_executed.sum|Issue Slots Busy|Eligible Warps|issue_stalled_(long|barrier|membar|wait|short|mio|lg|math|no_inst|branch|dispatch|sleeping|not_sel|select|tex|drain|imc)" \
         "$OUT/ncu-fwd.txt" | grep -v "^==PROF==" | cut -c1-150 | head -120
+    ;;
+final)  # the kernels of 73f55f0 (restored): the GPU test files and the row cluster tests; the 16-bit backward at
+    # 1K-8K against torch and torch.compile (not measured since session 26 held the weight in the cluster kernels,
+    # which serve LayerNorm at 2K and 8K)
+    gpu_tests 300 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
+        tests/test_fusion_autograd.py
+    gpu_tests 130 cluster.log -n 14 tests/test_cuda_backend.py \
+        -k "(cluster and not gn) or bias_at_cluster or launches or held or spills"
+    bench 120 --ops ln,rms --dtypes bf16 --dirs bwd --widths 1024,2048,4096,8192 --peers torch,compile \
+        --no-host --out "$OUT/bwd"
+    grep -v "^#" "$OUT/bwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
     ;;
 tests)
     gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
