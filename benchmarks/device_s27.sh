@@ -10,6 +10,7 @@
 #   bash benchmarks/device_s27.sh wide512 the same on 512-thread CTAs of 2 packs a thread at 64K-128K
 #   bash benchmarks/device_s27.sh ncu     ncu of LayerNorm and RMSNorm at 128K: committed kernels and the held one
 #   bash benchmarks/device_s27.sh final   the GPU and row cluster tests on the restored kernels; the backward at 1K-8K
+#   bash benchmarks/device_s27.sh clp     the 16-bit backward at 2K-8K on the push clusters against Triton's tiles
 #   bash benchmarks/device_s27.sh tests   the GPU test files (the CUDA backend's apart) and its row cluster tests
 #   bash benchmarks/device_s27.sh table   `normkit bench`: the bf16 / fp32 forward at 64K-256K against torch and
 #                                         torch.compile; the spill checks
@@ -65,6 +66,14 @@ final)  # the kernels of 73f55f0 (restored): the GPU test files and the row clus
     bench 120 --ops ln,rms --dtypes bf16 --dirs bwd --widths 1024,2048,4096,8192 --peers torch,compile \
         --no-host --out "$OUT/bwd"
     grep -v "^#" "$OUT/bwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
+    ;;
+clp)  # the 16-bit backward at 2K-8K on the push clusters (rows of one CTA, weight held since session 26: cl-p)
+    # against the committed Triton tiles (new), twice in turn
+    for rep in 1 2; do
+        timeout 150 python3 benchmarks/bwd_sweep.py --out "$OUT/clp-$rep" --parts check,time --variants new,cl-p \
+            --widths 2048,4096,8192 --dtypes bf16 --check-dtypes bf16 --check-variants cl-p > "$OUT/clp-$rep.log" 2>&1
+        echo "clp-$rep rc $?"; grep -E "FAIL|rror" "$OUT/clp-$rep.log" | head -5; tail -14 "$OUT/clp-$rep.log" | cut -c1-160
+    done
     ;;
 tests)
     gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
