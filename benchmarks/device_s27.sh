@@ -11,6 +11,7 @@
 #   bash benchmarks/device_s27.sh ncu     ncu of LayerNorm and RMSNorm at 128K: committed kernels and the held one
 #   bash benchmarks/device_s27.sh final   the GPU and row cluster tests on the restored kernels; the backward at 1K-8K
 #   bash benchmarks/device_s27.sh clp     the 16-bit backward at 2K-8K on the push clusters against Triton's tiles
+#   bash benchmarks/device_s27.sh route   after LayerNorm's 2K backward moved to the clusters: GPU files, bench 1K-8K
 #   bash benchmarks/device_s27.sh tests   the GPU test files (the CUDA backend's apart) and its row cluster tests
 #   bash benchmarks/device_s27.sh table   `normkit bench`: the bf16 / fp32 forward at 64K-256K against torch and
 #                                         torch.compile; the spill checks
@@ -74,6 +75,14 @@ clp)  # the 16-bit backward at 2K-8K on the push clusters (rows of one CTA, weig
             --widths 2048,4096,8192 --dtypes bf16 --check-dtypes bf16 --check-variants cl-p > "$OUT/clp-$rep.log" 2>&1
         echo "clp-$rep rc $?"; grep -E "FAIL|rror" "$OUT/clp-$rep.log" | head -5; tail -14 "$OUT/clp-$rep.log" | cut -c1-160
     done
+    ;;
+route)  # after routing LayerNorm's 16-bit backward at 2K to the push clusters: the GPU files that run the default
+    # path's backward (the host path's replay and graph capture included), then `normkit bench` at 1K-8K
+    gpu_tests 220 tests.log -n 14 tests/test_host_gpu.py tests/test_host.py tests/test_gpu.py tests/test_row_norm.py \
+        tests/test_autograd.py tests/test_api.py tests/test_edge_cases.py tests/test_fusion_autograd.py tests/test_compile.py
+    bench 100 --ops ln,rms --dtypes bf16 --dirs bwd --widths 1024,2048,4096,8192 --peers torch,compile \
+        --no-host --out "$OUT/bwd"
+    grep -v "^#" "$OUT/bwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
     ;;
 tests)
     gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \

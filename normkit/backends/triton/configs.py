@@ -115,6 +115,10 @@ OVERRIDES: dict = {}
 # cluster kernels (normkit/backends/cuda/cluster.py) when the call can take them (16-byte aligned
 # rows, x's dtype or fp32 parameters). A measured table lists them under "cuda", per direction,
 # element bytes and op ("ln", "rms"); CUDA_OVERRIDES (the bench's variants; both ops) wins over it.
+# sm_90's 16-bit LayerNorm backward at 2K runs there (one CTA a row, the push kernel holding its weight over its rows
+# since session 26): run S27-7 (H200, `bash benchmarks/device_s27.sh clp`, bwd_sweep.py cl-p against the Triton
+# tiles, twice) 0.865 -> 0.891 / 0.894 of copy; at 4K 0.866 -> 0.870 / 0.871, RMSNorm 2K / 4K +0.004-0.007 (noise
+# level, not routed); LayerNorm 8K a tie (0.815 / 0.812 -> 0.817 / 0.819), RMSNorm 8K slower (0.89 -> 0.85).
 CUDA_OVERRIDES: dict = {}
 
 
