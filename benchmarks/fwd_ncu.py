@@ -1,7 +1,7 @@
 """Issue 24 (session 27): one launch of each wide-forward variant (widefwd_sweep.py's syntax: `normkit`,
-`TxIxS@W+FLAGS~HOLD%DEFINES`) at one width, for ncu to profile side by side: why does LayerNorm on one wave of
-persistent clusters (0.45-0.53 of copy at 128K) run so far behind RMSNorm on the same kernel (0.84) and LayerNorm on
-many waves of clusters that each take about one row (0.67)?
+`TxIxS@W+FLAGS%DEFINES`; run S27-5 used a4fb261's `~s` held variants too) at one width, for ncu to profile side by
+side: why does LayerNorm on one wave of persistent clusters (0.45-0.53 of copy at 128K) run so far behind RMSNorm on
+the same kernel (0.84) and LayerNorm on many waves of clusters that each take about one row (0.67)?
 
   ncu --kernel-name regex:row_fwd_cluster ... python benchmarks/fwd_ncu.py --width 131072 --cases ln:normkit,...
 """
