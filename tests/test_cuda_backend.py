@@ -781,7 +781,8 @@ def test_cluster_routes_are_data():
     9): the 16-bit backward of both ops at 16K-256K (session 14: the push exchange won there against the
     register-capped and two-row split rows; session 15: 256K with two rows in flight per cluster), not
     below 16K (LayerNorm's 2K and 8K went to the push clusters in session 14 and back to Triton's tiles in
-    session 17, once those load the next tile's statistics with it: run S17-2), the fp32 RMSNorm backward
+    session 17, once those load the next tile's statistics with it: run S17-2) but LayerNorm's 2K (back on the
+    clusters in session 27, whose CTAs hold their weight since session 26: run S27-7), the fp32 RMSNorm backward
     at 8K-32K;
     never under the interpreter; the bench's overrides win."""
     from normkit.backends.triton import configs as tc
@@ -789,9 +790,12 @@ def test_cluster_routes_are_data():
     try:
         assert all(tc.row_config("bwd", n, 2, "sm_90", False, op).cuda for n in (16384, 32768, 65536, 131072)
                    for op in ("ln", "rms"))
-        # below 16K Triton's tiles for both ops (LayerNorm's 2K and 8K: run S17-2, 0.81 / 0.78 -> 0.87 / 0.81)
+        # below 16K Triton's tiles for both ops (LayerNorm's 2K and 8K: run S17-2, 0.81 / 0.78 -> 0.87 / 0.81), but
+        # LayerNorm's 2K (rows of 1025-2048 columns): the push clusters with the weight held, run S27-7, 0.865 -> 0.89
         assert not any(tc.row_config("bwd", n, 2, "sm_90", False, op).cuda for n in (1024, 2048, 4096, 8192)
-                       for op in ("ln", "rms"))
+                       for op in ("ln", "rms") if (op, n) != ("ln", 2048))
+        assert tc.row_config("bwd", 2048, 2, "sm_90", False, "ln").cuda and tc.row_config("bwd", 1536, 2, "sm_90", False,
+                                                                                           "ln").cuda
         # 256K too since session 15 (run S15-3: two rows in flight per cluster beat the capped split rows)
         assert all(tc.row_config("bwd", 262144, 2, "sm_90", False, op).cuda for op in ("ln", "rms"))
         assert tc.row_config("bwd", 8192, 4, "sm_90", False, "rms").cuda
