@@ -18,6 +18,14 @@ device_triton = rm -rf $(1)/device-triton && \
 	$(1)/bin/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(1)/device-triton/triton-*.whl')[0]).extractall('$(1)/device-triton/site')" && \
 	chmod +x $(1)/device-triton/site/triton/backends/nvidia/bin/* && rm $(1)/device-triton/triton-*.whl && \
 	touch $(1)/device-triton/.ok-$(DEVICE_TRITON)
+# the NVRTC release on the GPU machine (its CUDA 13.0): tests/test_cuda_backend.py compiles the CUDA kernels with it
+# too (source that NVRTC 13.5 compiles crashed 13.0's front end, session 27); only its two libraries are unpacked
+DEVICE_NVRTC ?= 13.0
+device_nvrtc = rm -rf $(1)/device-nvrtc && \
+	$(1)/bin/python -m pip download -q --no-deps --only-binary=:all: "nvidia-cuda-nvrtc==$(DEVICE_NVRTC).*" -d $(1)/device-nvrtc && \
+	$(1)/bin/python -c "import glob, re, zipfile; z = zipfile.ZipFile(glob.glob('$(1)/device-nvrtc/nvidia_cuda_nvrtc-*.whl')[0]); \
+		z.extractall('$(1)/device-nvrtc/site', [n for n in z.namelist() if re.search(r'/libnvrtc(-builtins)?\.so[.0-9]*$$', n)])" && \
+	rm $(1)/device-nvrtc/nvidia_cuda_nvrtc-*.whl && touch $(1)/device-nvrtc/.ok-$(DEVICE_NVRTC)
 PYTEST_ARGS ?=
 
 .PHONY: test test-latest bench setup lock clean
@@ -35,7 +43,10 @@ $(VENV)/.ready: pyproject.toml $(TESTED)
 $(VENV)/device-triton/.ok-$(DEVICE_TRITON): $(VENV)/.ready
 	$(call device_triton,$(VENV))
 
-test: setup $(VENV)/device-triton/.ok-$(DEVICE_TRITON)
+$(VENV)/device-nvrtc/.ok-$(DEVICE_NVRTC): $(VENV)/.ready
+	$(call device_nvrtc,$(VENV))
+
+test: setup $(VENV)/device-triton/.ok-$(DEVICE_TRITON) $(VENV)/device-nvrtc/.ok-$(DEVICE_NVRTC)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
 test-latest:
@@ -45,6 +56,7 @@ test-latest:
 	$(LATEST_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(LATEST_PY) -m pip install -q --upgrade --upgrade-strategy eager -c constraints/latest.txt -e ".[test,bench]"
 	$(call device_triton,$(LATEST_VENV))
+	$(call device_nvrtc,$(LATEST_VENV))
 	@newer=$$($(LATEST_PY) -m pip freeze 2>/dev/null | grep -v -e '^-e ' -e '^#' -e '^normkit' -e '^torch==' \
 		| grep -v -x -F -f $(TESTED)); echo "make test-latest: versions that differ from $(TESTED):"; \
 		echo "$${newer:-(none: the newest releases are the tested set)}" | sed 's/^/    /'

@@ -94,6 +94,49 @@ def test_kernel_families_build_cubins(arch):
         assert spec.name in c.lowered
 
 
+# compiled in a fresh process whose NVRTC is the device's: its libraries loaded before cuda.bindings looks for one
+_DEVICE_NVRTC_SCRIPT = """
+import ctypes, sys
+for lib in sys.argv[1:-1]:
+    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+from normkit.backends.cuda import kernels, nvrtc
+want = tuple(int(v) for v in sys.argv[-1].split("."))
+assert nvrtc.version() == want, f"NVRTC {nvrtc.version()} loaded, {want} wanted"
+by_source = {}
+for spec in kernels.catalog():
+    by_source.setdefault(spec.source, []).append(spec.name)
+for source, names in by_source.items():
+    nvrtc.build(source, names, "compute_90", want_ptx=True, use_disk_cache=False, fast=True)
+rows = [n for n in by_source["row_cluster.cu"] if n.startswith(("nk::row_fwd_cluster", "nk::row_bwd_cluster"))]
+nvrtc.build("row_cluster.cu", rows, "sm_90", use_disk_cache=False)
+print(f"compiled {sum(map(len, by_source.values()))} kernels to PTX, {len(rows)} to sm_90, with NVRTC {want}")
+"""
+
+
+def test_kernels_compile_under_the_devices_nvrtc():
+    """The catalog compiled with the GPU machine's NVRTC (the Makefile's DEVICE_NVRTC, its libraries unpacked beside
+    the venv's packages), to PTX, and the row cluster kernels to sm_90 cubins: lambdas taking references to arrays
+    compiled on NVRTC 13.5 and crashed 13.0's front end on the device, so no kernel of row_cluster.cu loaded there
+    (session 27, run S27-2)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    lib_dir = Path(sys.prefix) / "device-nvrtc" / "site" / "nvidia" / "cu13" / "lib"
+    libs = sorted(lib_dir.glob("libnvrtc-builtins.so.*")) + sorted(lib_dir.glob("libnvrtc.so.*"))
+    if len(libs) != 2:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{lib_dir} lacks libnvrtc: `make test` unpacks the device's NVRTC there")
+        pytest.skip(f"{lib_dir} lacks libnvrtc (make test unpacks the device's NVRTC there)")
+    version = libs[0].name.split(".so.")[1]  # libnvrtc-builtins.so.13.0
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _DEVICE_NVRTC_SCRIPT, *map(str, libs), version], cwd=root,
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0 and f"with NVRTC {tuple(map(int, version.split('.')))}" in r.stdout, \
+        f"exit {r.returncode} (-11: NVRTC crashed)\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+
+
 def test_no_register_spills_in_the_common_kernels():
     """The kernels on the common paths keep their rows and sums in registers (ptxas -v)."""
     for spec in [FAMILY_SAMPLES[0], FAMILY_SAMPLES[1], FAMILY_SAMPLES[3], FAMILY_SAMPLES[4]]:
