@@ -12,9 +12,6 @@
 #   bash benchmarks/device_s27.sh final   the GPU and row cluster tests on the restored kernels; the backward at 1K-8K
 #   bash benchmarks/device_s27.sh clp     the 16-bit backward at 2K-8K on the push clusters against Triton's tiles
 #   bash benchmarks/device_s27.sh route   after LayerNorm's 2K backward moved to the clusters: GPU files, bench 1K-8K
-#   bash benchmarks/device_s27.sh tests   the GPU test files (the CUDA backend's apart) and its row cluster tests
-#   bash benchmarks/device_s27.sh table   `normkit bench`: the bf16 / fp32 forward at 64K-256K against torch and
-#                                         torch.compile; the spill checks
 # The kernels these modes time (HOLD 2: the parameters in shared memory; the forward's OVERLAP; widefwd_sweep.py's `~`
 # variants) are in the tree at a4fb261 only: none was adopted, and the next commit restored 73f55f0's kernels. On a
 # later tree, shared / overlap / wide512 and ncu's held cases need that commit checked out.
@@ -83,18 +80,6 @@ route)  # after routing LayerNorm's 16-bit backward at 2K to the push clusters: 
     bench 100 --ops ln,rms --dtypes bf16 --dirs bwd --widths 1024,2048,4096,8192 --peers torch,compile \
         --no-host --out "$OUT/bwd"
     grep -v "^#" "$OUT/bwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
-    ;;
-tests)
-    gpu_tests 330 tests.log -n 14 ${GPU_TEST_FILES/tests\/test_cuda_backend.py/} tests/test_row_norm.py \
-        tests/test_fusion_autograd.py
-    gpu_tests 170 cluster.log -n 14 tests/test_cuda_backend.py \
-        -k "(cluster and not gn) or bias_at_cluster or launches or held or spills"
-    ;;
-table)
-    gpu_tests 60 spills.log tests/test_cuda_backend.py -k "spills"
-    bench 200 --ops ln,rms --dtypes bf16,fp32 --dirs fwd --widths 65536,131072,262144 --peers torch,compile \
-        --no-host --out "$OUT/fwd"
-    grep -v "^#" "$OUT/fwd/results.csv" | cut -d, -f2,4,6,8,13,16 | grep -v "^op"
     ;;
 esac
 tar czf "/tmp/s27-${1:-shared}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s27-${1:-shared}.tgz" "$OUT/"

@@ -22,7 +22,7 @@ from normkit._layout import row_view
 from normkit.backends import torch_backend, triton as triton_backend
 
 from conftest import DEVICE
-from helpers import TOL, TOL_PARAM_GRAD, randn
+from helpers import TOL, TOL_PARAM_GRAD, missing_tool, randn
 from test_row_norm import looped  # noqa: F401  (the fixture: rows wider than 64 walked in chunks of 128)
 
 BACKENDS = ["torch", "triton"]
@@ -468,13 +468,10 @@ def test_kernels_compile_for_sm90_under_the_devices_triton():
     """The same under the Triton release of the GPU machine (the Makefile's DEVICE_TRITON, unpacked beside the
     venv's packages): a default value on a helper's constexpr argument compiled on triton 3.9 and failed every
     Triton forward on the device's 3.6 (session 17)."""
-    import os
     import sys
     from pathlib import Path
     site = Path(sys.prefix) / "device-triton" / "site"
     if not site.is_dir():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{site} is missing: `make test` unpacks the device's Triton there")
-        pytest.skip(f"{site} is missing (make test unpacks the device's Triton there)")
+        missing_tool(f"{site} is missing (`make test` unpacks the device's Triton there)")
     version = next(site.glob("triton-*.dist-info")).name.removesuffix(".dist-info").split("-")[1]
     assert f"(triton {version}, sm_90)" in _compile_for_sm90(site)
