@@ -4,6 +4,9 @@
 #                                         pass then a read-and-write pass, against the same-size copy and normkit's
 #                                         committed GroupNorm); eager DiT / SD3 (the models whose LayerNorm rows,
 #                                         1152 / 1536 wide, took session 27's 2K backward route)
+#   bash benchmarks/device_s28.sh gblock  the group-block GroupNorm path (two launches over tiles of whole groups) on
+#                                         the GPU: its forced-path tests, then gn_sweep.py against the committed routes
+#                                         and the same-size copy, bf16 then fp32, both layouts, forward and backward
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 case "${1:-probe}" in
@@ -13,6 +16,14 @@ probe)
     bench 200 --models dit,sd3 --exec eager --variants unpatched,normkit --steps 40 --rounds 10 \
         --time-budget 170 --out "$OUT/dit-sd3"
     grep -E "^\| (dit|sd3)" "$OUT/dit-sd3/models.md" | cut -c1-220
+    ;;
+gblock)
+    gpu_tests 120 gblock-tests.log tests/test_group_norm.py -k "gblock or group_blocks"
+    timeout 420 python3 benchmarks/gn_sweep.py --out "$OUT/gblock" --dtypes bf16,fp32 --budget 330 \
+        --variants default,gblock,gblock-big,gblock-small,gblock-s64 --peers copy --acts - \
+        --shapes 8x320x64x64,16x640x32x32,32x256x56x56,4x128x128x128,8x1280x16x16,1x320x64x64 \
+        > "$OUT/gblock.log" 2>&1
+    echo "gn_sweep rc $?"; grep -E "^(bf16|fp32|copy|done|budget)|Error" "$OUT/gblock.log" | cut -c1-330
     ;;
 esac
 tar czf "/tmp/s28-${1:-probe}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s28-${1:-probe}.tgz" "$OUT/"

@@ -426,6 +426,69 @@ GN_STAGED_PROGRAMS_PER_SM = {"fwd": 4, "bwd": 3}
 GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
 
 
+# group-block path (group_norm.py: stats, apply launches over [channel block of whole groups, positions] tiles) for
+# the layouts listed per (direction, element bytes), inputs of at least GN_GBLOCK_MIN_NUMEL elements and groups of at
+# most GN_GBLOCK_MAX_BLOCK_C channels. Tiles per (direction, element bytes): (stats tile elements, warps), (apply tile
+# elements, warps); a stats program walks n_sub tiles so that a sample's channel block has at most
+# GN_GBLOCK_MAX_SPANS spans (the partials each apply program merges).
+GN_GBLOCK_LAYOUTS: dict = {("fwd", 2): (), ("fwd", 4): (), ("bwd", 2): (), ("bwd", 4): ()}
+GN_GBLOCK_MIN_NUMEL = 1 << 18
+GN_GBLOCK_TILE = {("fwd", 2): ((8192, 8), (4096, 4)), ("fwd", 4): ((4096, 8), (2048, 4)),
+                  ("bwd", 2): ((4096, 8), (4096, 4)), ("bwd", 4): ((2048, 8), (2048, 4))}
+GN_GBLOCK_MAX_SPANS = 32
+GN_GBLOCK_MAX_BLOCK_C = 256
+GN_GBLOCK_MAX_GROUPS = 16  # groups per block (each lane-to-group sum is a [groups, block] reduction)
+
+
+@dataclass(frozen=True)
+class GBlockConfig:
+    block_c: int  # channels per tile: groups_per_block whole groups, padded to a power of two
+    groups_per_block: int
+    stats_s: int  # positions per stats tile
+    n_sub: int  # stats tiles per stats program (a span)
+    n_spans: int  # stats programs per (sample, channel block)
+    stats_warps: int
+    apply_s: int  # positions per apply tile (one per program)
+    apply_warps: int
+
+    @property
+    def gb_pad(self) -> int:
+        return triton.next_power_of_2(self.groups_per_block)
+
+
+def gblock_channels(cg: int, groups: int) -> tuple:
+    """(block_c, groups per block): the power-of-two channel block (16 .. GN_GBLOCK_MAX_BLOCK_C) of at most
+    GN_GBLOCK_MAX_GROUPS whole groups that wastes the fewest lanes, nearest 64 channels among equals; (0, 0) for
+    groups wider than the largest."""
+    best = None
+    for block in (16, 32, 64, 128, 256):
+        if block > GN_GBLOCK_MAX_BLOCK_C or block < cg:
+            continue
+        gb = min(block // cg, groups, GN_GBLOCK_MAX_GROUPS)
+        key = (round((block - gb * cg) / block, 3), abs(block.bit_length() - 7))
+        if best is None or key < best[0]:
+            best = (key, block, gb)
+    return (best[1], best[2]) if best else (0, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def gblock_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: int, channels_last: bool):
+    """The group-block path's tiles for x = [b, c, s] with groups of cg channels, or None where it is not taken."""
+    eb = 2 if elem_bytes <= 2 else 4
+    if ("cl" if channels_last else "nchw") not in GN_GBLOCK_LAYOUTS[(direction, eb)] or b * c * s < GN_GBLOCK_MIN_NUMEL:
+        return None
+    block_c, gb = gblock_channels(cg, c // cg)
+    if not block_c:
+        return None
+    (stats_tile, stats_warps), (apply_tile, apply_warps) = GN_GBLOCK_TILE[(direction, eb)]
+    s_pad = triton.next_power_of_2(s)
+    stats_s = min(s_pad, max(1, stats_tile // block_c))
+    n_tiles = -(-s // stats_s)
+    n_sub = -(-n_tiles // min(n_tiles, GN_GBLOCK_MAX_SPANS))
+    return GBlockConfig(block_c, gb, stats_s, n_sub, -(-n_tiles // n_sub), stats_warps,
+                        min(s_pad, max(1, apply_tile // block_c)), apply_warps)
+
+
 @dataclass(frozen=True)
 class StagedConfig:
     block_c: int  # apply: channels per tile (need not divide into groups)
