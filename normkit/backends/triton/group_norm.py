@@ -828,7 +828,8 @@ def group_norm_gblock_stats_kernel(
     gj = kc * GB + tl.arange(0, GB_PAD)
     j_mask = (tl.arange(0, GB_PAD) < GB) & (gj < G)
     part = (b_idx * G + gj).to(tl.int64) * n_spans + j
-    gl, ch, c_mask, _, _ = _gblock_tile(kc, 0, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s, BLOCK_C, BLOCK_S)
+    gl, ch, c_mask, _m, _o = _gblock_tile(kc, 0, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s, BLOCK_C,
+                                          BLOCK_S)
     grp = b_idx * G + kc * GB + gl
     if BWD:
         mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
@@ -843,8 +844,9 @@ def group_norm_gblock_stats_kernel(
         g_n = tl.zeros([GB_PAD], dtype=tl.float32)
     for i in range(0, n_sub):
         t = j * n_sub + i  # past the last tile (a short last span): every position masked off
-        _, _, _, mask, offs = _gblock_tile(kc, t, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s,
-                                           BLOCK_C, BLOCK_S)
+        # (names apart from the ones above: Triton carries a name reassigned in a loop, and checks its type)
+        _gl, _ch, _cm, mask, offs = _gblock_tile(kc, t, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s,
+                                                 BLOCK_C, BLOCK_S)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         if BWD:
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
