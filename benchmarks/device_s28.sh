@@ -20,10 +20,12 @@ probe)
 gblock)
     gpu_tests 120 gblock-tests.log tests/test_group_norm.py -k "gblock or group_blocks"
     timeout 420 python3 benchmarks/gn_sweep.py --out "$OUT/gblock" --dtypes bf16,fp32 --budget 330 \
-        --variants default,gblock,gblock-big,gblock-small,gblock-s64 --peers copy --acts - \
+        --variants default,gblock,gblock-big,gblock-a1,gblock-a8,gblock-s64 --peers copy --acts - \
+        --profile --profile-variants default,gblock \
+        --profile-shapes 8x320x64x64/g32,8x320x64x64/g32/cl,16x640x32x32/g32/cl,4x128x128x128/g32/cl \
         --shapes 8x320x64x64,16x640x32x32,32x256x56x56,4x128x128x128,8x1280x16x16,1x320x64x64 \
         > "$OUT/gblock.log" 2>&1
-    echo "gn_sweep rc $?"; grep -E "^(bf16|fp32|copy|done|budget)|Error" "$OUT/gblock.log" | cut -c1-330
+    echo "gn_sweep rc $?"; grep -E "^(bf16|fp32|copy|done|budget)|Error|profile" "$OUT/gblock.log" | cut -c1-330
     ;;
 esac
 tar czf "/tmp/s28-${1:-probe}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s28-${1:-probe}.tgz" "$OUT/"

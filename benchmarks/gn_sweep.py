@@ -208,8 +208,10 @@ def _gblock(layouts=("nchw", "cl"), tiles=None, **more):
 
 VARIANTS.update({
     "gblock": _gblock(),
-    "gblock-big": _gblock(tiles={k: ((2 * s, 8), (2 * a, 8)) for k, ((s, _), (a, _)) in GB.items()}),
-    "gblock-small": _gblock(tiles={k: ((s // 2, 4), (a // 2, 4)) for k, ((s, _), (a, _)) in GB.items()}),
+    "gblock-cl": _gblock(("cl",)),
+    "gblock-big": _gblock(tiles={k: ((2 * s, 8), (2 * a, 8, n)) for k, ((s, _), (a, _, n)) in GB.items()}),
+    "gblock-a1": _gblock(tiles={k: (st, (a, w, 1)) for k, (st, (a, w, _)) in GB.items()}),
+    "gblock-a8": _gblock(tiles={k: (st, (a, w, 8)) for k, (st, (a, w, _)) in GB.items()}),
     "gblock-s16": _gblock(GN_GBLOCK_MAX_SPANS=16),
     "gblock-s64": _gblock(GN_GBLOCK_MAX_SPANS=64),
 })

@@ -80,12 +80,13 @@ FORCED_PATHS = {
                "GN_SPLIT2_MIN_TILES": {"fwd": 2, "bwd": 2}, "GN_SPLIT2_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0},
                "GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": 1e9, "bwd": 1e9}, "GN_SPLIT2_MIN_S": {"fwd": 0, "bwd": 0},
                "GN_STAGED_MIN_NUMEL": 1 << 62},
-    # group-block (stats over spans of tiles, then apply) for every input and layout: the 12 channels' 4 groups in one
-    # 16-channel block (a quarter of the lanes padding); stats tiles of 2 positions, spans of 5 tiles (35 positions:
-    # 18 tiles, a ragged last span of 3 and a last tile of one position), apply tiles of 2 positions
+    # group-block (stats over spans of tiles, then apply over runs of tiles) for every input and layout: the 12
+    # channels' 4 groups in one 16-channel block (a quarter of the lanes padding); stats tiles of 2 positions, spans
+    # of 5 tiles (35 positions: 18 tiles, a ragged last span of 3 and a last tile of one position), apply tiles of 2
+    # positions, 4 a program (a ragged last run of 2)
     "gblock": {"GN_GBLOCK_LAYOUTS": {(d, b): ("nchw", "cl") for d in ("fwd", "bwd") for b in (2, 4)},
                "GN_GBLOCK_MIN_NUMEL": 0, "GN_GBLOCK_MAX_SPANS": 4,
-               "GN_GBLOCK_TILE": {(d, b): ((32, 2), (32, 1)) for d in ("fwd", "bwd") for b in (2, 4)}},
+               "GN_GBLOCK_TILE": {(d, b): ((32, 2), (32, 1, 4)) for d in ("fwd", "bwd") for b in (2, 4)}},
 }
 
 
@@ -107,7 +108,7 @@ def _assert_path_taken(path, x, dtype, act):
         gblock = _gblock_plan(direction, x3, 3)[0]
         if path == "gblock":
             assert (gblock.block_c, gblock.groups_per_block, gblock.stats_s, gblock.n_sub, gblock.n_spans,
-                    gblock.apply_s) == (16, 4, 2, 5, 4, 2), gblock
+                    gblock.apply_s, gblock.apply_sub) == (16, 4, 2, 5, 4, 2, 4), gblock
             continue
         assert gblock is None
         staged = _staged_plan(direction, x3, 3)[0]

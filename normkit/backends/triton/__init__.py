@@ -600,7 +600,7 @@ def _gblock_plan(direction: str, x, cg: int):
 
 
 def _gblock(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):
-    """The group-block path (group_norm.py): stats over spans of tiles, then apply, a tile per program. Forward
+    """The group-block path (group_norm.py): stats over spans of tiles, then apply over runs of tiles. Forward
     (dy None): out = y, and mean/rstd are written. Backward: out = dx; returns the per-(sample, span) channel sums
     of g*xhat and g ([B * n_spans, C] fp32), which are the weight gradients' partials."""
     B, C, S = x.shape
@@ -614,16 +614,17 @@ def _gblock(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups,
     p2 = _empty((B, num_groups, cfg.n_spans), dtype=torch.float32, device=x.device)
     q1 = _empty((B * cfg.n_spans, C), dtype=torch.float32, device=x.device) if bwd else None
     q2 = _empty((B * cfg.n_spans, C), dtype=torch.float32, device=x.device) if bwd else None
-    shape = dict(BLOCK_C=cfg.block_c, GB_PAD=cfg.gb_pad)
+    shape = dict(BLOCK_C=cfg.block_c, GB_PAD=cfg.gb_pad, ALIGN=cfg.align)
     k.gn_gblock_stats((B * n_cb * cfg.n_spans,),
                       (x, dy, weight, bias, mean, rstd, p1, p2, q1, q2, C, S, num_groups, cg, cfg.groups_per_block,
                        n_cb, cfg.n_spans, cfg.n_sub) + strides,
                       dict(**(flags if bwd else dict(BWD=False, HAS_W=False, HAS_B=False, ACT=0)),
                            BLOCK_S=cfg.stats_s, **shape), (cfg.stats_warps, 1), device_index)
     n_tiles = -(-S // cfg.apply_s)
-    k.gn_gblock_apply((B * n_cb * n_tiles,),
+    a_sub = min(cfg.apply_sub, n_tiles)
+    k.gn_gblock_apply((B * n_cb * -(-n_tiles // a_sub),),
                       (x, dy, out, weight, bias, mean, rstd, p1, p2, C, S, num_groups, cg, cfg.groups_per_block,
-                       n_cb, n_tiles, cfg.n_spans, cfg.n_sub * cfg.stats_s) + strides + (eps,),
+                       n_cb, n_tiles, a_sub, cfg.n_spans, cfg.n_sub * cfg.stats_s) + strides + (eps,),
                       dict(**flags, BLOCK_S=cfg.apply_s, **shape, BLOCK_T=_next_pow2(cfg.n_spans)),
                       (cfg.apply_warps, 1), device_index)
     return q1, q2

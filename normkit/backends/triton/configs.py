@@ -429,12 +429,12 @@ GN_STAGED_FINALIZE_TILE = 2048  # partials a finalize program holds per step
 # group-block path (group_norm.py: stats, apply launches over [channel block of whole groups, positions] tiles) for
 # the layouts listed per (direction, element bytes), inputs of at least GN_GBLOCK_MIN_NUMEL elements and groups of at
 # most GN_GBLOCK_MAX_BLOCK_C channels. Tiles per (direction, element bytes): (stats tile elements, warps), (apply tile
-# elements, warps); a stats program walks n_sub tiles so that a sample's channel block has at most
-# GN_GBLOCK_MAX_SPANS spans (the partials each apply program merges).
+# elements, warps, tiles per apply program); a stats program walks n_sub tiles so that a sample's channel block has
+# at most GN_GBLOCK_MAX_SPANS spans (the partials each apply program merges).
 GN_GBLOCK_LAYOUTS: dict = {("fwd", 2): (), ("fwd", 4): (), ("bwd", 2): (), ("bwd", 4): ()}
 GN_GBLOCK_MIN_NUMEL = 1 << 18
-GN_GBLOCK_TILE = {("fwd", 2): ((8192, 8), (4096, 4)), ("fwd", 4): ((4096, 8), (2048, 4)),
-                  ("bwd", 2): ((4096, 8), (4096, 4)), ("bwd", 4): ((2048, 8), (2048, 4))}
+GN_GBLOCK_TILE = {("fwd", 2): ((4096, 4), (4096, 4, 4)), ("fwd", 4): ((2048, 4), (2048, 4, 4)),
+                  ("bwd", 2): ((4096, 4), (4096, 4, 4)), ("bwd", 4): ((2048, 4), (2048, 4, 4))}
 GN_GBLOCK_MAX_SPANS = 32
 GN_GBLOCK_MAX_BLOCK_C = 256
 GN_GBLOCK_MAX_GROUPS = 16  # groups per block (each lane-to-group sum is a [groups, block] reduction)
@@ -448,27 +448,32 @@ class GBlockConfig:
     n_sub: int  # stats tiles per stats program (a span)
     n_spans: int  # stats programs per (sample, channel block)
     stats_warps: int
-    apply_s: int  # positions per apply tile (one per program)
+    apply_s: int  # positions per apply tile
     apply_warps: int
+    apply_sub: int  # apply tiles per program
+    align: int = 1  # each block's channels start at a multiple of this many (16 bytes' worth, or 1)
 
     @property
     def gb_pad(self) -> int:
         return triton.next_power_of_2(self.groups_per_block)
 
 
-def gblock_channels(cg: int, groups: int) -> tuple:
-    """(block_c, groups per block): the power-of-two channel block (16 .. GN_GBLOCK_MAX_BLOCK_C) of at most
-    GN_GBLOCK_MAX_GROUPS whole groups that wastes the fewest lanes, nearest 64 channels among equals; (0, 0) for
-    groups wider than the largest."""
+def gblock_channels(cg: int, groups: int, align: int = 1) -> tuple:
+    """(block_c, groups per block, alignment): the power-of-two channel block (16 .. GN_GBLOCK_MAX_BLOCK_C) of at
+    most GN_GBLOCK_MAX_GROUPS whole groups, preferring blocks whose channel count is a multiple of `align` (16 bytes
+    of elements: channels_last tiles then load 16 bytes at a time), then the fewest wasted lanes, then nearest 64
+    channels; (0, 0, 1) for groups wider than the largest. The alignment is `align` when the block's channels are
+    a multiple of it (the caller checks the channel count), else 1."""
     best = None
     for block in (16, 32, 64, 128, 256):
         if block > GN_GBLOCK_MAX_BLOCK_C or block < cg:
             continue
-        gb = min(block // cg, groups, GN_GBLOCK_MAX_GROUPS)
-        key = (round((block - gb * cg) / block, 3), abs(block.bit_length() - 7))
-        if best is None or key < best[0]:
-            best = (key, block, gb)
-    return (best[1], best[2]) if best else (0, 0)
+        for gb in range(min(block // cg, groups, GN_GBLOCK_MAX_GROUPS), 0, -1):
+            aligned = (gb * cg) % align == 0
+            key = (not aligned, round((block - gb * cg) / block, 3), abs(block.bit_length() - 7))
+            if best is None or key < best[0]:
+                best = (key, block, gb, align if aligned else 1)
+    return best[1:] if best else (0, 0, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -477,16 +482,16 @@ def gblock_config(direction: str, b: int, c: int, s: int, cg: int, elem_bytes: i
     eb = 2 if elem_bytes <= 2 else 4
     if ("cl" if channels_last else "nchw") not in GN_GBLOCK_LAYOUTS[(direction, eb)] or b * c * s < GN_GBLOCK_MIN_NUMEL:
         return None
-    block_c, gb = gblock_channels(cg, c // cg)
+    block_c, gb, align = gblock_channels(cg, c // cg, 16 // eb if c % (16 // eb) == 0 else 1)
     if not block_c:
         return None
-    (stats_tile, stats_warps), (apply_tile, apply_warps) = GN_GBLOCK_TILE[(direction, eb)]
+    (stats_tile, stats_warps), (apply_tile, apply_warps, apply_sub) = GN_GBLOCK_TILE[(direction, eb)]
     s_pad = triton.next_power_of_2(s)
     stats_s = min(s_pad, max(1, stats_tile // block_c))
     n_tiles = -(-s // stats_s)
     n_sub = -(-n_tiles // min(n_tiles, GN_GBLOCK_MAX_SPANS))
     return GBlockConfig(block_c, gb, stats_s, n_sub, -(-n_tiles // n_sub), stats_warps,
-                        min(s_pad, max(1, apply_tile // block_c)), apply_warps)
+                        min(s_pad, max(1, apply_tile // block_c)), apply_warps, apply_sub, align)
 
 
 @dataclass(frozen=True)

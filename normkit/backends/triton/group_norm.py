@@ -774,23 +774,32 @@ def group_norm_staged_apply_kernel(
 
 # ----------------------------------------------------------------------------- group-block path
 # Two launches over [channel block, positions] tiles whose channel block holds whole groups (GB of them, GB_PAD a
-# power of two above): `stats` reduces a span of n_sub tiles per program to per-group values (forward: the span's
-# mean and M2 of x minus the group's first element, each tile's exact two-pass values Chan-merged; backward: the
-# w-weighted sums of g*xhat and g, plus the per-channel sums, which are the weight gradients' partials), P1/P2
-# [B, G, n_spans]; `apply` merges its groups' n_spans values in a fixed order (every program of a group gets the same
-# bits) and writes its tile, last first. No finalize launch and no waiting: the merge is a few hundred bytes from L2.
-# Tiles read whole runs of a group's channels: in channels_last each position's block of channels is one contiguous
-# run (the staged path's tiles cut groups apart and need a finalize launch to put them together).
+# power of two above): `stats` walks a span of n_sub tiles per program, accumulating per element slot (forward:
+# Welford mean and M2 of x minus the group's first element; backward: sums of g*xhat and g) and reducing across the
+# slots and the group's lanes once, at the end (forward: Chan's exact merges), to per-group values P1/P2
+# [B, G, n_spans] (backward: the w-weighted sums, and the per-channel sums, which are the weight gradients'
+# partials); `apply` programs merge their groups' n_spans values once, in a fixed order (every program of a group
+# gets the same bits), then walk a_sub tiles, last first. No finalize launch and no waiting: the merge is a few
+# hundred bytes from L2, once per a_sub tiles. Tiles read whole runs of a group's channels: in channels_last each
+# position's block of channels is one contiguous run, 16-byte aligned where the plan finds such a block (the staged
+# path's tiles cut groups apart and need a finalize launch to put them together).
 
 @triton.jit
 def _gblock_tile(kc, t, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s,
-                 BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+                 BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN: tl.constexpr):
     """Tile t of (sample b, channel block kc): (group of each lane within the block, channels, lane mask, element
-    mask, offsets)."""
+    mask, offsets). ALIGN: the block's first channel and its channel count are multiples of it (the plan checks),
+    said so to the compiler: channels_last loads of 16 bytes (without it, one element per load: S28-2)."""
+    c0 = kc * GB * Cg
+    if ALIGN > 1:
+        c0 = tl.multiple_of(c0, ALIGN)
+    n_ch = tl.minimum(GB * Cg, C - c0)
+    if ALIGN > 1:
+        n_ch = tl.multiple_of(n_ch, ALIGN)
     r = tl.arange(0, BLOCK_C)
     gl = r // Cg
-    ch = kc * GB * Cg + r
-    c_mask = (gl < GB) & (ch < C)
+    ch = c0 + r
+    c_mask = r < n_ch
     s = t * BLOCK_S + tl.arange(0, BLOCK_S)
     mask = c_mask[:, None] & (s < S)[None, :]
     offs = b_idx.to(tl.int64) * stride_b + ch.to(tl.int64)[:, None] * stride_c + s.to(tl.int64)[None, :] * stride_s
@@ -799,7 +808,7 @@ def _gblock_tile(kc, t, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s,
 
 @triton.jit
 def _lanes_to_groups(v, gl, GB_PAD: tl.constexpr):
-    """[BLOCK_C] per-lane values -> [GB_PAD] per-group sums (lanes outside every group hold zeros)."""
+    """[BLOCK_C] per-lane values -> [GB_PAD] per-group sums (a lane adds only to its own group: NaN stays there)."""
     j = tl.arange(0, GB_PAD)
     return tl.sum(tl.where(j[:, None] == gl[None, :], v[None, :], 0.0), axis=1)
 
@@ -812,10 +821,18 @@ def _groups_to_lanes(v, gl, GB_PAD: tl.constexpr):
 
 
 @triton.jit
+def _gblock_groups(kc, b_idx, G, GB, n_spans, GB_PAD: tl.constexpr):
+    """(group index within the block, group mask, offsets of the groups' span partials [B, G, n_spans])."""
+    jg = tl.arange(0, GB_PAD)
+    gj = kc * GB + jg
+    return jg, (jg < GB) & (gj < G), (b_idx * G + gj).to(tl.int64) * n_spans
+
+
+@triton.jit
 def group_norm_gblock_stats_kernel(
     X, DY, W, B, MEAN, RSTD, P1, P2, Q1, Q2, C, S, G, Cg, GB, n_cb, n_spans, n_sub, stride_b, stride_c, stride_s,
     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, GB_PAD: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, GB_PAD: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Program (b, kc, span j): per group of block kc over the span's n_sub tiles. Forward: mean and M2 of x minus
     the group's first element -> P1, P2 [B, G, n_spans]. Backward: per channel the sums of g*xhat and g -> Q1, Q2
@@ -825,101 +842,118 @@ def group_norm_gblock_stats_kernel(
     j = pid % n_spans
     kc = (pid // n_spans) % n_cb
     b_idx = pid // (n_spans * n_cb)
-    gj = kc * GB + tl.arange(0, GB_PAD)
-    j_mask = (tl.arange(0, GB_PAD) < GB) & (gj < G)
-    part = (b_idx * G + gj).to(tl.int64) * n_spans + j
+    jg, j_mask, part = _gblock_groups(kc, b_idx, G, GB, n_spans, GB_PAD)
     gl, ch, c_mask, _m, _o = _gblock_tile(kc, 0, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s, BLOCK_C,
-                                          BLOCK_S)
+                                          BLOCK_S, ALIGN)
     grp = b_idx * G + kc * GB + gl
+    acc1 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
     if BWD:
         mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
         rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0)[:, None]
-        acc1 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_C], dtype=tl.float32)
     else:
         shift = tl.load(X + b_idx.to(tl.int64) * stride_b + ((kc * GB + gl) * Cg).to(tl.int64) * stride_c,
                         mask=c_mask, other=0.0).to(tl.float32)[:, None]
-        g_mean = tl.zeros([GB_PAD], dtype=tl.float32)
-        g_m2 = tl.zeros([GB_PAD], dtype=tl.float32)
-        g_n = tl.zeros([GB_PAD], dtype=tl.float32)
+        cnt = tl.zeros([BLOCK_S], dtype=tl.float32)
     for i in range(0, n_sub):
         t = j * n_sub + i  # past the last tile (a short last span): every position masked off
         # (names apart from the ones above: Triton carries a name reassigned in a loop, and checks its type)
         _gl, _ch, _cm, mask, offs = _gblock_tile(kc, t, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s,
-                                                 BLOCK_C, BLOCK_S)
+                                                 BLOCK_C, BLOCK_S, ALIGN)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         if BWD:
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-            xhat, gr, _ = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
-            acc1 += tl.sum(gr * xhat, axis=1)
-            acc2 += tl.sum(gr, axis=1)
-        else:
-            xs = tl.where(mask, x - shift, 0.0)
-            n_t = (tl.maximum(tl.minimum(S - t * BLOCK_S, BLOCK_S), 0) * Cg) * 1.0
-            t_mean = _lanes_to_groups(tl.sum(xs, axis=1), gl, GB_PAD) / tl.maximum(n_t, 1.0)
-            d = tl.where(mask, xs - _groups_to_lanes(t_mean, gl, GB_PAD)[:, None], 0.0)
-            g_mean, g_m2, g_n = _chan_merge(g_mean, g_m2, g_n, t_mean,
-                                            _lanes_to_groups(tl.sum(d * d, axis=1), gl, GB_PAD), n_t)
+            xhat, gr, _w = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+            acc1 += gr * xhat
+            acc2 += gr
+        else:  # Welford per slot (as the staged stats)
+            ok = ((t * BLOCK_S + tl.arange(0, BLOCK_S)) < S).to(tl.float32)
+            cnt += ok
+            xs = x - shift
+            delta = xs - acc1
+            acc1 += delta * (ok / tl.maximum(cnt, 1.0))[None, :]
+            acc2 += tl.where(mask, delta * (xs - acc1), 0.0)
     if BWD:
+        s1 = tl.sum(acc1, axis=1)
+        s2 = tl.sum(acc2, axis=1)
         row = (b_idx * n_spans + j).to(tl.int64) * C + ch
-        tl.store(Q1 + row, acc1, mask=c_mask)
-        tl.store(Q2 + row, acc2, mask=c_mask)
+        tl.store(Q1 + row, s1, mask=c_mask)
+        tl.store(Q2 + row, s2, mask=c_mask)
         if HAS_W:
             w = tl.load(W + ch, mask=c_mask, other=0.0).to(tl.float32)
-            acc1 = acc1 * w
-            acc2 = acc2 * w
-        tl.store(P1 + part, _lanes_to_groups(acc1, gl, GB_PAD), mask=j_mask)
-        tl.store(P2 + part, _lanes_to_groups(acc2, gl, GB_PAD), mask=j_mask)
-    else:
-        tl.store(P1 + part, g_mean, mask=j_mask)
-        tl.store(P2 + part, g_m2, mask=j_mask)
+            s1 = s1 * w
+            s2 = s2 * w
+        tl.store(P1 + part + j, _lanes_to_groups(s1, gl, GB_PAD), mask=j_mask)
+        tl.store(P2 + part + j, _lanes_to_groups(s2, gl, GB_PAD), mask=j_mask)
+    else:  # slots -> lanes -> groups, each an exact merge (every lane of a group counts n_s positions)
+        n_s = tl.sum(cnt, axis=0)
+        mean_c = tl.sum(acc1 * cnt[None, :], axis=1) / tl.maximum(n_s, 1.0)
+        d = acc1 - mean_c[:, None]
+        m2_c = tl.sum(acc2 + cnt[None, :] * d * d, axis=1)
+        mean_g = _lanes_to_groups(mean_c, gl, GB_PAD) / Cg
+        dg = mean_c - _groups_to_lanes(mean_g, gl, GB_PAD)
+        tl.store(P1 + part + j, mean_g, mask=j_mask)
+        tl.store(P2 + part + j, _lanes_to_groups(m2_c + n_s * dg * dg, gl, GB_PAD), mask=j_mask)
 
 
 @triton.jit
 def group_norm_gblock_apply_kernel(
-    X, DY, Y, W, B, MEAN, RSTD, P1, P2, C, S, G, Cg, GB, n_cb, n_tiles, n_spans, span, stride_b, stride_c, stride_s,
-    eps, BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, GB_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    X, DY, Y, W, B, MEAN, RSTD, P1, P2, C, S, G, Cg, GB, n_cb, n_tiles, a_sub, n_spans, span,
+    stride_b, stride_c, stride_s, eps, BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, GB_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
-    """Program (b, kc, tile t), last first: its groups' statistics merged from the stats partials (forward: the
-    exact merge M2 = sum M2_j + sum n_j (mean_j - mean)^2; the first tile's programs write MEAN, RSTD), then
-    y = act(xhat * w + b), or dx = rstd * (w*g - xhat * c1 - c2) with c1, c2 the summed partials / (Cg * S).
-    `span`: positions per stats span."""
+    """Program (b, kc, tiles q * a_sub ...), last first: its groups' statistics merged once from the stats partials
+    (forward: the exact merge M2 = sum M2_j + sum n_j (mean_j - mean)^2, and the first programs write MEAN, RSTD;
+    backward: c1, c2 the summed partials / (Cg * S)), then for each tile y = act((x - shift) * a + c) with
+    a = rstd * w, c = b - mean * a (mean: of x minus the group's first element, so offset data keeps its digits), or
+    dx = rstd * (w*g - xhat * c1 - c2). `span`: positions per stats span."""
+    n_q = tl.cdiv(n_tiles, a_sub)
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    t = pid % n_tiles
-    kc = (pid // n_tiles) % n_cb
-    b_idx = pid // (n_tiles * n_cb)
-    gl, ch, c_mask, mask, offs = _gblock_tile(kc, t, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s,
-                                              BLOCK_C, BLOCK_S)
-    jg = tl.arange(0, GB_PAD)
-    gj = kc * GB + jg
-    j_mask = (jg < GB) & (gj < G)
+    q = pid % n_q
+    kc = (pid // n_q) % n_cb
+    b_idx = pid // (n_q * n_cb)
+    jg, j_mask, part = _gblock_groups(kc, b_idx, G, GB, n_spans, GB_PAD)
+    gl, ch, c_mask, _m, _o = _gblock_tile(kc, 0, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s, BLOCK_C,
+                                          BLOCK_S, ALIGN)
     sp = tl.arange(0, BLOCK_T)
     pmask = j_mask[:, None] & (sp < n_spans)[None, :]
-    poffs = (b_idx * G + gj).to(tl.int64)[:, None] * n_spans + sp[None, :]
-    a1 = tl.load(P1 + poffs, mask=pmask, other=0.0)
-    a2 = tl.load(P2 + poffs, mask=pmask, other=0.0)
+    a1 = tl.load(P1 + part[:, None] + sp[None, :], mask=pmask, other=0.0)
+    a2 = tl.load(P2 + part[:, None] + sp[None, :], mask=pmask, other=0.0)
     L = (Cg * S) * 1.0
-    grp = b_idx * G + kc * GB + gl
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if BWD:
+        grp = b_idx * G + kc * GB + gl
         mean = tl.load(MEAN + grp, mask=c_mask, other=0.0)[:, None]
         rstd = tl.load(RSTD + grp, mask=c_mask, other=0.0)[:, None]
         c1 = _groups_to_lanes(tl.sum(a1, axis=1) / L, gl, GB_PAD)[:, None]
         c2 = _groups_to_lanes(tl.sum(a2, axis=1) / L, gl, GB_PAD)[:, None]
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        xhat, _, wg = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
-        tl.store(Y + offs, ((wg - (xhat * c1 + c2)) * rstd).to(Y.dtype.element_ty), mask=mask)
     else:
         n_j = (tl.minimum(tl.maximum(S - sp * span, 0), span) * Cg) * 1.0
         mean_s = tl.sum(a1 * n_j[None, :], axis=1) / L
         dd = a1 - mean_s[:, None]
         rstd_g = tl.rsqrt(tl.sum(tl.where(pmask, a2 + n_j[None, :] * dd * dd, 0.0), axis=1) / L + eps)
-        shift_g = tl.load(X + b_idx.to(tl.int64) * stride_b + (gj * Cg).to(tl.int64) * stride_c, mask=j_mask,
-                          other=0.0).to(tl.float32)
+        shift_g = tl.load(X + b_idx.to(tl.int64) * stride_b + ((kc * GB + jg) * Cg).to(tl.int64) * stride_c,
+                          mask=j_mask, other=0.0).to(tl.float32)
+        first = j_mask & (jg * 0 + q == 0)
+        tl.store(MEAN + b_idx * G + kc * GB + jg, shift_g + mean_s, mask=first)
+        tl.store(RSTD + b_idx * G + kc * GB + jg, rstd_g, mask=first)
+        a = _groups_to_lanes(rstd_g, gl, GB_PAD)
+        if HAS_W:
+            a = a * tl.load(W + ch, mask=c_mask, other=0.0).to(tl.float32)
+        c = -_groups_to_lanes(mean_s, gl, GB_PAD) * a
+        if HAS_B:
+            c = c + tl.load(B + ch, mask=c_mask, other=0.0).to(tl.float32)
         shift = _groups_to_lanes(shift_g, gl, GB_PAD)[:, None]
-        xhat = ((x - shift) - _groups_to_lanes(mean_s, gl, GB_PAD)[:, None]) * _groups_to_lanes(rstd_g, gl, GB_PAD)[:, None]
-        _store_y(Y, W, B, offs, mask, ch, c_mask, xhat, HAS_W, HAS_B, ACT)
-        first = j_mask & (jg * 0 + t == 0)
-        tl.store(MEAN + b_idx * G + gj, shift_g + mean_s, mask=first)
-        tl.store(RSTD + b_idx * G + gj, rstd_g, mask=first)
+        a = a[:, None]
+        c = c[:, None]
+    for i in range(0, a_sub):
+        t = q * a_sub + i  # past the last tile: every position masked off
+        _gl, _ch, _cm, mask, offs = _gblock_tile(kc, t, b_idx, C, S, G, Cg, GB, stride_b, stride_c, stride_s,
+                                                 BLOCK_C, BLOCK_S, ALIGN)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if BWD:
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            xhat, _g, wg = _gn_bwd_terms(x, dy, W, B, ch, c_mask, mask, mean, rstd, HAS_W, HAS_B, ACT)
+            tl.store(Y + offs, ((wg - (xhat * c1 + c2)) * rstd).to(Y.dtype.element_ty), mask=mask)
+        else:
+            tl.store(Y + offs, act_fwd((x - shift) * a + c, ACT).to(Y.dtype.element_ty), mask=mask)
