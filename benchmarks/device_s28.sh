@@ -6,7 +6,9 @@
 #                                         1152 / 1536 wide, took session 27's 2K backward route)
 #   bash benchmarks/device_s28.sh gblock  the group-block GroupNorm path (two launches over tiles of whole groups) on
 #                                         the GPU: its forced-path tests, then gn_sweep.py against the committed routes
-#                                         and the same-size copy, bf16 then fp32, both layouts, forward and backward
+#                                         and the same-size copy, bf16 then fp32, both layouts, forward and backward,
+#                                         with per-kernel profiles. Slower everywhere (S28-2 / S28-3), not adopted: the
+#                                         path, its tests and its gn_sweep.py variants are in the tree at c437b39 only
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 case "${1:-probe}" in

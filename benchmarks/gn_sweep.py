@@ -188,33 +188,6 @@ VARIANTS.update({
     "ps-4k16-all": {**_ps_tiles((4096, 16), (2048, 8)), **NO_SPLIT2,
                     "GN_LOOPED_MIN_GROUPS_PER_SM": {"fwd": 0.5, "bwd": 0.5}},
 })
-# session 28: the group-block path (group_norm.py: stats over spans of [channel block of whole groups, positions]
-# tiles, then apply, a tile per program; no finalize launch), whose ceiling benchmarks/gn_split_probe.py measured
-# (S28-1: a read launch then a read-and-write launch, 0.46-0.56 of copy at the diffusion shapes, channels_last's
-# staged and cluster kernels 0.18-0.49). The cluster routes are cleared for the layouts it takes.
-GB = configs.GN_GBLOCK_TILE
-
-
-def _gblock(layouts=("nchw", "cl"), tiles=None, **more):
-    out = {"GN_GBLOCK_LAYOUTS": {k: layouts for k in configs.GN_GBLOCK_LAYOUTS}, **more}
-    if "cl" in layouts:
-        out["GN_CL_CLUSTER_ROUTE"] = {}
-    if "nchw" in layouts:
-        out["GN_CLUSTER_ROUTE"] = {}
-    if tiles:
-        out["GN_GBLOCK_TILE"] = tiles
-    return out
-
-
-VARIANTS.update({
-    "gblock": _gblock(),
-    "gblock-cl": _gblock(("cl",)),
-    "gblock-big": _gblock(tiles={k: ((2 * s, 8), (2 * a, 8, n)) for k, ((s, _), (a, _, n)) in GB.items()}),
-    "gblock-a1": _gblock(tiles={k: (st, (a, w, 1)) for k, (st, (a, w, _)) in GB.items()}),
-    "gblock-a8": _gblock(tiles={k: (st, (a, w, 8)) for k, (st, (a, w, _)) in GB.items()}),
-    "gblock-s16": _gblock(GN_GBLOCK_MAX_SPANS=16),
-    "gblock-s64": _gblock(GN_GBLOCK_MAX_SPANS=64),
-})
 EXTRA_SHAPES = (((16, 640, 32, 32), 32), ((32, 256, 56, 56), 32))  # the anchors' third look
 
 
@@ -277,10 +250,6 @@ def plan_signature(x3, G, act):
                                     direction == "bwd")
         if routed is not None:
             sig.append(("cluster", routed.plan))
-            continue
-        gblock = tb._gblock_plan(direction, x3, C // G)[0]
-        if gblock is not None:
-            sig.append(("gblock", gblock))
             continue
         staged = tb._staged_plan(direction, x3, C // G)[0]
         cfg = None if staged else tb._gn_plan(direction, C // G, S, x3.dtype, x3.device, (True, True, act, extra),

@@ -80,13 +80,6 @@ FORCED_PATHS = {
                "GN_SPLIT2_MIN_TILES": {"fwd": 2, "bwd": 2}, "GN_SPLIT2_MIN_GROUPS_PER_SM": {"fwd": 0, "bwd": 0},
                "GN_SPLIT2_MAX_GROUPS_PER_SM": {"fwd": 1e9, "bwd": 1e9}, "GN_SPLIT2_MIN_S": {"fwd": 0, "bwd": 0},
                "GN_STAGED_MIN_NUMEL": 1 << 62},
-    # group-block (stats over spans of tiles, then apply over runs of tiles) for every input and layout: the 12
-    # channels' 4 groups in one 16-channel block (a quarter of the lanes padding); stats tiles of 2 positions, spans
-    # of 5 tiles (35 positions: 18 tiles, a ragged last span of 3 and a last tile of one position), apply tiles of 2
-    # positions, 4 a program (a ragged last run of 2)
-    "gblock": {"GN_GBLOCK_LAYOUTS": {(d, b): ("nchw", "cl") for d in ("fwd", "bwd") for b in (2, 4)},
-               "GN_GBLOCK_MIN_NUMEL": 0, "GN_GBLOCK_MAX_SPANS": 4,
-               "GN_GBLOCK_TILE": {(d, b): ((32, 2), (32, 1, 4)) for d in ("fwd", "bwd") for b in (2, 4)}},
 }
 
 
@@ -102,15 +95,9 @@ def forced_path(request, monkeypatch):
 
 
 def _assert_path_taken(path, x, dtype, act):
-    from normkit.backends.triton import _gblock_plan, _gn_plan, _staged_plan
+    from normkit.backends.triton import _gn_plan, _staged_plan
     x3 = x.view(3, 12, 35) if x.is_contiguous() else x.permute(0, 2, 3, 1).reshape(3, 35, 12).transpose(1, 2)
     for direction, extra in (("fwd", None), ("bwd", (True, True))):
-        gblock = _gblock_plan(direction, x3, 3)[0]
-        if path == "gblock":
-            assert (gblock.block_c, gblock.groups_per_block, gblock.stats_s, gblock.n_sub, gblock.n_spans,
-                    gblock.apply_s, gblock.apply_sub) == (16, 4, 2, 5, 4, 2, 4), gblock
-            continue
-        assert gblock is None
         staged = _staged_plan(direction, x3, 3)[0]
         if path.startswith("staged"):
             assert staged is not None and staged.n_sub > 1 and staged.block_p == 1
@@ -196,11 +183,11 @@ LOOPED_MINPAD = {**LOOPED_ALL, "GN_LOOPED_TILE": {(d, b): (256, 4) for d in ("fw
                  "GN_STAGED_MIN_NUMEL": 1 << 62}
 
 
-@pytest.mark.parametrize("path", ["looped", "looped-slots", "looped-minpad", "staged", "gblock"])
+@pytest.mark.parametrize("path", ["looped", "looped-slots", "looped-minpad", "staged"])
 @pytest.mark.parametrize("hw", [(1, 1), (1, 13), (5, 7)], ids=["hw1", "hw13", "hw35"])
 def test_walks_awkward_shapes(path, hw, monkeypatch):
     """The looped walk (16-element tiles, with and without the slot kernels; 256-element ones with the
-    least-padding channel block), the staged and the group-block paths with one position (HW = 1), a prime number of
+    least-padding channel block) and the staged path with one position (HW = 1), a prime number of
     positions, both layouts: the float64 oracle (forward and backward), a NaN confined to its group, groups offset by 1e4."""
     from normkit.backends.triton import _gn_plan, clear_caches, configs
     for name, value in (LOOPED_MINPAD if path == "looped-minpad" else FORCED_PATHS[path]).items():
@@ -230,45 +217,6 @@ def test_walks_awkward_shapes(path, hw, monkeypatch):
             assert torch.isnan(y[1, 6:9]).all(), f"{what}: NaN did not reach its group"
             assert not torch.isnan(y[0]).any() and not torch.isnan(y[1, :6]).any() and not torch.isnan(y[1, 9:]).any(), \
                 f"{what}: NaN leaked out of its group"
-    finally:
-        monkeypatch.undo()
-        clear_caches()
-
-
-@pytest.mark.parametrize("fmt", ["nchw", "channels_last"])
-def test_group_blocks_across_channel_blocks(fmt, monkeypatch):
-    """The group-block path with 8 groups of 5 channels in 16-channel blocks: 3 blocks of 3, 3 and 2 groups (a padded
-    group slot in each, the last block short), every channel's lanes read across block edges: the float64 oracle
-    (forward, backward, fp32 and bf16), a NaN confined to its group, groups offset by 1e4, bitwise weight gradients."""
-    from normkit.backends.triton import _gblock_plan, clear_caches, configs
-    for name, value in FORCED_PATHS["gblock"].items():
-        monkeypatch.setattr(configs, name, value)
-    monkeypatch.setattr(configs, "GN_GBLOCK_MAX_BLOCK_C", 16)
-    clear_caches()
-    try:
-        x = randn(2, 40, 3, 5, device=DEVICE)
-        x = channels_last(x) if fmt == "channels_last" else x
-        x3 = x.view(2, 40, 15) if fmt == "nchw" else x.permute(0, 2, 3, 1).reshape(2, 15, 40).transpose(1, 2)
-        cfg = _gblock_plan("bwd", x3, 5)[0]
-        assert (cfg.block_c, cfg.groups_per_block, cfg.gb_pad) == (16, 3, 4), cfg
-        for dtype in (torch.float32, torch.bfloat16):
-            xd = x.detach().to(dtype)
-            check_gn(xd, 8, randn(40, device=DEVICE), randn(40, device=DEVICE), "silu", what=f"gblock {fmt} {dtype}")
-            check_gn(xd.clone(), 8, None, None, None, what=f"gblock {fmt} {dtype} no affine")
-        xo = x.detach() + 1e4
-        assert_close(normkit.group_norm(xo, 8, backend="triton"), ref.group_norm(xo, 8)[0], 1e-5, f"gblock {fmt} offset")
-        xn = x.detach().clone()
-        xn[1, 17, 2, 4] = float("nan")  # batch 1, group 3 (channels 15-19): the first of the second block
-        y = normkit.group_norm(xn, 8, activation="mish", backend="triton")
-        assert torch.isnan(y[1, 15:20]).all(), "NaN did not reach its group"
-        assert not torch.isnan(y[0]).any() and not torch.isnan(y[1, :15]).any() and not torch.isnan(y[1, 20:]).any()
-        xg = x.detach().requires_grad_(True)
-        w = randn(40, device=DEVICE).requires_grad_(True)
-        b = randn(40, device=DEVICE).requires_grad_(True)
-        dy = randn(*x.shape, device=DEVICE)
-        g1, g2 = (torch.autograd.grad(normkit.group_norm(xg, 8, w, b, activation="silu", backend="triton"),
-                                      [xg, w, b], dy) for _ in range(2))
-        assert all(torch.equal(a, c) for a, c in zip(g1, g2))
     finally:
         monkeypatch.undo()
         clear_caches()

@@ -46,8 +46,6 @@ def _kernels():
         gn_apply = Kernel(group_norm.group_norm_staged_apply_kernel)
         gn_split_stats = Kernel(group_norm.group_norm_split_stats_kernel)
         gn_split_apply = Kernel(group_norm.group_norm_split_apply_kernel)
-        gn_gblock_stats = Kernel(group_norm.group_norm_gblock_stats_kernel)
-        gn_gblock_apply = Kernel(group_norm.group_norm_gblock_apply_kernel)
         act_codes = ACT_CODES
         fp8_codes = FP8_CODES
         fp8_hw = FP8_HW
@@ -192,7 +190,6 @@ def clear_caches() -> None:
     configs.tuned_table.cache_clear()
     configs.group_config.cache_clear()
     configs.staged_config.cache_clear()
-    configs.gblock_config.cache_clear()
     configs.col_sum_block.cache_clear()
     _col_sum_launch.cache_clear()
     _triton_missing.cache_clear()
@@ -480,10 +477,6 @@ def group_norm_fwd(x, num_groups, weight, bias, eps: float, activation=None):
     if prepared is not None:
         _cuda_cluster().launch_gn_fwd(prepared, x, y, weight, bias, mean, rstd, num_groups, eps)
         return y, mean, rstd
-    gblock, device_index = _gblock_plan("fwd", x, cg)
-    if gblock is not None:
-        _gblock(gblock, device_index, x, None, y, weight, bias, mean, rstd, num_groups, activation, eps)
-        return y, mean, rstd
     staged, device_index = _staged_plan("fwd", x, cg)
     if staged is not None:
         _staged(staged, device_index, x, None, y, weight, bias, mean, rstd, num_groups, activation, eps)
@@ -526,12 +519,6 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
         db_part = _empty((B, C), dtype=torch.float32, device=device) if want_db else None
         _cuda_cluster().launch_gn_bwd(prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, num_groups)
         _reduce_partials(dw_part, dw, db_part, db, B, C, prepared.kernel.device, configs.GN_COL_SUM)
-        return dx, dw, db
-    gblock, device_index = _gblock_plan("bwd", x, cg)
-    if gblock is not None:
-        parts = _gblock(gblock, device_index, x, dy, dx, weight, bias, mean, rstd, num_groups, activation)
-        _reduce_partials(parts[0] if want_dw else None, dw, parts[1] if want_db else None, db,
-                         parts[0].shape[0], C, device_index, configs.GN_COL_SUM)
         return dx, dw, db
     staged, device_index = _staged_plan("bwd", x, cg)
     if staged is not None:
@@ -590,44 +577,6 @@ def _staged_plan(direction: str, x, cg: int):
     device_index, _, sms = _device_facts(x.device)
     channels_last = _is_cl(x)
     return configs.staged_config(direction, B, C, S, cg, x.element_size(), channels_last, sms), device_index
-
-
-def _gblock_plan(direction: str, x, cg: int):
-    """(GBlockConfig or None, device index) for a [B, C, S] input with groups of cg channels."""
-    B, C, S = x.shape
-    device_index = _device_facts(x.device)[0]
-    return configs.gblock_config(direction, B, C, S, cg, x.element_size(), _is_cl(x)), device_index
-
-
-def _gblock(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):
-    """The group-block path (group_norm.py): stats over spans of tiles, then apply over runs of tiles. Forward
-    (dy None): out = y, and mean/rstd are written. Backward: out = dx; returns the per-(sample, span) channel sums
-    of g*xhat and g ([B * n_spans, C] fp32), which are the weight gradients' partials."""
-    B, C, S = x.shape
-    bwd = dy is not None
-    cg = C // num_groups
-    n_cb = -(-num_groups // cfg.groups_per_block)
-    strides = (x.stride(0), x.stride(1), x.stride(2))
-    k = _kernels()
-    flags = dict(BWD=bwd, HAS_W=weight is not None, HAS_B=bias is not None, ACT=k.act_codes[activation])
-    p1 = _empty((B, num_groups, cfg.n_spans), dtype=torch.float32, device=x.device)
-    p2 = _empty((B, num_groups, cfg.n_spans), dtype=torch.float32, device=x.device)
-    q1 = _empty((B * cfg.n_spans, C), dtype=torch.float32, device=x.device) if bwd else None
-    q2 = _empty((B * cfg.n_spans, C), dtype=torch.float32, device=x.device) if bwd else None
-    shape = dict(BLOCK_C=cfg.block_c, GB_PAD=cfg.gb_pad, ALIGN=cfg.align)
-    k.gn_gblock_stats((B * n_cb * cfg.n_spans,),
-                      (x, dy, weight, bias, mean, rstd, p1, p2, q1, q2, C, S, num_groups, cg, cfg.groups_per_block,
-                       n_cb, cfg.n_spans, cfg.n_sub) + strides,
-                      dict(**(flags if bwd else dict(BWD=False, HAS_W=False, HAS_B=False, ACT=0)),
-                           BLOCK_S=cfg.stats_s, **shape), (cfg.stats_warps, 1), device_index)
-    n_tiles = -(-S // cfg.apply_s)
-    a_sub = min(cfg.apply_sub, n_tiles)
-    k.gn_gblock_apply((B * n_cb * -(-n_tiles // a_sub),),
-                      (x, dy, out, weight, bias, mean, rstd, p1, p2, C, S, num_groups, cg, cfg.groups_per_block,
-                       n_cb, n_tiles, a_sub, cfg.n_spans, cfg.n_sub * cfg.stats_s) + strides + (eps,),
-                      dict(**flags, BLOCK_S=cfg.apply_s, **shape, BLOCK_T=_next_pow2(cfg.n_spans)),
-                      (cfg.apply_warps, 1), device_index)
-    return q1, q2
 
 
 def _staged(cfg, device_index, x, dy, out, weight, bias, mean, rstd, num_groups, activation, eps=0.0):
