@@ -9,6 +9,11 @@
 #                                         and the same-size copy, bf16 then fp32, both layouts, forward and backward,
 #                                         with per-kernel profiles. Slower everywhere (S28-2 / S28-3), not adopted: the
 #                                         path, its tests and its gn_sweep.py variants are in the tree at c437b39 only
+#   bash benchmarks/device_s28.sh measure LayerNorm / RMSNorm's 16-bit backward at 1K on the push clusters against Triton's
+#                                         tiles (bwd_sweep.py cl-p / new, twice in turn); the host table; compiled Llama
+#                                         decode
+#   bash benchmarks/device_s28.sh models  issue 22's eager model cases on the final tree (device_env.sh
+#                                         issue22_eager_models), after the GPU files that run the default backward
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 case "${1:-probe}" in
@@ -28,6 +33,23 @@ gblock)
         --shapes 8x320x64x64,16x640x32x32,32x256x56x56,4x128x128x128,8x1280x16x16,1x320x64x64 \
         > "$OUT/gblock.log" 2>&1
     echo "gn_sweep rc $?"; grep -E "^(bf16|fp32|copy|done|budget)|Error|profile" "$OUT/gblock.log" | cut -c1-330
+    ;;
+measure)
+    for rep in 1 2; do
+        timeout 100 python3 benchmarks/bwd_sweep.py --out "$OUT/clp1k-$rep" --parts check,time --variants new,cl-p \
+            --widths 1024 --dtypes bf16 --check-dtypes bf16 --check-variants cl-p > "$OUT/clp1k-$rep.log" 2>&1
+        echo "clp1k-$rep rc $?"; grep -E "FAIL|rror" "$OUT/clp1k-$rep.log" | head -5; tail -6 "$OUT/clp1k-$rep.log" | cut -c1-160
+    done
+    bench 70 --host-only --host-cases all --ops ln,rms,gn,rms+add+pre,ln+add+pre --peers torch --out "$OUT/host"
+    grep -E "^\|" "$OUT/host/summary.md" 2>/dev/null | head -45 | cut -c1-160
+    bench 150 --models llama --modes decode --exec compile --variants unpatched,normkit --steps 40 --rounds 10 \
+        --time-budget 120 --out "$OUT/llama-compiled"
+    grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
+    ;;
+models)
+    gpu_tests 200 tests.log -n 14 tests/test_host_gpu.py tests/test_host.py tests/test_gpu.py tests/test_row_norm.py \
+        tests/test_autograd.py tests/test_api.py tests/test_edge_cases.py tests/test_fusion_autograd.py
+    issue22_eager_models
     ;;
 esac
 tar czf "/tmp/s28-${1:-probe}.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/s28-${1:-probe}.tgz" "$OUT/"
