@@ -12,8 +12,9 @@
 #   bash benchmarks/device_s28.sh measure LayerNorm / RMSNorm's 16-bit backward at 1K on the push clusters against Triton's
 #                                         tiles (bwd_sweep.py cl-p / new, twice in turn); the host table; compiled Llama
 #                                         decode
-#   bash benchmarks/device_s28.sh models  issue 22's eager model cases on the final tree (device_env.sh
-#                                         issue22_eager_models), after the GPU files that run the default backward
+#   bash benchmarks/device_s28.sh models  the GPU files that run the default backward (the weight-gradient partials in
+#                                         one buffer), then issue 22's eager model cases and host table on the final
+#                                         tree (device_env.sh issue22_eager_models)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" env.txt
 case "${1:-probe}" in
@@ -47,8 +48,8 @@ measure)
     grep -E "^\| llama" "$OUT/llama-compiled/models.md" | cut -c1-200
     ;;
 models)
-    gpu_tests 200 tests.log -n 14 tests/test_host_gpu.py tests/test_host.py tests/test_gpu.py tests/test_row_norm.py \
-        tests/test_autograd.py tests/test_api.py tests/test_edge_cases.py tests/test_fusion_autograd.py
+    gpu_tests 200 tests.log -n 14 tests/test_host_gpu.py tests/test_host.py tests/test_gpu.py tests/test_group_norm.py \
+        tests/test_row_norm.py tests/test_autograd.py tests/test_api.py tests/test_edge_cases.py
     issue22_eager_models
     ;;
 esac

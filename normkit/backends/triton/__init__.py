@@ -374,8 +374,7 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     prepared = _on_clusters("bwd", x, (dy,), weight, bias, activation, rms, want_dw or want_db) if cluster_ok else None
     if prepared is not None:
         parts = prepared.grid_clusters(M)
-        dw_part = _empty((parts, N), dtype=torch.float32, device=device) if want_dw else None
-        db_part = _empty((parts, N), dtype=torch.float32, device=device) if want_db else None
+        dw_part, db_part = _weight_partials((parts, N), want_dw, want_db, device)
         _cuda_cluster().launch_bwd(prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part)
         _reduce_partials(dw_part, dw, db_part, db, parts, N, device_index)
         return dx, dres, dw, db
@@ -390,8 +389,7 @@ def row_norm_bwd_fused(dy, x, weight, mean, rstd, rms: bool, dweight_dtype, dbia
     # the upper bound and hand the kernel exactly as many programs as groups fit
     groups_upper = max(1, min(sms * max(cfg.programs_per_sm, 1) // (cfg.split * w_rows), row_blocks)) * w_rows
     sync, scratch = _scratch(cfg, groups_upper, device)
-    dw_part = _empty((groups_upper, N), dtype=torch.float32, device=device) if want_dw else None
-    db_part = _empty((groups_upper, N), dtype=torch.float32, device=device) if want_db else None
+    dw_part, db_part = _weight_partials((groups_upper, N), want_dw, want_db, device)
     inner, sdy_o, sdy_i, sdy_c = _strides(dy)
     _, sx_o, sx_i, sx_c = _strides(x)
     # the dh operand: dh, or the gate (and the dres output: dgate)
@@ -426,6 +424,17 @@ def _on_clusters(direction, x, rows_like, weight, bias, activation, rms, want_pa
     wdtype = next((p.dtype for p in (weight, bias) if p is not None), x.dtype)
     return cluster.prepare(direction, x.shape[1], x.dtype, wdtype, activation, rms, want_params,
                            _device_facts(x.device)[0])
+
+
+def _weight_partials(shape: tuple, want_dw: bool, want_db: bool, device):
+    """(dweight partials, dbias partials), fp32 of `shape` each (None where not wanted): both halves of one
+    allocation where both are wanted (the host path replays each allocation of a plan: one fewer per backward
+    call, where LayerNorm's fwd+bwd host time is closest to torch's, run S25-5)."""
+    if want_dw and want_db:
+        both = _empty((2,) + shape, dtype=torch.float32, device=device)
+        return both[0], both[1]
+    part = _empty(shape, dtype=torch.float32, device=device) if want_dw or want_db else None
+    return (part, None) if want_dw else (None, part)
 
 
 def _reduce_partials(dw_part, dw, db_part, db, rows: int, n: int, device_index: int, block=None) -> None:
@@ -515,8 +524,7 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
     units = B * num_groups
     prepared = _gn_on_clusters("bwd", x, (dy,), num_groups, weight, bias, activation, want_dw or want_db)
     if prepared is not None:
-        dw_part = _empty((B, C), dtype=torch.float32, device=device) if want_dw else None
-        db_part = _empty((B, C), dtype=torch.float32, device=device) if want_db else None
+        dw_part, db_part = _weight_partials((B, C), want_dw, want_db, device)
         _cuda_cluster().launch_gn_bwd(prepared, dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, num_groups)
         _reduce_partials(dw_part, dw, db_part, db, B, C, prepared.kernel.device, configs.GN_COL_SUM)
         return dx, dw, db
@@ -535,8 +543,7 @@ def group_norm_bwd(dy, x, num_groups, weight, bias, mean, rstd, activation, dwei
                          configs.GN_COL_SUM)
         return dx, dw, db
     sync, scratch = _scratch(cfg, min(units, sms * 32 // cfg.split + 1), device)
-    dw_part = _empty((B * cfg.ks, C), dtype=torch.float32, device=device) if want_dw else None
-    db_part = _empty((B * cfg.ks, C), dtype=torch.float32, device=device) if want_db else None
+    dw_part, db_part = _weight_partials((B * cfg.ks, C), want_dw, want_db, device)
     args = (dy, x, weight, bias, mean, rstd, dx, dw_part, db_part, sync, scratch, B, C, S, cg, num_groups,
             x.stride(0), x.stride(1), x.stride(2))
     if cfg.looped:
