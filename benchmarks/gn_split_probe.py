@@ -10,6 +10,7 @@ a fraction of a 1 GiB copy (forward bytes: x read + y written; backward: x, dy r
   bwd copy2   dx = x + dy (two reads, one write); bwd read2+apply2 the backward's two launches the same way
   normkit     normkit.group_norm forward (and forward + backward's backward alone) NCHW and channels_last, committed
 Run on a GPU: PYTHONPATH=. python benchmarks/gn_split_probe.py [8x320x64x64,...]
+(After run S28-1 the loads and the timing went through one helper each, _load and timed: the same calls.)
 """
 import functools
 import sys
@@ -25,19 +26,25 @@ BLOCK = 8192
 
 
 @triton.jit
+def _load(P, offs, m, POLICY: tl.constexpr):
+    """fp32 values of P at offs; POLICY 1: evict_last (kept in L2), 2: evict_first, else the default."""
+    if POLICY == 1:
+        v = tl.load(P + offs, mask=m, other=0.0, eviction_policy="evict_last")
+    elif POLICY == 2:
+        v = tl.load(P + offs, mask=m, other=0.0, eviction_policy="evict_first")
+    else:
+        v = tl.load(P + offs, mask=m, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _read(X, DY, P, n, BLOCK: tl.constexpr, TWO: tl.constexpr, KEEP: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    if KEEP:
-        x = tl.load(X + offs, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    else:
-        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+    x = _load(X, offs, m, 1 if KEEP else 0)
     if TWO:
-        if KEEP:
-            x = x * tl.load(DY + offs, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        else:
-            x = x * tl.load(DY + offs, mask=m, other=0.0).to(tl.float32)
+        x = x * _load(DY, offs, m, 1 if KEEP else 0)
     tl.store(P + pid, tl.sum(x, axis=0))
 
 
@@ -48,15 +55,9 @@ def _apply(X, DY, Y, P, n, BLOCK: tl.constexpr, TWO: tl.constexpr, REVERSE: tl.c
         pid = tl.num_programs(0) - 1 - pid
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    if FIRST:
-        x = tl.load(X + offs, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    else:
-        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+    x = _load(X, offs, m, 2 if FIRST else 0)
     if TWO:
-        if FIRST:
-            x += tl.load(DY + offs, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        else:
-            x += tl.load(DY + offs, mask=m, other=0.0).to(tl.float32)
+        x += _load(DY, offs, m, 2 if FIRST else 0)
     tl.store(Y + offs, (x - tl.load(P + pid)).to(Y.dtype.element_ty), mask=m)
 
 
@@ -106,28 +107,19 @@ def main():
             "rl2+apply2-r": lambda x, dy: (read(x, dy, True, True), apply(x, dy, True, True, True)),
         }
         cl_sets = [(x.to(memory_format=torch.channels_last), dy) for x, dy in sets]
-        line = []
-        for name, fn in fwd.items():
-            calls = [functools.partial(fn, x, dy) for x, dy in sets]
+        def timed(name, calls, nbytes):
             calls[0]()
             ms, _ = timer.median_ms(calls, 10, 60)
-            line.append(f"{name} {ms * 1e3:.1f} us {2 * n * 2 / (ms * 1e6) / copy:.3f}")
-        calls = [functools.partial(normkit.group_norm, x, G, w, b, eps) for x, _ in cl_sets]
-        calls[0]()
-        ms, _ = timer.median_ms(calls, 10, 60)
-        line.append(f"normkit cl {ms * 1e3:.1f} us {2 * n * 2 / (ms * 1e6) / copy:.3f}")
+            return f"{name} {ms * 1e3:.1f} us {nbytes / (ms * 1e6) / copy:.3f}"
+
+        fwd_bytes, bwd_bytes = 2 * n * 2, 3 * n * 2
+        line = [timed(name, [functools.partial(fn, x, dy) for x, dy in sets], fwd_bytes) for name, fn in fwd.items()]
+        line.append(timed("normkit cl", [functools.partial(normkit.group_norm, x, G, w, b, eps) for x, _ in cl_sets],
+                          fwd_bytes))
         print("x".join(map(str, shape)), "fwd:", "; ".join(line), flush=True)
-        line = []
-        for name, fn in bwd.items():
-            calls = [functools.partial(fn, x, dy) for x, dy in sets]
-            calls[0]()
-            ms, _ = timer.median_ms(calls, 10, 60)
-            line.append(f"{name} {ms * 1e3:.1f} us {3 * n * 2 / (ms * 1e6) / copy:.3f}")
-        for cl in (False, True):
-            calls = [gn_bwd(x, dy, cl) for x, dy in sets]
-            calls[0]()
-            ms, _ = timer.median_ms(calls, 10, 60)
-            line.append(f"normkit {'cl' if cl else 'nchw'} bwd {ms * 1e3:.1f} us {3 * n * 2 / (ms * 1e6) / copy:.3f}")
+        line = [timed(name, [functools.partial(fn, x, dy) for x, dy in sets], bwd_bytes) for name, fn in bwd.items()]
+        line += [timed(f"normkit {'cl' if cl else 'nchw'} bwd", [gn_bwd(x, dy, cl) for x, dy in sets], bwd_bytes)
+                 for cl in (False, True)]
         print("x".join(map(str, shape)), "bwd:", "; ".join(line), flush=True)
         del sets, cl_sets
         torch.cuda.empty_cache()
