@@ -7,7 +7,7 @@
 #   bash benchmarks/device_s28.sh gblock  the group-block GroupNorm path (two launches over tiles of whole groups) on
 #                                         the GPU: its forced-path tests, then gn_sweep.py against the committed routes
 #                                         and the same-size copy, bf16 then fp32, both layouts, forward and backward,
-#                                         with per-kernel profiles. Slower everywhere (S28-2 / S28-3), not adopted: the
+#                                         with per-kernel profiles. Slower everywhere (S28-3 / S28-4), not adopted: the
 #                                         path, its tests and its gn_sweep.py variants are in the tree at c437b39 only
 #   bash benchmarks/device_s28.sh measure LayerNorm / RMSNorm's 16-bit backward at 1K on the push clusters against Triton's
 #                                         tiles (bwd_sweep.py cl-p / new, twice in turn); the host table; compiled Llama

@@ -68,6 +68,13 @@ def main():
     copy = copy_ceiling_gbps(timer, 25, 100)
     print(f"copy {copy:.0f} GB/s", flush=True)
     G, eps = 32, 1e-5
+
+    def timed(name, calls, nbytes):
+        """'name: us per call, fraction of copy' of calls rotating over the ring (the first one untimed)."""
+        calls[0]()
+        ms, _ = timer.median_ms(calls, 10, 60)
+        return f"{name} {ms * 1e3:.1f} us {nbytes / (ms * 1e6) / copy:.3f}"
+
     for shape in shapes:
         B, C = shape[:2]
         n = torch.Size(shape).numel()
@@ -107,11 +114,6 @@ def main():
             "rl2+apply2-r": lambda x, dy: (read(x, dy, True, True), apply(x, dy, True, True, True)),
         }
         cl_sets = [(x.to(memory_format=torch.channels_last), dy) for x, dy in sets]
-        def timed(name, calls, nbytes):
-            calls[0]()
-            ms, _ = timer.median_ms(calls, 10, 60)
-            return f"{name} {ms * 1e3:.1f} us {nbytes / (ms * 1e6) / copy:.3f}"
-
         fwd_bytes, bwd_bytes = 2 * n * 2, 3 * n * 2
         line = [timed(name, [functools.partial(fn, x, dy) for x, dy in sets], fwd_bytes) for name, fn in fwd.items()]
         line.append(timed("normkit cl", [functools.partial(normkit.group_norm, x, G, w, b, eps) for x, _ in cl_sets],
